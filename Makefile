@@ -1,0 +1,38 @@
+# The two commands a new user needs: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build of torch; on a GPU machine run `make setup TORCH_SPEC=torch` (or preinstall your build).
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-slow lint protos clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/hybrid-pd demo
+
+lint: setup
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/python -m mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	HYBRID_PD_SLOW=1 $(BIN)/python -m pytest -q
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

@@ -1,0 +1,60 @@
+"""The contract between the services and a model engine.
+
+Services own memory (paged caches, block allocation, transfers); engines own math. Prefill
+writes a request's state for its first `num_computed` prompt tokens into the request's blocks
+on every rank; decode continues from whatever state sits in its own blocks, whether it was
+computed locally (colocated) or READ from a prefill engine (disaggregated).
+
+Engine calls are synchronous and CPU/GPU-bound: the services run them off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from shared.layout.spec import ModelSpec
+
+
+@dataclass
+class RequestBlocks:
+    """Logical block ids of one request, one array per KV-cache group (same ids on every rank)."""
+
+    request_id: str
+    block_ids: list[np.ndarray] = field(default_factory=list)
+
+
+EnsureCapacity = Callable[[int], RequestBlocks]
+"""Called by a decode session before it writes token position `n - 1`: the service grows the
+request's attention-group blocks so `n` tokens fit, and returns the (possibly new) blocks."""
+
+
+class DecodeSession(Protocol):
+    def step(self) -> int:
+        """Compute the next token from the state in the request's blocks; return its id."""
+        ...
+
+
+class Engine(Protocol):
+    spec: ModelSpec
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        """Tokens prefill computes: N - 1 for models with SSM layers (decode recomputes the last)."""
+        ...
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        """Compute tokens [0, num_prefill_tokens) and write every rank's shard into `blocks`."""
+        ...
+
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+    ) -> DecodeSession:
+        """Continue a request whose state for `num_computed` tokens sits in `blocks`."""
+        ...
+
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        """Describe every mismatch between the state in `blocks` and what prefill must have written
+        (the synthetic engine compares every byte; the reference engine recomputes). Empty = exact."""
+        ...

@@ -1,0 +1,20 @@
+"""Suite-wide options: slow sweeps run only when asked for."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow") or os.environ.get("HYBRID_PD_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow or HYBRID_PD_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
