@@ -1,0 +1,142 @@
+"""One request's state in the paged, TP-sharded caches of an engine's ranks.
+
+Engines compute on GLOBAL (unsharded) tensors; this store scatters them into every rank's
+shard on write and gathers them back on read, with the layout's index functions as the only
+definition of who holds what. Replicated pieces (KV heads when TP > KV heads, Mamba2 B/C with
+n_groups == 1) are written to every holder and read from the lowest rank holding them;
+`replica_mismatches` says whether the copies agree.
+
+Implements the reference engine's `StateStore` protocol, plus range writes for engines that
+fill many positions at once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shared.cache.model_views import RankViews
+from shared.engine.protocol import RequestBlocks
+from shared.layout.page import EngineLayout
+from shared.layout.shapes import conv_channel_index, global_conv_dim, global_ssm_shape, kv_head_index, ssm_row_index
+
+
+class PagedStateStore:
+    def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], blocks: RequestBlocks) -> None:
+        if len(ranks) != layout.tp:
+            raise ValueError(f"need one cache per rank: {len(ranks)} caches for TP {layout.tp}")
+        self.layout = layout
+        self.ranks = list(ranks)
+        self.blocks = blocks
+        spec, tp = layout.spec, layout.tp
+        self._kv_heads = [torch.from_numpy(kv_head_index(spec, tp, r)) for r in range(tp)]
+        self._conv_rows = [torch.from_numpy(conv_channel_index(spec, tp, r)) for r in range(tp)]
+        self._ssm_rows = [torch.from_numpy(ssm_row_index(spec, tp, r)) for r in range(tp)]
+        self._conv_shape = (global_conv_dim(spec), layout.shapes.conv_rows)
+        self._ssm_shape = global_ssm_shape(spec)
+        device = ranks[0].cache.device
+        self._device = device
+
+    # --- attention ----------------------------------------------------------------------
+    def _token_slots(self, layer: int, positions: np.ndarray) -> tuple[int, Tensor, Tensor]:
+        """(region, kernel block id, slot in kernel block) of each token position."""
+        lay = self.layout
+        group = lay.group_of("attention", layer)
+        ids = np.asarray(self.blocks.block_ids[group], dtype=np.int64)
+        logical_index = positions // lay.block_size
+        if logical_index.size and int(logical_index.max()) >= ids.size:
+            raise IndexError(
+                f"request {self.blocks.request_id}: position {int(positions.max())} needs "
+                f"{int(logical_index.max()) + 1} blocks in group {group}, it has {ids.size}"
+            )
+        within = positions % lay.block_size
+        kernel = ids[logical_index] * lay.physical_per_logical + within // lay.kernel_block_size
+        slot = within % lay.kernel_block_size
+        return lay.region_of("attention", layer), torch.from_numpy(kernel), torch.from_numpy(slot)
+
+    def write_kv_range(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Store K and V (`[T, num_kv_heads, head_dim]`) of positions start..start+T-1."""
+        region, kernel, slot = self._token_slots(layer, np.arange(start, start + k.shape[0]))
+        for rank, heads in zip(self.ranks, self._kv_heads):
+            fa = rank.fa[region]
+            # [T, heads_r, hd] -> fa[kernel, half, :, slot, :] (advanced dims first).
+            fa[kernel, 0, :, slot, :] = k[:, heads].to(fa.dtype)
+            fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.dtype)
+
+    def write_kv(self, layer: int, pos: int, k: Tensor, v: Tensor) -> None:
+        self.write_kv_range(layer, pos, k.unsqueeze(0), v.unsqueeze(0))
+
+    def read_kv(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
+        spec = self.layout.spec
+        region, kernel, slot = self._token_slots(layer, np.arange(length))
+        shape = (length, spec.attention.num_kv_heads, spec.attention.head_dim)
+        out_k = torch.empty(shape, dtype=torch.float32, device=self._device)
+        out_v = torch.empty(shape, dtype=torch.float32, device=self._device)
+        # Reverse rank order: the lowest rank holding a replicated head wins.
+        for rank, heads in reversed(list(zip(self.ranks, self._kv_heads))):
+            fa = rank.fa[region]
+            out_k[:, heads] = fa[kernel, 0, :, slot, :].to(torch.float32)
+            out_v[:, heads] = fa[kernel, 1, :, slot, :].to(torch.float32)
+        return out_k, out_v
+
+    # --- SSM ----------------------------------------------------------------------------
+    def _mamba_block(self, layer: int) -> tuple[int, int]:
+        lay = self.layout
+        group = lay.group_of("mamba", layer)
+        ids = np.asarray(self.blocks.block_ids[group], dtype=np.int64)
+        if ids.size != 1:
+            raise ValueError(f"request {self.blocks.request_id}: mamba group {group} has {ids.size} blocks, expected 1")
+        return lay.region_of("mamba", layer), int(ids[0])
+
+    def read_ssm(self, layer: int) -> tuple[Tensor, Tensor]:
+        region, block = self._mamba_block(layer)
+        conv = torch.empty(self._conv_shape, dtype=torch.float32, device=self._device)
+        ssm = torch.empty(self._ssm_shape, dtype=torch.float32, device=self._device)
+        for rank, crow, srow in reversed(list(zip(self.ranks, self._conv_rows, self._ssm_rows))):
+            conv[crow] = rank.conv[region][block].to(torch.float32)
+            ssm[srow] = rank.ssm[region][block].to(torch.float32)
+        return conv, ssm
+
+    def reset_ssm(self) -> None:
+        """Zero every SSM layer's conv and SSM state on every rank (a new request)."""
+        for layer in self.layout.spec.ssm_layers:
+            region, block = self._mamba_block(layer)
+            for rank in self.ranks:
+                rank.conv[region][block].zero_()
+                rank.ssm[region][block].zero_()
+
+    def write_ssm(self, layer: int, conv: Tensor, ssm: Tensor) -> None:
+        region, block = self._mamba_block(layer)
+        for rank, crow, srow in zip(self.ranks, self._conv_rows, self._ssm_rows):
+            dst_conv, dst_ssm = rank.conv[region][block], rank.ssm[region][block]
+            dst_conv.copy_(conv[crow])
+            dst_ssm.copy_(ssm[srow])
+
+    # --- checks -------------------------------------------------------------------------
+    def replica_mismatches(self, length: int) -> list[str]:
+        """Replicated pieces whose copies differ between ranks (empty when all agree)."""
+        problems: list[str] = []
+        spec = self.layout.spec
+        for layer in spec.attention_layers:
+            region, kernel, slot = self._token_slots(layer, np.arange(length))
+            seen: dict[int, Tensor] = {}
+            for r, (rank, heads) in enumerate(zip(self.ranks, self._kv_heads)):
+                kv = rank.fa[region][kernel, :, :, slot, :]  # [T, 2, heads_r, hd]
+                for i, h in enumerate(heads.tolist()):
+                    if h in seen and not torch.equal(seen[h], kv[:, :, i]):
+                        problems.append(f"layer {layer}: KV head {h} differs on rank {r}")
+                    seen.setdefault(h, kv[:, :, i])
+        for layer in spec.ssm_layers:
+            region, block = self._mamba_block(layer)
+            first: dict[int, Tensor] = {}
+            for r, (rank, crow) in enumerate(zip(self.ranks, self._conv_rows)):
+                rows = rank.conv[region][block]
+                for i, c in enumerate(crow.tolist()):
+                    if c in first and not torch.equal(first[c], rows[i]):
+                        problems.append(f"layer {layer}: conv channel {c} differs on rank {r}")
+                        break
+                    first.setdefault(c, rows[i])
+        return problems

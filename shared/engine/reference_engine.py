@@ -1,0 +1,92 @@
+"""The reference hybrid model behind the `Engine` protocol, on the paged, TP-sharded caches.
+
+Prefill runs the model's step loop over the first N-1 prompt tokens (SSM state cannot be rolled
+back, so decode recomputes the last prompt token: the N-1 boundary), writing every rank's shard;
+decode continues from whatever state sits in its own blocks. The math always runs on the
+unsharded state, so tokens cannot depend on either side's TP.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from shared.cache.model_views import RankViews
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.reference.colocated import DEFAULT_SEED, cached_model
+from shared.engine.reference.model import greedy
+from shared.engine.reference.state_store import read_global_state
+from shared.layout.page import EngineLayout
+
+
+class ReferenceDecodeSession:
+    def __init__(self, engine: ReferenceEngine, prompt: Sequence[int], num_computed: int,
+                 store: PagedStateStore, ensure_capacity: EnsureCapacity) -> None:
+        self._engine = engine
+        self._store = store
+        self._ensure = ensure_capacity
+        self._pending = list(prompt[num_computed:])  # prompt tokens decode still has to compute
+        self._pos = num_computed
+        if not self._pending:
+            raise ValueError("decode needs at least the last prompt token to compute")
+
+    def _step(self, token: int) -> torch.Tensor:
+        self._store.blocks = self._ensure(self._pos + 1)
+        logits = self._engine.model.step(token, self._pos, self._store)
+        self._pos += 1
+        return logits
+
+    def step(self) -> int:
+        logits = None
+        while self._pending:
+            logits = self._step(self._pending.pop(0))
+        if logits is None:
+            logits = self._step(self._last)
+        self._last = greedy(logits)
+        return self._last
+
+
+class ReferenceEngine:
+    def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
+        self.spec = layout.spec
+        self.layout = layout
+        self.ranks = list(ranks)
+        device = str(self.ranks[0].cache.device) if self.ranks else "cpu"
+        self.model = cached_model(self.spec, seed, device)
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+
+    def _store(self, blocks: RequestBlocks) -> PagedStateStore:
+        return PagedStateStore(self.layout, self.ranks, blocks)
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        store = self._store(blocks)
+        store.reset_ssm()  # its blocks may still hold an earlier request's state
+        self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
+
+    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
+                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+        return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity)
+
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        """Recompute the prefix on a dense store and compare the unsharded state byte for byte."""
+        store = self._store(blocks)
+        dense = self.model.new_store()
+        self.model.prefill(list(prompt[:num_computed]), dense)
+        expected = read_global_state(dense, self.spec, num_computed)
+        got = read_global_state(store, self.spec, num_computed)
+        problems = store.replica_mismatches(num_computed)
+        for layer, (k, v) in expected.kv.items():
+            gk, gv = got.kv[layer]
+            if not (torch.equal(k, gk) and torch.equal(v, gv)):
+                problems.append(f"layer {layer}: K/V differ from the prefill computation")
+        for layer, (conv, ssm) in expected.ssm.items():
+            gc, gs = got.ssm[layer]
+            if not torch.equal(conv, gc):
+                problems.append(f"layer {layer}: conv state differs from the prefill computation")
+            if not torch.equal(ssm, gs):
+                problems.append(f"layer {layer}: SSM state differs from the prefill computation")
+        return problems

@@ -1,0 +1,128 @@
+"""The synthetic engine: real-model-sized state filled with a verifiable deterministic pattern.
+
+No model math. Prefill writes, for every layer, K/V of the first N-1 prompt tokens and the conv
+and SSM state, drawn from a generator seeded by (prompt, layer, kind). The values are defined on
+the GLOBAL (unsharded) state, so they do not depend on TP, and decode can regenerate them and
+check every byte it received, whatever the two sides' TP sizes and block sizes. Tokens are
+derived from a checksum of the state decode holds, so corrupted bytes change them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from shared.cache.model_views import RankViews, torch_dtype
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.layout.page import EngineLayout
+from shared.layout.shapes import global_conv_dim, global_ssm_shape
+
+
+def _seed(prompt: Sequence[int], *parts: object) -> int:
+    h = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8)
+    h.update(repr(parts).encode())
+    return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+class SyntheticEngine:
+    def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:
+        self.spec = layout.spec
+        self.layout = layout
+        self.ranks = list(ranks)
+        spec = self.spec
+        self._kv_shape = (spec.attention.num_kv_heads, spec.attention.head_dim)
+        self._conv_shape = (global_conv_dim(spec), layout.shapes.conv_rows)
+        self._ssm_shape = global_ssm_shape(spec)
+        self._kv_dtype = torch_dtype(spec.kv_dtype)
+        self._conv_dtype = torch_dtype(spec.conv_dtype)
+        self._ssm_dtype = torch_dtype(spec.ssm_dtype)
+
+    def _pattern(self, shape: Sequence[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+        """Random normal values, rounded through the cache dtype (so a round trip is exact)."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(tuple(shape), generator=g).to(dtype).to(torch.float32)
+
+    def expected_kv(self, prompt: Sequence[int], layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (count, *self._kv_shape)
+        seed = _seed(prompt, "kv", layer, start, count)
+        kv = self._pattern((2, *shape), self._kv_dtype, seed)
+        return kv[0], kv[1]
+
+    def expected_ssm(self, prompt: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        conv = self._pattern(self._conv_shape, self._conv_dtype, _seed(prompt, "conv", layer))
+        ssm = self._pattern(self._ssm_shape, self._ssm_dtype, _seed(prompt, "ssm", layer))
+        return conv, ssm
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        store = PagedStateStore(self.layout, self.ranks, blocks)
+        n = self.num_prefill_tokens(len(prompt))
+        for layer in self.spec.attention_layers:
+            if n:
+                k, v = self.expected_kv(prompt, layer, 0, n)
+                store.write_kv_range(layer, 0, k, v)
+        for layer in self.spec.ssm_layers:
+            store.write_ssm(layer, *self.expected_ssm(prompt, layer))
+
+    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
+                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+        return SyntheticDecodeSession(self, prompt, num_computed, blocks, ensure_capacity)
+
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        store = PagedStateStore(self.layout, self.ranks, blocks)
+        problems = store.replica_mismatches(num_computed)
+        for layer in self.spec.attention_layers:
+            if not num_computed:
+                continue
+            k, v = store.read_kv(layer, num_computed)
+            ek, ev = self.expected_kv(prompt, layer, 0, num_computed)
+            bad = (~((k == ek) & (v == ev)).reshape(num_computed, -1).all(dim=1)).nonzero()
+            if bad.numel():
+                problems.append(f"layer {layer}: K/V of {bad.numel()} positions differ (first at {int(bad[0])})")
+        for layer in self.spec.ssm_layers:
+            conv, ssm = store.read_ssm(layer)
+            econv, essm = self.expected_ssm(prompt, layer)
+            if not torch.equal(conv, econv):
+                rows = (~(conv == econv).all(dim=1)).nonzero()
+                problems.append(f"layer {layer}: conv state differs in {rows.numel()} channels (first {int(rows[0])})")
+            if not torch.equal(ssm, essm):
+                problems.append(f"layer {layer}: SSM state differs")
+        return problems
+
+
+class SyntheticDecodeSession:
+    def __init__(self, engine: SyntheticEngine, prompt: Sequence[int], num_computed: int,
+                 blocks: RequestBlocks, ensure_capacity: EnsureCapacity) -> None:
+        self._engine = engine
+        self._prompt = list(prompt)
+        self._pos = num_computed
+        self._ensure = ensure_capacity
+        self._store = PagedStateStore(engine.layout, engine.ranks, blocks)
+        self._count = 0
+        # The checksum reads the state decode holds: a corrupted transfer changes every token.
+        total = 0.0
+        for layer in engine.spec.ssm_layers:
+            conv, ssm = self._store.read_ssm(layer)
+            total += float(conv.double().sum()) + float(ssm.double().sum())
+        for layer in engine.spec.attention_layers:
+            if num_computed:
+                k, v = self._store.read_kv(layer, num_computed)
+                total += float(k.double().sum()) + float(v.double().sum())
+        self._checksum = int(hashlib.blake2b(repr(total).encode(), digest_size=8).hexdigest(), 16)
+
+    def step(self) -> int:
+        # Like a real decode step: write K/V of the position being computed (growing blocks).
+        self._store.blocks = self._ensure(self._pos + 1)
+        for layer in self._engine.spec.attention_layers:
+            k, v = self._engine.expected_kv(self._prompt, layer, self._pos, 1)
+            self._store.write_kv_range(layer, self._pos, k, v)
+        self._pos += 1
+        token = (self._checksum + 7919 * self._count) % self._engine.spec.vocab_size
+        self._count += 1
+        return token
