@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Tiny tensor ops on 2 cores: intra-op threads only add overhead, and one thread keeps every
+# result independent of the machine's core count.
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,0 +1,111 @@
+"""The engines on paged, TP-sharded caches: state round trips, checks that can fail, TP independence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.cache.model_views import RankViews
+from shared.cache.regions import RankCache
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import RequestBlocks
+from shared.engine.reference.colocated import cached_model, colocated_generate
+from shared.engine.reference.state_store import read_global_state
+from shared.engine.reference_engine import ReferenceEngine
+from shared.engine.synthetic import SyntheticEngine
+from shared.layout.hf_config import load_model
+from shared.layout.page import EngineLayout, build_engine_layout
+from shared.layout.presets import TINY_PRESETS
+
+PROMPT = list(b"The quick brown fox jumps")
+
+
+def make_ranks(layout: EngineLayout, num_blocks: int = 24) -> list[RankViews]:
+    return [RankViews(layout, RankCache(layout.num_regions, num_blocks, layout.page_bytes)) for _ in range(layout.tp)]
+
+
+def request_blocks(layout: EngineLayout, tokens: int, first: int = 1) -> RequestBlocks:
+    n = -(-tokens // layout.block_size)
+    ids = []
+    for gi, group in enumerate(layout.groups):
+        ids.append(np.arange(first, first + n) if group.kind == "attention" else np.array([first + n + gi]))
+    return RequestBlocks("req", ids)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_PRESETS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_paged_store_holds_the_same_state_as_a_dense_store(name: str, tp: int) -> None:
+    spec = TINY_PRESETS[name]
+    layout = build_engine_layout(spec, tp)
+    store = PagedStateStore(layout, make_ranks(layout), request_blocks(layout, len(PROMPT)))
+    store.reset_ssm()
+    model = cached_model(spec)
+    dense = model.new_store()
+    model.prefill(PROMPT, dense)
+    model.prefill(PROMPT, store)
+    assert read_global_state(store, spec, len(PROMPT)).equal(read_global_state(dense, spec, len(PROMPT)))
+    assert store.replica_mismatches(len(PROMPT)) == []
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba2-g1", "tiny-gdn"])
+def test_reference_engine_decodes_colocated_tokens_and_its_check_catches_one_flipped_value(name: str) -> None:
+    spec = TINY_PRESETS[name]
+    layout = build_engine_layout(spec, 4)
+    ranks = make_ranks(layout)
+    engine = ReferenceEngine(layout, ranks)
+    blocks = request_blocks(layout, len(PROMPT) + 12)
+    engine.prefill(PROMPT, blocks)
+    n = engine.num_prefill_tokens(len(PROMPT))
+    assert n == len(PROMPT) - 1
+    assert engine.check_state(PROMPT, n, blocks) == []
+    session = engine.start_decode(PROMPT, n, blocks, lambda _: blocks)
+    assert [session.step() for _ in range(12)] == colocated_generate(spec, PROMPT, 12)
+    # Negative control: one value of one rank's SSM state changed must be reported.
+    fresh = make_ranks(layout)
+    engine = ReferenceEngine(layout, fresh)
+    engine.prefill(PROMPT, blocks)
+    layer = spec.ssm_layers[0]
+    region = layout.region_of("mamba", layer)
+    block = int(blocks.block_ids[layout.group_of("mamba", layer)][0])
+    fresh[1].ssm[region][block].view(-1)[0] += 1.0
+    assert any("SSM state differs" in p for p in engine.check_state(PROMPT, n, blocks))
+
+
+def test_replicated_copies_that_disagree_are_reported() -> None:
+    spec = TINY_PRESETS["tiny-mamba2-g1"]  # B/C replicated on every rank
+    layout = build_engine_layout(spec, 2)
+    ranks = make_ranks(layout)
+    engine = SyntheticEngine(layout, ranks)
+    blocks = request_blocks(layout, len(PROMPT))
+    engine.prefill(PROMPT, blocks)
+    n = engine.num_prefill_tokens(len(PROMPT))
+    assert engine.check_state(PROMPT, n, blocks) == []
+    layer = spec.ssm_layers[0]
+    region = layout.region_of("mamba", layer)
+    block = int(blocks.block_ids[layout.group_of("mamba", layer)][0])
+    b_row = layout.shapes.section_dims[0]  # first row of the B section on this rank
+    ranks[1].conv[region][block][b_row, 0] += 1.0
+    problems = engine.check_state(PROMPT, n, blocks)
+    assert any("differs on rank 1" in p for p in problems)
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "qwen3.5-0.8b", "jamba-mini-1.7", "falcon-h1-1.5b"])
+def test_synthetic_engine_at_real_model_sizes_checks_every_byte(name: str) -> None:
+    spec = load_model(name)
+    layout = build_engine_layout(spec, 2)
+    prompt = list(range(40))
+    blocks = request_blocks(layout, len(prompt))
+    ranks = make_ranks(layout, num_blocks=int(max(ids.max() for ids in blocks.block_ids)) + 1)
+    engine = SyntheticEngine(layout, ranks)
+    engine.prefill(prompt, blocks)
+    n = engine.num_prefill_tokens(len(prompt))
+    assert engine.check_state(prompt, n, blocks) == []
+    tokens = [engine.start_decode(prompt, n, blocks, lambda _: blocks).step() for _ in range(2)]
+    assert tokens[0] == tokens[1]  # deterministic
+    layer = spec.attention_layers[0]
+    first_block = int(blocks.block_ids[layout.group_of("attention", layer)][0])
+    ranks[0].fa[layout.region_of("attention", layer)][first_block * layout.physical_per_logical, 1].view(-1)[3] += 1
+    assert any("K/V of 1 positions differ" in p for p in engine.check_state(prompt, n, blocks))
+    other = engine.start_decode(prompt, n, blocks, lambda _: blocks).step()
+    assert other != tokens[0]  # tokens depend on the bytes decode holds
