@@ -1,0 +1,245 @@
+"""The data-path contract the transport executes: descriptor lists per (decode rank, source rank)
+and, per request, the index arrays that pair them.
+
+Design
+------
+For one decode rank d and one source prefill rank p, `build_read_lists` prepares two
+descriptor lists once per peer (NIXL `prep_xfer_dlist`): `local` over d's regions and `remote`
+over p's regions, each an `(n, 2)` int64 array of `(addr, len)`. Both lists have the same
+*structure*; only their block counts differ (each side has its own number of blocks, kernel
+block size and physical-per-logical ratio):
+
+    FA part     for region j < R, for piece k < 2·F (K pieces then V pieces), for FA unit u:
+                    addr = base_j + kernel_block(u)·L + half(k)·L/2 + head_offset(k) + sub_unit(u)
+    Mamba part  for region j < R, for piece k < M (conv sections read from p, then SSM), for
+                logical block m:   addr = base_j + m·P + offset_k
+
+An FA unit is `fa_unit_tokens` tokens (the gcd of the two sides' kernel block sizes), so a
+side whose kernel blocks are larger has several units per kernel block. With equal kernel block
+sizes one piece per half covers every head read from p (F = 1, one descriptor per K or V of a
+kernel block, as vLLM). With different kernel block sizes heads are not adjacent any more in
+both layouts, so there is one piece per head (F = heads read): more, smaller descriptors.
+Only pieces that move bytes are listed: a source that holds no needed KV head has no FA part,
+and a replicated B/C section read from another source has no Mamba piece here.
+
+Mamba descriptors cover the real state bytes only, never the page padding. Local descriptors
+already point at the split destination when P_TP > D_TP (each source fills its own slice of
+d's sections), so no descriptor is ever written by two sources.
+
+Per request, `read_indices` maps the logical block ids of every KV-cache group on both sides
+to descriptor ids: FA groups expand each side's logical ids with that side's ratio r to kernel
+blocks and then to units, keeping the units that cover `num_tokens`; each Mamba group has
+exactly one logical block. Ids are emitted group by group, region-major, piece, then block, on
+both sides in the same order, so `local_idx[i]` pairs with `remote_idx[i]` and both
+descriptors have the same length. Consecutive blocks give consecutive ids, so NIXL can merge
+descriptors of contiguously allocated blocks. One READ per (d, p) then moves FA and Mamba
+state of every layer at once.
+
+Pieces of a padded (short) group's unused regions are never referenced: they hold nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.layout.descriptors import region_descriptors
+from shared.layout.page import EngineLayout, LayerGroup
+from shared.layout.plan import SourceRead, TransferPlan
+from shared.layout.spec import LayoutError
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SideGeometry:
+    """One side's block geometry as seen by one (d, p) read list."""
+
+    num_logical_blocks: int
+    physical_per_logical: int  # r
+    units_per_kernel_block: int  # kernel block size / FA unit tokens
+    fa_part: int  # descriptors in the FA part (the Mamba part starts here)
+
+    @property
+    def num_units(self) -> int:
+        return self.num_logical_blocks * self.physical_per_logical * self.units_per_kernel_block
+
+
+@dataclass(frozen=True)
+class ReadLists:
+    decode_rank: int
+    prefill_rank: int
+    groups: tuple[LayerGroup, ...]
+    fa_unit_tokens: int
+    fa_pieces: int  # pieces per region in the FA part (2·F; 0: no FA from this source)
+    mamba_pieces: int  # pieces per region in the Mamba part
+    local_geometry: SideGeometry
+    remote_geometry: SideGeometry
+    local: IntArray  # (n_local, 2) (addr, len) over the decode rank's regions
+    remote: IntArray  # (n_remote, 2) (addr, len) over the prefill rank's regions
+
+
+def _as_bases(bases: Sequence[int] | IntArray, layout: EngineLayout, side: str) -> IntArray:
+    arr = np.asarray(bases, dtype=np.int64).reshape(-1)
+    if len(arr) != layout.num_regions:
+        raise LayoutError(f"{side}: {len(arr)} region base addresses, layout has {layout.num_regions} regions")
+    return arr
+
+
+def _fa_side(
+    layout: EngineLayout, read: SourceRead, unit_tokens: int, per_head: bool, local: bool, num_logical: int
+) -> tuple[IntArray, IntArray, IntArray]:
+    """(piece offsets, piece sizes, unit offsets) of one side's FA part."""
+    assert read.fa is not None
+    token_bytes = layout.fa_token_bytes
+    head_unit = unit_tokens * token_bytes
+    first_head = (read.fa.local_offset if local else read.fa.remote_offset) // head_unit
+    num_heads = read.fa.size // head_unit
+    kb, L = layout.kernel_block_size, layout.kernel_page_bytes
+    heads = np.arange(num_heads, dtype=np.int64) if per_head else np.zeros(1, dtype=np.int64)
+    head_offsets = (first_head + heads) * kb * token_bytes
+    offsets = np.concatenate([head_offsets, L // 2 + head_offsets])
+    size = unit_tokens * token_bytes if per_head else num_heads * kb * token_bytes
+    q = kb // unit_tokens
+    units = np.arange(num_logical * layout.physical_per_logical * q, dtype=np.int64)
+    unit_offsets = (units // q) * L + (units % q) * unit_tokens * token_bytes
+    return offsets, np.full(len(offsets), size, dtype=np.int64), unit_offsets
+
+
+def build_read_lists(
+    plan: TransferPlan,
+    decode_rank: int,
+    prefill_rank: int,
+    *,
+    local_bases: Sequence[int] | IntArray,
+    remote_bases: Sequence[int] | IntArray,
+    local_num_blocks: int,
+    remote_num_blocks: int,
+) -> ReadLists:
+    """Descriptor lists for decode rank `decode_rank` reading from `prefill_rank` (once per peer).
+
+    `*_bases`: base address of each region (registration order); `*_num_blocks`: logical blocks
+    per region on each side.
+    """
+    if not 0 <= decode_rank < len(plan.ranks):
+        raise LayoutError(f"decode rank {decode_rank} is outside decode TP {len(plan.ranks)}")
+    read = plan.ranks[decode_rank].read_from(prefill_rank)
+    dec, pre = plan.decode, plan.prefill
+    lb, rb = _as_bases(local_bases, dec, "local"), _as_bases(remote_bases, pre, "remote")
+    if local_num_blocks < 1 or remote_num_blocks < 1:
+        raise LayoutError("block counts must be >= 1")
+    c = plan.fa_unit_tokens
+    per_head = dec.kernel_block_size != pre.kernel_block_size
+    mamba = read.mamba_reads
+    sizes = np.array([m.size for m in mamba], dtype=np.int64)
+
+    def side(layout: EngineLayout, bases: IntArray, num_blocks: int, local: bool) -> tuple[IntArray, int, int]:
+        """This side's list: FA part (if any) then Mamba part, written in place."""
+        fa = _fa_side(layout, read, c, per_head, local, num_blocks) if read.fa is not None else None
+        fa_len = 0 if fa is None else len(bases) * len(fa[0]) * len(fa[2])
+        descs = np.empty((fa_len + len(bases) * len(mamba) * num_blocks, 2), dtype=np.int64)
+        if fa is not None:
+            region_descriptors(bases, *fa, out=descs[:fa_len])
+        region_descriptors(
+            bases,
+            np.array([m.local_offset if local else m.remote_offset for m in mamba], dtype=np.int64),
+            sizes,
+            np.arange(num_blocks, dtype=np.int64) * layout.page_bytes,
+            out=descs[fa_len:],
+        )
+        return descs, fa_len, 0 if fa is None else len(fa[0])
+
+    local, local_fa, fa_pieces = side(dec, lb, local_num_blocks, True)
+    remote, remote_fa, _ = side(pre, rb, remote_num_blocks, False)
+    return ReadLists(
+        decode_rank=decode_rank,
+        prefill_rank=prefill_rank,
+        groups=dec.groups,
+        fa_unit_tokens=c,
+        fa_pieces=fa_pieces,
+        mamba_pieces=len(mamba),
+        local_geometry=SideGeometry(
+            local_num_blocks, dec.physical_per_logical, dec.kernel_block_size // c, local_fa
+        ),
+        remote_geometry=SideGeometry(
+            remote_num_blocks, pre.physical_per_logical, pre.kernel_block_size // c, remote_fa
+        ),
+        local=local,
+        remote=remote,
+    )
+
+
+def _units(geometry: SideGeometry, logical_ids: IntArray, num_units: int, side: str, group: int) -> IntArray:
+    """Logical block ids -> the first `num_units` FA unit ids they cover."""
+    per_logical = geometry.physical_per_logical * geometry.units_per_kernel_block
+    if len(logical_ids) * per_logical < num_units:
+        raise LayoutError(
+            f"{side} group {group}: {len(logical_ids)} blocks hold {len(logical_ids) * per_logical} FA units, "
+            f"{num_units} needed"
+        )
+    if np.any(logical_ids < 0) or np.any(logical_ids >= geometry.num_logical_blocks):
+        raise LayoutError(f"{side} group {group}: block id outside [0, {geometry.num_logical_blocks})")
+    needed = -(-num_units // per_logical)
+    ids = logical_ids[:needed]
+    units = (ids[:, None] * per_logical + np.arange(per_logical, dtype=np.int64)[None, :]).reshape(-1)
+    return units[:num_units]
+
+
+def _mamba_block(geometry: SideGeometry, logical_ids: IntArray, side: str, group: int) -> int:
+    if len(logical_ids) != 1:
+        raise LayoutError(f"{side} group {group} (mamba): expected exactly 1 block id, got {len(logical_ids)}")
+    block = int(logical_ids[0])
+    if not 0 <= block < geometry.num_logical_blocks:
+        raise LayoutError(f"{side} group {group}: block id {block} outside [0, {geometry.num_logical_blocks})")
+    return block
+
+
+def _slots(regions: IntArray, pieces: int) -> IntArray:
+    """(region, piece) slots of a list part, region-major."""
+    return (regions[:, None] * pieces + np.arange(pieces, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def read_indices(
+    lists: ReadLists,
+    local_block_ids_per_group: Sequence[npt.ArrayLike],
+    remote_block_ids_per_group: Sequence[npt.ArrayLike],
+    num_tokens: int,
+) -> tuple[IntArray, IntArray]:
+    """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens."""
+    n_groups = len(lists.groups)
+    if len(local_block_ids_per_group) != n_groups or len(remote_block_ids_per_group) != n_groups:
+        raise LayoutError(
+            f"expected block ids for {n_groups} groups, got {len(local_block_ids_per_group)} local "
+            f"and {len(remote_block_ids_per_group)} remote"
+        )
+    if num_tokens < 0:
+        raise LayoutError(f"num_tokens must be >= 0, got {num_tokens}")
+    lg, rg = lists.local_geometry, lists.remote_geometry
+    num_units = -(-num_tokens // lists.fa_unit_tokens)
+    local_parts: list[IntArray] = []
+    remote_parts: list[IntArray] = []
+    for g, group in enumerate(lists.groups):
+        lids = np.asarray(local_block_ids_per_group[g], dtype=np.int64).reshape(-1)
+        rids = np.asarray(remote_block_ids_per_group[g], dtype=np.int64).reshape(-1)
+        regions = np.arange(len(group.layers), dtype=np.int64)
+        if group.kind == "attention":
+            if lists.fa_pieces == 0 or num_units == 0:
+                continue
+            lu, ru = _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)
+            slots = _slots(regions, lists.fa_pieces)
+            local_parts.append((slots[:, None] * lg.num_units + lu[None, :]).reshape(-1))
+            remote_parts.append((slots[:, None] * rg.num_units + ru[None, :]).reshape(-1))
+        else:
+            if lists.mamba_pieces == 0:
+                continue
+            lm, rm = _mamba_block(lg, lids, "local", g), _mamba_block(rg, rids, "remote", g)
+            slots = _slots(regions, lists.mamba_pieces)
+            local_parts.append(lg.fa_part + slots * lg.num_logical_blocks + lm)
+            remote_parts.append(rg.fa_part + slots * rg.num_logical_blocks + rm)
+    empty = np.zeros(0, dtype=np.int64)
+    local_idx = np.concatenate(local_parts) if local_parts else empty
+    remote_idx = np.concatenate(remote_parts) if remote_parts else empty
+    return local_idx, remote_idx
