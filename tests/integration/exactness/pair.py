@@ -1,0 +1,73 @@
+"""In-process service pairs for exactness tests: real grpc.aio servers on port 0, real NIXL."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from decode_svc.app import DecodeApp
+from prefill_svc.app import PrefillApp
+from shared.config import parse_settings
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from shared.rpc.engine_host import EngineFactory, engine_factory_for
+
+
+@dataclass
+class Generated:
+    token_ids: list[int]
+    summary: pb.GenerateSummary
+
+
+@dataclass
+class RunningPair:
+    prefill: PrefillApp
+    decode: DecodeApp
+    stub: pb_grpc.DecodeServiceStub
+
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generated:
+        tokens: list[int] = []
+        summary = pb.GenerateSummary()
+        call = self.stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids), max_tokens=max_tokens), timeout=120)
+        async for reply in call:
+            if reply.HasField("chunk"):
+                tokens.extend(reply.chunk.token_ids)
+            else:
+                summary = reply.summary
+        return Generated(tokens, summary)
+
+
+@asynccontextmanager
+async def service_pair(
+    model: str,
+    prefill_tp: int,
+    decode_tp: int,
+    *,
+    engine: str = "reference",
+    num_blocks: int = 96,
+    extra_prefill: Sequence[str] = (),
+    extra_decode: Sequence[str] = (),
+    decode_factory: EngineFactory | None = None,
+) -> AsyncIterator[RunningPair]:
+    common = ["--model", model, "--engine", engine, "--num-blocks", str(num_blocks), "--port", "0",
+              "--loop", "asyncio", "--log-level", "WARNING"]
+    prefill_settings = parse_settings("prefill", [*common, "--tp", str(prefill_tp), *extra_prefill], environ={})
+    prefill = await PrefillApp.start(prefill_settings, engine_factory_for(engine))
+    try:
+        decode_settings = parse_settings(
+            "decode", [*common, "--tp", str(decode_tp), "--prefill", f"127.0.0.1:{prefill.port}", *extra_decode],
+            environ={},
+        )
+        decode = await DecodeApp.start(decode_settings, decode_factory or engine_factory_for(engine))
+        try:
+            await decode.wait_ready(30)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+                yield RunningPair(prefill, decode, pb_grpc.DecodeServiceStub(channel))
+        finally:
+            await asyncio.wait_for(decode.stop(), 30)
+    finally:
+        await asyncio.wait_for(prefill.stop(), 30)

@@ -1,0 +1,93 @@
+"""Disaggregated tokens == colocated tokens, bit for bit, for every family and TP pair.
+
+Each (family, prefill TP, decode TP) runs a real prefill and decode service in this process
+(grpc.aio on port 0, NIXL READs over UCX on DRAM) with the reference engine and sends prompts of
+lengths 1, 2, 3, bs-1, bs, bs+1 and 2bs+5 (bs: the prefill block size) concurrently, each decoding
+past a decode block boundary; the tokens must equal a colocated run of the same model, and the
+decode service checks that the state it read equals the state prefill computed. Negative controls
+corrupt the state the decode engine reads after the transfer and must change the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from functools import lru_cache
+from typing import Sequence
+
+import pytest
+
+from shared.cache.model_views import RankViews
+from shared.cache.regions import RankCache
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.reference.colocated import colocated_generate
+from shared.engine.reference.negative_controls import NEGATIVE_CONTROLS, Corruption
+from shared.engine.reference_engine import ReferenceEngine
+from shared.layout.page import EngineLayout, build_engine_layout
+from shared.layout.presets import TINY_PRESETS
+from tests.integration.exactness.pair import service_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+TP_PAIRS = list(itertools.product((1, 2, 4), repeat=2))
+TEXT = bytes(range(32, 127)) * 3
+
+
+def prompt_of(length: int) -> list[int]:
+    return list(TEXT[:length])
+
+
+@lru_cache(maxsize=None)
+def expected(model: str, length: int, max_tokens: int) -> tuple[int, ...]:
+    return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), max_tokens))
+
+
+def matrix_lengths(model: str, prefill_tp: int) -> list[int]:
+    bs = build_engine_layout(TINY_PRESETS[model], prefill_tp).block_size
+    return [1, 2, 3, bs - 1, bs, bs + 1, 2 * bs + 5]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prefill_tp,decode_tp", TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
+@pytest.mark.parametrize("model", sorted(TINY_PRESETS))
+async def test_disaggregated_tokens_equal_colocated(model: str, prefill_tp: int, decode_tp: int) -> None:
+    max_tokens = build_engine_layout(TINY_PRESETS[model], decode_tp).block_size + 2
+    lengths = matrix_lengths(model, prefill_tp)
+    async with service_pair(model, prefill_tp, decode_tp, extra_decode=["--check-state"]) as pair:
+        results = await asyncio.gather(*(pair.generate(prompt_of(n), max_tokens) for n in lengths))
+    for n, got in zip(lengths, results):
+        assert got.summary.state_verified, f"prompt of {n}: decode did not verify the transferred state"
+        assert got.summary.num_transferred_tokens == n - 1
+        assert tuple(got.token_ids) == expected(model, n, max_tokens), f"prompt of {n} tokens"
+
+
+class CorruptingEngine(ReferenceEngine):
+    """Test-only decode engine: corrupts the state it received before decoding, as a broken
+    transfer would (the disaggregated path is otherwise the real one)."""
+
+    corruption: Corruption
+
+    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
+                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+        store = PagedStateStore(self.layout, self.ranks, blocks)
+        type(self).corruption(self.model, store, prompt)
+        return super().start_decode(prompt, num_computed, blocks, ensure_capacity)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("control", ["zero_ssm_state", "swap_conv_sections", "shift_conv_window", "replay_last_prompt_token"])
+async def test_negative_controls_change_disaggregated_tokens(control: str) -> None:
+    model, length, max_tokens = "tiny-mamba2-g1", 20, 12
+
+    class Engine(CorruptingEngine):
+        pass
+
+    Engine.corruption = staticmethod(NEGATIVE_CONTROLS[control])  # type: ignore[assignment]
+
+    def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:
+        return Engine(layout, [RankViews(layout, c) for c in caches])
+
+    async with service_pair(model, 2, 4, decode_factory=factory) as pair:
+        got = await pair.generate(prompt_of(length), max_tokens)
+    assert tuple(got.token_ids) != expected(model, length, max_tokens), f"{control} did not change the tokens"
