@@ -1,0 +1,24 @@
+"""`decode-svc` / `python -m decode_svc`: run the decode service until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from shared.config import ServiceSettings, parse_settings
+from shared.rpc.engine_host import engine_factory_for
+from shared.rpc.process import run_service
+from decode_svc.app import DecodeApp
+
+
+async def serve(settings: ServiceSettings) -> None:
+    app = await DecodeApp.start(settings, engine_factory_for(settings.engine))
+    await app.shell.run_until_signal(app.stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_service(parse_settings("decode", argv), serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""One Generate request, end to end on the decode side.
+
+validate -> pick a ready prefill peer (round-robin) -> job on its Session stream -> manifest
+-> allocate local blocks (prompt + max_tokens, so decoding never waits for memory) -> one READ
+per (decode rank, prefill rank) -> [check the state] -> engine decode steps off the loop ->
+token chunks, then a summary. Every failure leaves both sides' blocks free: local blocks in
+`finally`, prefill's through the READ notifications, an explicit release, or its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+
+import numpy as np
+
+from shared.engine.protocol import DecodeSession, RequestBlocks
+from shared.errors import DataLoss, DeadlineExceeded, InvalidArgument
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.engine_host import EngineHost
+from shared.rpc.proto_time import duration, seconds
+from decode_svc import tokenizer
+from decode_svc.prefill_peer import PrefillPeers
+from decode_svc.reader import ReadStats, read_request
+from decode_svc.session_client import SessionClient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A READ must end well before prefill's lease would free the blocks under it.
+LEASE_MARGIN_SECONDS = 1.0
+DEFAULT_TIMEOUT_SECONDS = 300.0  # when the client set no deadline
+MAX_TOKENS_PER_CHUNK = 16
+
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
+    """Every problem with the request names its field; nothing is touched before this passes."""
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
+    prompt = tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    if not prompt:
+        raise InvalidArgument("the prompt is empty", field="prompt")
+    vocab = host.spec.vocab_size
+    outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
+    if outside.size:
+        i = int(outside[0])
+        raise InvalidArgument(f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field="prompt_token_ids")
+    if request.max_tokens < 1:
+        raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
+    total = len(prompt) + request.max_tokens
+    capacity = host.max_tokens()
+    if total > capacity:
+        raise InvalidArgument(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} tokens; "
+            f"this decode engine's cache holds at most {capacity} tokens per request",
+            field="max_tokens",
+        )
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > 128:
+        raise InvalidArgument("must be at most 128 characters", field="request_id")
+    return ValidRequest(request_id, prompt, request.max_tokens)
+
+
+class ComputeGuard:
+    """Model calls of one request, on the compute thread. A cancelled request's call still runs
+    to its end, so the request's blocks are freed only after the last call finished."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self._last: asyncio.Future[object] | None = None
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        task: asyncio.Future[T] = asyncio.ensure_future(self.host.run_compute(fn))
+        self._last = task  # type: ignore[assignment]
+        return await asyncio.shield(task)
+
+    def free_when_idle(self, key: str) -> None:
+        last = self._last
+        if last is None or last.done():
+            self.host.free(key)
+        else:
+            last.add_done_callback(lambda _: self.host.free(key))
+
+
+class Generation:
+    def __init__(self, host: EngineHost, peers: PrefillPeers, *, check_state: bool) -> None:
+        self.host = host
+        self.peers = peers
+        self.check_state = check_state
+        self._active: set[str] = set()
+
+    async def run(self, request: pb.GenerateRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        req = validate(self.host, request)
+        if req.request_id in self._active:
+            raise InvalidArgument(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
+        self._active.add(req.request_id)
+        try:
+            async for response in self._run(req, time_remaining):
+                yield response
+        finally:
+            self._active.discard(req.request_id)
+
+    async def _run(self, req: ValidRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
+        peer = self.peers.pick()
+        session, link = peer.session, peer.link
+        assert session is not None and link is not None
+
+        job_sent = time.monotonic()
+        manifest = await session.submit(req.request_id, req.prompt, deadline - loop.time())
+        received = loop.time()
+        prefill_seconds = time.monotonic() - job_sent
+        key = req.request_id
+        compute = ComputeGuard(self.host)
+        stats = ReadStats()
+        try:
+            local = self.host.allocate(key, len(req.prompt) + req.max_tokens)
+            lease_left = seconds(manifest.lease_duration) - (loop.time() - received) - LEASE_MARGIN_SECONDS
+            stats = await _unless_session_ends(
+                session, read_request(self.host, link, manifest, local, timeout=min(deadline - loop.time(), lease_left))
+            )
+        except BaseException as e:
+            # READ handles are released by now: prefill may free the blocks at once.
+            await session.release(req.request_id, f"read not completed: {type(e).__name__}")
+            self.host.free(key)
+            raise
+        session.done_reading(req.request_id)
+        try:
+            num_computed = manifest.num_computed_tokens
+            if self.check_state:
+                await self._check(compute, req.prompt, num_computed, local)
+            decoder = tokenizer.StreamDecoder()
+            first_token_at: float | None = None
+            generated = 0
+            capacity = self._capacity(local)
+            decode = await compute.run(lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity))
+            while generated < req.max_tokens:
+                if loop.time() > deadline:
+                    raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
+                # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
+                n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
+                ids = await compute.run(lambda: _steps(decode, n))
+                generated += len(ids)
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=decoder.feed(ids)))
+            tail = decoder.finish()
+            if tail:
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
+            yield pb.GenerateResponse(
+                summary=pb.GenerateSummary(
+                    request_id=req.request_id,
+                    prompt_token_count=len(req.prompt),
+                    generated_token_count=generated,
+                    num_transferred_tokens=num_computed,
+                    finish_reason=pb.FINISH_REASON_LENGTH,
+                    prefill_engine_id=link.engine_id,
+                    prefill_target=link.target,
+                    transfer=pb.TransferStats(
+                        attention_bytes=stats.attention_bytes,
+                        conv_bytes=stats.conv_bytes,
+                        ssm_bytes=stats.ssm_bytes,
+                        total_bytes=stats.total_bytes,
+                        read_count=stats.read_count,
+                        descriptor_count=stats.descriptor_count,
+                    ),
+                    prefill_duration=duration(prefill_seconds),
+                    read_duration=duration(stats.seconds),
+                    time_to_first_token=duration((first_token_at or time.monotonic()) - started),
+                    total_duration=duration(time.monotonic() - started),
+                    state_verified=self.check_state,
+                )
+            )
+        finally:
+            compute.free_when_idle(key)
+
+    async def _check(self, compute: ComputeGuard, prompt: list[int], num_computed: int, local: RequestBlocks) -> None:
+        mismatches = await compute.run(lambda: self.host.engine.check_state(prompt, num_computed, local))
+        if mismatches:
+            shown = "; ".join(mismatches[:5])
+            raise DataLoss(f"transferred state differs from prefill's in {len(mismatches)} places: {shown}")
+
+    def _capacity(self, blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
+        """`ensure_capacity` for the engine: blocks for prompt + max_tokens are already there."""
+        current = [blocks]
+        loop = asyncio.get_running_loop()
+
+        def ensure(n: int) -> RequestBlocks:
+            have = self.host.blocks_per_group(n)
+            if all(len(ids) >= need for ids, need in zip(current[0].block_ids, have)):
+                return current[0]
+            # Called on the compute thread; the allocator lives on the loop.
+            future = asyncio.run_coroutine_threadsafe(_grow(self.host, current[0], n), loop)
+            current[0] = future.result()
+            return current[0]
+
+        return ensure
+
+
+async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, but give up (cancelling it) as soon as the prefill session is lost: a dead or
+    frozen prefill fails its in-flight READs within the heartbeat timeout, not the READ deadline."""
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(session.closed.wait())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # READ handles released by now
+    if task.cancelled():
+        raise session.ended_error()
+    return task.result()
+
+
+async def _grow(host: EngineHost, blocks: RequestBlocks, n: int) -> RequestBlocks:
+    return host.grow(blocks, n)
+
+
+def _steps(decode: DecodeSession, n: int) -> list[int]:
+    return [decode.step() for _ in range(n)]

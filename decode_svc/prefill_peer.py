@@ -1,0 +1,178 @@
+"""One prefill engine as decode sees it: channel, handshake, link, session, and reconnects.
+
+`run()` loops for the life of the service: handshake (reusing the cached link while the prefill
+incarnation is unchanged; a restarted prefill's old agents are removed before its new ones are
+added), open the Session, serve until the stream ends, then retry with exponential backoff and
+jitter. Requests only go to a peer in state READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Callable
+
+import grpc
+
+from shared.config import TlsSettings
+from shared.errors import ServiceError, Unavailable
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.channel import HANDSHAKE_TIMEOUT_SECONDS, build_channel
+from shared.rpc.engine_host import EngineHost
+from shared.rpc.status import describe
+from decode_svc.peer_link import PeerLink
+from decode_svc.session_client import SessionClient
+
+log = logging.getLogger(__name__)
+
+BACKOFF_INITIAL_SECONDS = 0.1
+BACKOFF_MAX_SECONDS = 5.0
+
+
+class PrefillPeer:
+    def __init__(
+        self,
+        target: str,
+        host: EngineHost,
+        tls: TlsSettings | None,
+        on_state_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.target = target
+        self.host = host
+        self.tls = tls
+        self.on_state_change = on_state_change
+        self.state: int = dpb.PEER_STATE_CONNECTING
+        self.last_error = ""
+        self.link: PeerLink | None = None
+        self.session: SessionClient | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.link.engine_id} ({self.target})" if self.link is not None else self.target
+
+    @property
+    def ready(self) -> bool:
+        s = self.session
+        return self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
+
+    def status(self) -> dpb.PrefillPeerStatus:
+        return dpb.PrefillPeerStatus(
+            target=self.target,
+            state=self.state,  # type: ignore[arg-type]
+            engine_id=self.link.engine_id if self.link else "",
+            incarnation=self.link.incarnation if self.link else 0,
+            last_error=self.last_error,
+        )
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self.run())
+
+    async def run(self) -> None:
+        self._channel = build_channel(self.target, self.tls)
+        stub: pb_grpc.PrefillServiceAsyncStub = pb_grpc.PrefillServiceStub(self._channel)
+        backoff = BACKOFF_INITIAL_SECONDS
+        while True:
+            try:
+                await self._connect(stub)
+                backoff = BACKOFF_INITIAL_SECONDS
+                assert self.session is not None
+                await self.session.closed.wait()
+                self.last_error = self.session.close_reason
+                log.warning("%s", self.last_error)
+            except grpc.aio.AioRpcError as e:
+                failure = describe(e)
+                self.last_error = f"{failure.status}: {failure.message}"
+                log.warning("prefill %s: %s", self.target, self.last_error)
+            except ServiceError as e:
+                self.last_error = f"{e.status}: {e.message}"
+                log.warning("prefill %s: %s", self.target, self.last_error)
+            self._set_state(dpb.PEER_STATE_FAILED)
+            if self.session is not None:
+                await self.session.close()
+                self.session = None
+            # Full jitter: peers that lost the same prefill do not reconnect in lockstep.
+            await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+
+    async def _connect(self, stub: pb_grpc.PrefillServiceAsyncStub) -> None:
+        self._set_state(dpb.PEER_STATE_CONNECTING)
+        response = await stub.Handshake(
+            pb.HandshakeRequest(layout=self.host.message), timeout=HANDSHAKE_TIMEOUT_SECONDS, wait_for_ready=True
+        )
+        remote = response.layout
+        if self.link is not None and self.link.incarnation != remote.incarnation:
+            log.info("prefill %s restarted: dropping the link to its old incarnation", self.name)
+            await self.link.close(self.host)
+            self.link = None
+        if self.link is None:
+            self.link = await PeerLink.open(self.host, self.target, remote)
+        session = SessionClient(stub, self.name)
+        await session.open(
+            pb.SessionHello(
+                decode_engine_id=self.host.engine_id,
+                decode_incarnation=self.host.incarnation,
+                prefill_incarnation=remote.incarnation,
+                readers_per_prefill_rank=self.link.readers_per_prefill_rank(),
+            )
+        )
+        self.session = session
+        self.last_error = ""
+        self._set_state(dpb.PEER_STATE_READY)
+        log.info("prefill %s ready", self.name)
+
+    def _set_state(self, state: int) -> None:
+        if state != self.state:
+            self.state = state
+            self.on_state_change()
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.session is not None:
+            await self.session.close()
+        if self.link is not None:
+            await self.link.close(self.host)
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class PrefillPeers:
+    """Every configured prefill engine; `pick()` is round-robin over the ready ones."""
+
+    def __init__(self, peers: list[PrefillPeer]) -> None:
+        self.peers = peers
+        self._next = 0
+
+    def pick(self) -> PrefillPeer:
+        n = len(self.peers)
+        for i in range(n):
+            peer = self.peers[(self._next + i) % n]
+            if peer.ready:
+                self._next = (self._next + i + 1) % n
+                return peer
+        states = "; ".join(
+            f"{p.target}: {dpb.PeerState.Name(p.state).removeprefix('PEER_STATE_').lower()}"  # type: ignore[arg-type]
+            + (f" ({p.last_error})" if p.last_error else "")
+            for p in self.peers
+        )
+        raise Unavailable(f"no prefill engine is ready ({states})", reason="NO_PREFILL_PEER")
+
+    @property
+    def any_ready(self) -> bool:
+        return any(p.ready for p in self.peers)
+
+    def start(self) -> None:
+        for peer in self.peers:
+            peer.start()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(p.aclose() for p in self.peers))

@@ -1,0 +1,167 @@
+"""Manifest + cached plan -> ONE NIXL READ per (decode rank, prefill rank), awaited together.
+
+Per request only index arrays are built (vectorised, from the prepared lists); each READ
+carries the FA and Mamba descriptors of every layer for its rank pair and the manifest's
+transfer id as notification, so the prefill rank frees the blocks once all its readers are
+done. A pair with nothing to read still notifies (send_notif), so the counts add up.
+
+Cancellation: every READ handle is released before `read_request` re-raises, so decode can
+then tell prefill to free the blocks without a READ still landing in them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.engine.protocol import RequestBlocks
+from shared.errors import DeadlineExceeded, Internal, Unavailable
+from shared.layout.read_lists import read_indices
+from shared.layout.spec import LayoutError
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.engine_host import EngineHost
+from shared.transport.agent import RankAgent
+from shared.transport.errors import TransferTimedOut, TransportError
+from shared.transport.poller import ReadResult
+from decode_svc.peer_link import PairLists, PeerLink
+
+log = logging.getLogger(__name__)
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass
+class ReadStats:
+    attention_bytes: int = 0
+    conv_bytes: int = 0
+    ssm_bytes: int = 0
+    read_count: int = 0
+    descriptor_count: int = 0
+    seconds: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.attention_bytes + self.conv_bytes + self.ssm_bytes
+
+    def add(self, other: ReadStats) -> None:
+        self.attention_bytes += other.attention_bytes
+        self.conv_bytes += other.conv_bytes
+        self.ssm_bytes += other.ssm_bytes
+        self.read_count += other.read_count
+        self.descriptor_count += other.descriptor_count
+
+
+def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
+    """The manifest's block ids per group, checked against the prefill layout (field named)."""
+    remote = link.remote
+    if len(manifest.groups) != len(remote.groups):
+        raise Internal(
+            f"prefill {link.engine_id} sent a manifest with {len(manifest.groups)} groups; its layout has {len(remote.groups)}",
+            field="manifest.groups",
+        )
+    blocks = [np.asarray(g.block_ids, dtype=np.int64) for g in manifest.groups]
+    everything = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    if everything.size and int(everything.max()) >= remote.num_logical_blocks:
+        raise Internal(
+            f"prefill {link.engine_id} sent block id {int(everything.max())} >= its {remote.num_logical_blocks} blocks",
+            field="manifest.groups.block_ids",
+        )
+    if np.unique(everything).size != everything.size:
+        raise Internal(f"prefill {link.engine_id} sent a manifest with duplicated block ids", field="manifest.groups.block_ids")
+    if manifest.num_computed_tokens > manifest.prompt_token_count:
+        raise Internal(
+            f"prefill {link.engine_id}: num_computed_tokens {manifest.num_computed_tokens} > prompt {manifest.prompt_token_count}",
+            field="manifest.num_computed_tokens",
+        )
+    return blocks
+
+
+def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IntArray) -> ReadStats:
+    """Bytes of one READ by kind of state, from the local descriptor ids (vectorised)."""
+    lists = pair.lists
+    lengths = lists.local[local_idx, 1]
+    fa_part = lists.local_geometry.fa_part
+    is_fa = local_idx < fa_part
+    stats = ReadStats(attention_bytes=int(lengths[is_fa].sum()), read_count=1, descriptor_count=int(local_idx.size))
+    if lists.mamba_pieces:
+        read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
+        piece = ((local_idx[~is_fa] - fa_part) // lists.local_geometry.num_logical_blocks) % lists.mamba_pieces
+        is_ssm = piece == lists.mamba_pieces - 1 if read.ssm is not None else np.zeros(piece.shape, dtype=bool)
+        mamba_lengths = lengths[~is_fa]
+        stats.ssm_bytes = int(mamba_lengths[is_ssm].sum())
+        stats.conv_bytes = int(mamba_lengths[~is_ssm].sum())
+    return stats
+
+
+async def _read_one(
+    host: EngineHost, agent: RankAgent, pair: PairLists, lidx: IntArray, ridx: IntArray, notif: bytes, timeout: float
+) -> ReadResult:
+    """One READ; on cancellation its handle is released before this returns."""
+    post = asyncio.ensure_future(agent.post_read(pair.local, lidx, pair.remote, ridx, notif))
+    try:
+        xfer = await asyncio.shield(post)
+    except asyncio.CancelledError:
+        try:
+            xfer = await post  # the post itself cannot be interrupted; wait for it, then cancel
+        except Exception:
+            raise asyncio.CancelledError() from None
+        await agent.release(xfer)
+        raise
+    if xfer.state == "DONE":
+        return ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at)
+    try:
+        return await host.poller.watch(agent, xfer, timeout=timeout)
+    except asyncio.CancelledError:
+        # The poller drops the handle; releasing it here as well waits until that happened.
+        await agent.release(xfer)
+        raise
+
+
+async def read_request(
+    host: EngineHost,
+    link: PeerLink,
+    manifest: pb.Manifest,
+    local: RequestBlocks,
+    *,
+    timeout: float,
+) -> ReadStats:
+    """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks."""
+    remote_blocks = manifest_blocks(link, manifest)
+    notif = manifest.transfer_id.encode()
+    num_tokens = manifest.num_computed_tokens
+    if timeout <= 0:
+        raise DeadlineExceeded("no time left to read the prefilled state (deadline or lease ran out)")
+    stats = ReadStats()
+    jobs: list[asyncio.Future[object]] = []
+    try:
+        for pair in link.pairs:
+            try:
+                lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens)
+            except LayoutError as e:
+                raise Internal(f"manifest from prefill {link.engine_id} does not fit the plan: {e}", field="manifest.groups") from e
+            agent = host.agents[pair.decode_rank]
+            if lidx.size == 0:
+                jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
+                continue
+            stats.add(_pair_bytes(link, pair, lidx))
+            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout)))
+        started = time.monotonic()
+        await asyncio.gather(*jobs)
+        stats.seconds = time.monotonic() - started
+        return stats
+    except TransferTimedOut as e:
+        raise Unavailable(f"READ from prefill {link.engine_id} ({link.target}) timed out: {e}", reason="READ_TIMEOUT") from e
+    except TransportError as e:
+        raise Unavailable(f"READ from prefill {link.engine_id} ({link.target}) failed: {e}", reason="READ_FAILED") from e
+    finally:
+        # On any failure or cancellation, stop the other READs and wait until their handles
+        # are released: only then may prefill reuse the blocks.
+        for job in jobs:
+            job.cancel()
+        if jobs:
+            await asyncio.gather(*jobs, return_exceptions=True)
+

@@ -1,0 +1,1 @@
+"""The prefill service: Handshake and the Session stream (jobs in, manifests out), leases."""

@@ -1,0 +1,24 @@
+"""`prefill-svc` / `python -m prefill_svc`: run the prefill service until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from shared.config import ServiceSettings, parse_settings
+from shared.rpc.engine_host import engine_factory_for
+from shared.rpc.process import run_service
+from prefill_svc.app import PrefillApp
+
+
+async def serve(settings: ServiceSettings) -> None:
+    app = await PrefillApp.start(settings, engine_factory_for(settings.engine))
+    await app.shell.run_until_signal(app.stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_service(parse_settings("prefill", argv), serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""One prefill job: validate, allocate blocks on every rank, run the engine off the loop, pin,
+and describe the result in a manifest."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+from google.protobuf import timestamp_pb2
+
+from shared.engine.protocol import RequestBlocks
+from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.engine_host import EngineHost
+from shared.rpc.proto_time import duration
+from prefill_svc.pins import PinTable
+
+
+def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
+    """Reject a job that could never run, naming the field (nothing is touched)."""
+    if not request_id:
+        raise InvalidArgument("must be non-empty", field="job.request_id")
+    if not prompt:
+        raise InvalidArgument("the prompt is empty", field="job.prompt_token_ids")
+    vocab = host.spec.vocab_size
+    outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
+    if outside.size:
+        i = int(outside[0])
+        raise InvalidArgument(
+            f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field="job.prompt_token_ids"
+        )
+    needed = sum(host.blocks_per_group(host.engine.num_prefill_tokens(len(prompt))))
+    if needed > host.num_blocks:
+        raise InvalidArgument(
+            f"a prompt of {len(prompt)} tokens needs {needed} blocks; this prefill engine has {host.num_blocks}",
+            field="job.prompt_token_ids",
+        )
+
+
+
+class JobRunner:
+    def __init__(self, host: EngineHost, pins: PinTable) -> None:
+        self.host = host
+        self.pins = pins
+        self._ids = itertools.count(1)
+
+    def next_transfer_id(self) -> str:
+        return f"t{next(self._ids):x}"
+
+    async def allocate(self, key: str, num_tokens: int, deadline: float | None) -> RequestBlocks:
+        """Blocks for the job; while the cache is full, wait for frees until the job's deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return self.host.allocate(key, num_tokens)
+            except ResourceExhausted:
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    raise
+                if left is None and not len(self.pins):
+                    raise  # nothing pinned will ever free blocks
+                await self.pins.wait_for_free_blocks(1.0 if left is None else min(left, 1.0))
+
+    async def run(
+        self,
+        job: pb.PrefillJob,
+        *,
+        owner: str,
+        readers_per_rank: list[int],
+        deadline: float | None,
+        on_end: Callable[[str], None] | None = None,
+    ) -> pb.Manifest:
+        prompt = list(job.prompt_token_ids)
+        validate_prompt(self.host, job.request_id, prompt)
+        engine = self.host.engine
+        computed = engine.num_prefill_tokens(len(prompt))
+        tid = self.next_transfer_id()
+        blocks = await self.allocate(tid, computed, deadline)
+        started = time.monotonic()
+        compute = asyncio.ensure_future(self.host.run_compute(lambda: engine.prefill(prompt, blocks)))
+        try:
+            await asyncio.shield(compute)
+        except asyncio.CancelledError:
+            # The engine may still be writing these blocks: free them only once it is done.
+            compute.add_done_callback(lambda _: self.host.free(tid))
+            raise
+        except BaseException:
+            self.host.free(tid)
+            raise
+        elapsed = time.monotonic() - started
+        loop = asyncio.get_running_loop()
+        if deadline is not None and loop.time() >= deadline:
+            self.host.free(tid)
+            raise DeadlineExceeded(f"the job's deadline passed during prefill ({elapsed:.3f}s)", field="job.timeout")
+        # Expectations are registered before the manifest leaves: no notification can beat them.
+        pin = self.pins.pin(tid, job.request_id, owner, readers_per_rank, on_end=on_end)
+        lease_left = pin.lease_deadline - loop.time()
+        expire = timestamp_pb2.Timestamp()
+        expire.FromNanoseconds(time.time_ns() + int(lease_left * 1e9))
+        return pb.Manifest(
+            request_id=job.request_id,
+            transfer_id=tid,
+            groups=[pb.GroupBlocks(block_ids=ids.tolist()) for ids in blocks.block_ids],
+            num_computed_tokens=computed,
+            prompt_token_count=len(prompt),
+            lease_expire_time=expire,
+            lease_duration=duration(lease_left),
+            prefill_duration=duration(elapsed),
+        )

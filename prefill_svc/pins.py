@@ -1,0 +1,146 @@
+"""Requests whose prefilled blocks wait to be read: pinned until read, released, or expired.
+
+A pin is created before its manifest leaves (so no notification can arrive unexpected) and
+ends exactly once, for one of these reasons:
+- `read`: every decode rank that reads from each prefill rank sent its NIXL notification;
+- `released` / `cancelled`: decode said so on the Session stream;
+- `lease_expired`: no heartbeat naming the request within the lease (decode died or hung);
+- `shutdown`: the service is closing.
+Only then are the blocks returned to the allocator, so no block a decode engine may still READ
+is ever handed to another request before its lease ran out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shared.rpc.engine_host import EngineHost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Pin:
+    transfer_id: str  # allocator key and notification payload; unique per prefill incarnation
+    request_id: str
+    owner: str  # decode engine id of the session that asked for it
+    lease_deadline: float  # event-loop time
+    waits: list[asyncio.Future[list[str]]] = field(default_factory=list)
+    watcher: asyncio.Task[None] | None = None
+    on_end: Callable[[str], None] | None = None  # called once with the reason
+
+
+class PinTable:
+    def __init__(self, host: EngineHost, lease_seconds: float) -> None:
+        self.host = host
+        self.lease_seconds = lease_seconds
+        self._pins: dict[str, Pin] = {}
+        self._by_request: dict[tuple[str, str], str] = {}
+        self.ended: Counter[str] = Counter()  # pins ended, by reason
+        self._freed = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def count_for(self, owner: str) -> int:
+        return sum(1 for p in self._pins.values() if p.owner == owner)
+
+    def pin(
+        self,
+        transfer_id: str,
+        request_id: str,
+        owner: str,
+        readers_per_rank: list[int],
+        on_end: Callable[[str], None] | None = None,
+    ) -> Pin:
+        """Pin a prefilled request's blocks; they are freed when every reader notified."""
+        loop = asyncio.get_running_loop()
+        pin = Pin(transfer_id, request_id, owner, loop.time() + self.lease_seconds, on_end=on_end)
+        key = transfer_id.encode()
+        pin.waits = [
+            self.host.poller.expect(self.host.agents[rank], key, count)
+            for rank, count in enumerate(readers_per_rank)
+            if count > 0
+        ]
+        self._pins[transfer_id] = pin
+        self._by_request[(owner, request_id)] = transfer_id
+        pin.watcher = asyncio.ensure_future(self._watch(pin))
+        self._ensure_sweeper()
+        return pin
+
+    def lookup(self, owner: str, request_id: str) -> Pin | None:
+        tid = self._by_request.get((owner, request_id))
+        return None if tid is None else self._pins.get(tid)
+
+    def renew(self, owner: str, request_ids: list[str]) -> int:
+        """Extend the leases of the named requests; returns how many were found."""
+        deadline = asyncio.get_running_loop().time() + self.lease_seconds
+        found = 0
+        for rid in request_ids:
+            pin = self.lookup(owner, rid)
+            if pin is not None:
+                pin.lease_deadline = deadline
+                found += 1
+        return found
+
+    def release(self, pin: Pin, reason: str) -> bool:
+        """End a pin and free its blocks (idempotent: False if it had ended already)."""
+        if self._pins.pop(pin.transfer_id, None) is None:
+            return False
+        self._by_request.pop((pin.owner, pin.request_id), None)
+        for wait in pin.waits:
+            wait.cancel()
+        if pin.watcher is not None and pin.watcher is not asyncio.current_task():
+            pin.watcher.cancel()
+        freed = self.host.free(pin.transfer_id)
+        self.ended[reason] += 1
+        log.debug("request %s (%s) ended: %s, %d blocks freed", pin.request_id, pin.transfer_id, reason, freed)
+        self._freed.set()
+        self._freed = asyncio.Event()
+        if pin.on_end is not None:
+            pin.on_end(reason)
+        return True
+
+    async def wait_for_free_blocks(self, timeout: float) -> None:
+        """Return after the next release, or after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._freed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _watch(self, pin: Pin) -> None:
+        if not pin.waits:
+            return  # nobody reads (nothing to read): decode releases it explicitly
+        try:
+            await asyncio.gather(*pin.waits)
+        except asyncio.CancelledError:
+            return
+        self.release(pin, "read")
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        tick = min(1.0, self.lease_seconds / 4)
+        loop = asyncio.get_running_loop()
+        while self._pins:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for pin in [p for p in self._pins.values() if p.lease_deadline <= now]:
+                log.warning(
+                    "lease of request %s (decode %s) expired after %.1fs without news: freeing its blocks",
+                    pin.request_id, pin.owner, self.lease_seconds,
+                )  # fmt: skip
+                self.release(pin, "lease_expired")
+
+    async def aclose(self) -> None:
+        for pin in list(self._pins.values()):
+            self.release(pin, "shutdown")
+        if self._sweeper is not None:
+            self._sweeper.cancel()

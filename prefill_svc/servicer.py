@@ -1,0 +1,51 @@
+"""PrefillService handlers: thin proto <-> domain adapters over the job runner and pins."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+import grpc
+
+from shared.errors import InvalidArgument
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.compat import check_pair
+from shared.rpc.engine_host import EngineHost
+from shared.rpc.lifecycle import Lifecycle
+from prefill_svc.jobs import JobRunner
+from prefill_svc.peers import DecodePeers
+from prefill_svc.pins import PinTable
+from prefill_svc.session import PrefillSession, SessionConfig
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, host: EngineHost, pins: PinTable, lifecycle: Lifecycle, config: SessionConfig) -> None:
+        self.host = host
+        self.pins = pins
+        self.lifecycle = lifecycle
+        self.config = config
+        self.peers = DecodePeers()
+        self.runner = JobRunner(host, pins)
+
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.HandshakeResponse:
+        self.lifecycle.check_accepting("new handshakes")
+        if not request.HasField("layout"):
+            raise InvalidArgument("the decode engine's layout is required", field="layout")
+        check_pair(
+            self.host.message, request.layout, local_role="prefill", local_layout=self.host.layout, spec=self.host.spec
+        )
+        peer = self.peers.add(request.layout)
+        log.info("handshake with decode engine %s (tp %d) accepted", peer.engine_id, request.layout.tp_size)
+        return pb.HandshakeResponse(layout=self.host.message)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SessionResponse]:
+        session = PrefillSession(
+            host=self.host, pins=self.pins, peers=self.peers, runner=self.runner, lifecycle=self.lifecycle, config=self.config
+        )
+        async for response in session.stream(request_iterator):
+            yield response

@@ -1,0 +1,241 @@
+"""The prefill side of one Session stream (one per decode engine).
+
+Protocol (decode -> prefill / prefill -> decode):
+- `hello` first, for a pair that completed the handshake with this very prefill incarnation;
+  answered by `ready` (lease, heartbeat interval, credits). Anything else first: FAILED_PRECONDITION.
+- `job` -> `manifest` or `failure` (in-band: a failed job never ends the stream).
+- `cancel` aborts a running job or ends a pinned request; `release` ends a pinned request;
+  `heartbeat` renews the leases of the named pinned requests.
+- prefill sends `heartbeat` every interval and `drain` when it shuts down; then it refuses new
+  jobs (UNAVAILABLE) and ends the stream once this session's running jobs and pins are done.
+
+Credits: at most `max_pinned_requests` jobs of this session are running or pinned at once;
+further jobs wait (within their deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+
+from shared.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.engine_host import EngineHost
+from shared.rpc.proto_time import duration, seconds
+from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.status import code_number
+from prefill_svc.jobs import JobRunner
+from prefill_svc.peers import DecodePeers
+from prefill_svc.pins import PinTable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PINNED = 256
+HELLO_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    heartbeat_seconds: float
+    lease_seconds: float
+
+
+
+def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:
+    return pb.SessionResponse(
+        failure=pb.JobFailure(request_id=request_id, status_code=code_number(error.status), message=error.message)
+    )
+
+
+class PrefillSession:
+    def __init__(
+        self,
+        *,
+        host: EngineHost,
+        pins: PinTable,
+        peers: DecodePeers,
+        runner: JobRunner,
+        lifecycle: Lifecycle,
+        config: SessionConfig,
+    ) -> None:
+        self.host = host
+        self.pins = pins
+        self.peers = peers
+        self.runner = runner
+        self.lifecycle = lifecycle
+        self.config = config
+        self.owner = ""
+        self.readers: list[int] = []
+        self._out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+        self._jobs: dict[str, asyncio.Task[None]] = {}
+        self._credits = asyncio.Semaphore(DEFAULT_MAX_PINNED)
+        self._max_pinned = DEFAULT_MAX_PINNED
+        self._error: ServiceError | None = None  # ends the stream with this status
+
+    # ---- handshake of the stream ----
+
+    def _accept_hello(self, msg: pb.SessionRequest) -> pb.SessionResponse:
+        if msg.WhichOneof("payload") != "hello":
+            raise FailedPrecondition(
+                "the first message of a Session must be `hello`", field="hello", reason="SESSION_NOT_OPENED"
+            )
+        hello = msg.hello
+        peer = self.peers.get(hello.decode_engine_id, hello.decode_incarnation)
+        if peer is None:
+            raise FailedPrecondition(
+                f"decode engine {hello.decode_engine_id!r} (incarnation {hello.decode_incarnation:x}) has not "
+                "completed a Handshake with this prefill engine; call Handshake first",
+                field="hello.decode_engine_id",
+                reason="HANDSHAKE_REQUIRED",
+            )
+        if hello.prefill_incarnation != self.host.incarnation:
+            raise FailedPrecondition(
+                f"this prefill engine restarted (incarnation {self.host.incarnation:x}, the session names "
+                f"{hello.prefill_incarnation:x}): handshake again so no READ targets old memory",
+                field="hello.prefill_incarnation",
+                reason="PEER_RESTARTED",
+            )
+        readers = list(hello.readers_per_prefill_rank)
+        d_tp = peer.layout.tp_size
+        if len(readers) != self.host.layout.tp or any(r > d_tp for r in readers) or not any(readers):
+            raise InvalidArgument(
+                f"{readers}: need one count per prefill rank ({self.host.layout.tp}), each 0..{d_tp}, not all 0",
+                field="hello.readers_per_prefill_rank",
+            )
+        self.owner = peer.engine_id
+        self.readers = readers
+        self._max_pinned = hello.max_pinned_requests or DEFAULT_MAX_PINNED
+        self._credits = asyncio.Semaphore(self._max_pinned)
+        return pb.SessionResponse(
+            ready=pb.SessionReady(
+                prefill_engine_id=self.host.engine_id,
+                prefill_incarnation=self.host.incarnation,
+                lease_duration=duration(self.config.lease_seconds),
+                heartbeat_interval=duration(self.config.heartbeat_seconds),
+                max_pinned_requests=self._max_pinned,
+            )
+        )
+
+    # ---- the stream ----
+
+    async def stream(self, requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[pb.SessionResponse]:
+        self.lifecycle.check_accepting("new sessions")
+        try:
+            first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_SECONDS)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise FailedPrecondition(f"no `hello` within {HELLO_TIMEOUT_SECONDS:g}s", field="hello") from None
+        yield self._accept_hello(first)
+        log.info("session opened by decode engine %s (readers per rank %s)", self.owner, self.readers)
+        tasks = [
+            asyncio.ensure_future(self._read_loop(requests)),
+            asyncio.ensure_future(self._heartbeat_loop()),
+            asyncio.ensure_future(self._drain_watch()),
+        ]
+        try:
+            while True:
+                item = await self._out.get()
+                if item is None:
+                    break
+                yield item
+            if self._error is not None:
+                raise self._error
+        finally:
+            for task in tasks:
+                task.cancel()
+            for job in self._jobs.values():
+                job.cancel()
+            log.info("session of decode engine %s ended (%d requests still pinned until read or lease end)", self.owner, self.pins.count_for(self.owner))
+
+    async def _read_loop(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
+        try:
+            async for msg in requests:
+                kind = msg.WhichOneof("payload")
+                if kind == "job":
+                    self._start_job(msg.job)
+                elif kind == "cancel":
+                    self._cancel(msg.cancel.request_id, "cancelled")
+                elif kind == "release":
+                    self._cancel(msg.release.request_id, "released")
+                elif kind == "heartbeat":
+                    self.pins.renew(self.owner, list(msg.heartbeat.request_ids))
+                elif kind == "hello":
+                    raise FailedPrecondition("`hello` sent twice on one Session", field="hello")
+        except ServiceError as e:
+            self._error = e
+        finally:
+            self._out.put_nowait(None)  # decode closed its side (or failed): end the stream
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_seconds)
+            count = self.pins.count_for(self.owner)
+            self._out.put_nowait(pb.SessionResponse(heartbeat=pb.PrefillHeartbeat(pinned_request_count=count)))
+
+    async def _drain_watch(self) -> None:
+        await self.lifecycle.draining.wait()
+        self._out.put_nowait(pb.SessionResponse(drain=pb.Drain(reason="prefill engine shutting down")))
+        # Pinned requests may still be read (decode also sends release/heartbeats on this stream).
+        while self._jobs or self.pins.count_for(self.owner):
+            await asyncio.sleep(0.05)
+        self._out.put_nowait(None)
+
+    # ---- jobs ----
+
+    def _start_job(self, job: pb.PrefillJob) -> None:
+        rid = job.request_id
+        if self.lifecycle.draining.is_set():
+            self._out.put_nowait(_failure(rid, Unavailable("prefill engine is draining; send the job elsewhere", reason="DRAINING")))
+            return
+        if not rid or rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
+            why = "must be non-empty" if not rid else "is already in flight on this session"
+            self._out.put_nowait(_failure(rid, InvalidArgument(why, field="job.request_id")))
+            return
+        self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
+
+    async def _run_job(self, job: pb.PrefillJob) -> None:
+        rid = job.request_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds(job.timeout) if job.HasField("timeout") else None
+        credit_taken = False
+        try:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                await asyncio.wait_for(self._credits.acquire(), left)
+            except TimeoutError:
+                raise Unavailable(
+                    f"{self._max_pinned} requests of this session are already pinned; none ended before the deadline",
+                    reason="NO_CREDIT",
+                ) from None
+            credit_taken = True
+            manifest = await self.runner.run(
+                job, owner=self.owner, readers_per_rank=self.readers, deadline=deadline, on_end=self._credit_back
+            )
+            credit_taken = False  # now owned by the pin: returned when it ends
+            self._out.put_nowait(pb.SessionResponse(manifest=manifest))
+        except ServiceError as e:
+            self._out.put_nowait(_failure(rid, e))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("prefill job %s failed", rid)
+            self._out.put_nowait(_failure(rid, ServiceError("prefill failed (details in the prefill log)")))
+        finally:
+            if credit_taken:
+                self._credits.release()
+            self._jobs.pop(rid, None)
+
+    def _credit_back(self, reason: str) -> None:
+        self._credits.release()
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.cancel()
+        pin = self.pins.lookup(self.owner, request_id)
+        if pin is not None:
+            self.pins.release(pin, reason)

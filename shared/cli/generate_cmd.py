@@ -1,0 +1,145 @@
+"""`hybrid-pd generate`: send one Generate request to a decode service and print the tokens.
+
+Text is printed as it streams (a summary line goes to stderr); with `--json` one JSON object
+is printed at the end: `request_id`, `token_ids`, `text`, `prompt_token_count` and `summary`.
+On failure the gRPC status name and the server's message go to stderr and the exit code is 1
+(argparse exits 2 for malformed command-line values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from shared.rpc.channel import build_channel
+from shared.rpc.status import describe
+
+DEFAULT_DECODE = "127.0.0.1:50052"
+
+
+def _env(flag: str, default: str | None = None) -> str | None:
+    return os.environ.get(ENV_PREFIX + flag.upper().replace("-", "_"), default)
+
+
+def _arg_type(parse: Any) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected token ids separated by commas or spaces") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError("token ids must be >= 0")
+    return ids
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="send one request to a decode service and print the generated tokens",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--decode",
+        type=_arg_type(host_port),
+        default=_env("decode", DEFAULT_DECODE),
+        metavar="HOST:PORT",
+        help=f"decode service address (env {ENV_PREFIX}DECODE; default {DEFAULT_DECODE})",
+    )
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized by the service)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="prompt token ids, e.g. 72,101,108")
+    p.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
+    p.add_argument("--request-id", default="", help="request id (default: the service makes one)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    for name, what in (("cert", "client certificate (mutual TLS)"), ("key", "client private key"), ("ca", "CA bundle to trust")):
+        p.add_argument(
+            f"--tls-{name}",
+            type=_arg_type(existing_file),
+            default=_env(f"tls-{name}"),
+            metavar="FILE",
+            help=f"PEM {what} (env {ENV_PREFIX}TLS_{name.upper()})",
+        )
+    p.set_defaults(func=run)
+
+
+async def _generate(args: argparse.Namespace) -> dict[str, Any]:
+    request = pb.GenerateRequest(request_id=args.request_id, max_tokens=args.max_tokens)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend(args.prompt_ids)
+    tls = TlsSettings(
+        cert=Path(args.tls_cert) if args.tls_cert else None,
+        key=Path(args.tls_key) if args.tls_key else None,
+        ca=Path(args.tls_ca) if args.tls_ca else None,
+    )
+    token_ids: list[int] = []
+    text: list[str] = []
+    summary: pb.GenerateSummary | None = None
+    async with build_channel(args.decode, tls if tls.enabled else None) as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        async for response in stub.Generate(request, timeout=args.timeout):
+            kind = response.WhichOneof("payload")
+            if kind == "chunk":
+                token_ids.extend(response.chunk.token_ids)
+                text.append(response.chunk.text)
+                if not args.json:
+                    print(response.chunk.text, end="", flush=True)
+            elif kind == "summary":
+                summary = response.summary
+    result: dict[str, Any] = {
+        "request_id": summary.request_id if summary else args.request_id,
+        "token_ids": token_ids,
+        "text": "".join(text),
+        "prompt_token_count": summary.prompt_token_count if summary else None,
+        "summary": json_format.MessageToDict(summary, preserving_proto_field_name=True) if summary else None,
+    }
+    return result
+
+
+def _summary_line(result: dict[str, Any]) -> str:
+    s = result.get("summary") or {}
+    transfer = s.get("transfer", {})
+    return (
+        f"[{len(result['token_ids'])} tokens, request {result['request_id']}, prefill {s.get('prefill_engine_id', '?')}, "
+        f"{int(transfer.get('total_bytes', 0))} B in {transfer.get('read_count', 0)} READs, "
+        f"time to first token {s.get('time_to_first_token', '?')}]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    try:
+        result = asyncio.run(_generate(args))
+    except grpc.aio.AioRpcError as e:
+        failure = describe(e)
+        print(f"{failure.status}: {failure.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+        print(_summary_line(result), file=sys.stderr)
+    return 0

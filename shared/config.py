@@ -1,0 +1,407 @@
+"""Service settings for prefill-svc and decode-svc: flags, then env `HYBRID_PD_<FLAG>`, then defaults.
+
+Every flag can also come from the environment (`--num-blocks` <- `HYBRID_PD_NUM_BLOCKS`,
+repeatable flags take a comma-separated list). A flag on the command line beats the
+environment, which beats the default. Values are validated here, once, into a frozen
+`ServiceSettings`; a bad value stops the process with a message naming the flag and where the
+value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Mapping, Sequence, TypeVar
+
+ENV_PREFIX = "HYBRID_PD_"
+Role = Literal["prefill", "decode"]
+DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
+# Used when neither --num-blocks nor --memory-budget is given.
+DEFAULT_MEMORY_BUDGET = 256 << 20
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """PEM files. cert+key turn TLS on; ca additionally requires and checks client certificates
+    (mutual TLS) on servers and is the trust root on clients."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    role: Role
+    model: str
+    tp: int
+    device: Literal["cpu", "cuda"]
+    engine: Literal["synthetic", "reference"]
+    num_blocks: int | None  # logical blocks per engine (the same on every rank)
+    memory_budget: int | None  # cache bytes per rank, when num_blocks is not given
+    block_size: int | None  # None: the smallest the hybrid page layout allows
+    kernel_block_size: int
+    host: str
+    port: int
+    engine_id: str
+    lease_seconds: float
+    heartbeat_seconds: float
+    drain_seconds: float
+    metrics_port: int | None
+    tls: TlsSettings
+    loop: Literal["uvloop", "asyncio"]
+    log_level: str
+    prefill: tuple[str, ...] = field(default=())  # decode only: prefill peers, used round-robin
+    kv_dtype: str | None = None  # None: the model's default
+    conv_dtype: str | None = None
+    ssm_dtype: str | None = None
+    check_state: bool = False  # decode only: verify transferred state after every READ
+
+    @property
+    def listen_address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+
+# ----------------------------------------------------------------------------- value parsers
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port number 0..65535 (0: pick a free port)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """`1073741824`, `512MiB`, `8GiB`, `1.5G` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError("expected a byte count such as 1073741824, 512MiB or 8GiB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ValueError("must be at least one byte")
+    return value
+
+
+def host_port(text: str) -> str:
+    """`HOST:PORT` (IPv6 as `[::1]:PORT`)."""
+    m = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d+)", text.strip())
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError("expected HOST:PORT, for example 127.0.0.1:50051")
+    return text.strip()
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no such file: {path}")
+    return path
+
+
+def engine_id_text(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", text):
+        raise ValueError("use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return text
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false (1/0, yes/no, on/off)")
+
+
+def choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return text
+
+    parse.options = options  # type: ignore[attr-defined]  # read by build_parser for the metavar
+    return parse
+
+
+_METAVARS: dict[Callable[[str], object], str] = {positive_int: "N", positive_float: "SECONDS", port_number: "PORT"}
+
+
+# ----------------------------------------------------------------------------- flag table
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes
+    parse: Callable[[str], object]
+    help: str
+    default: object = None
+    metavar: str | None = None
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    repeatable: bool = False
+    switch: bool = False  # takes no value on the command line (env: true/false)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", str, "model preset name (see `hybrid-pd models`) or path to a Hugging Face config.json", "tiny-mamba2"),
+    Flag("kv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "attention KV cache dtype (default: the model's)"),
+    Flag("conv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "conv state dtype (default: the model's)"),
+    Flag("ssm-dtype", choice("bf16", "fp16", "fp8", "fp32"), "SSM state dtype (default: the model's)"),
+    Flag("tp", positive_int, "tensor-parallel size: ranks in this engine, each with its own NIXL agent and cache", 1),
+    Flag("device", choice("cpu", "cuda"), "where cache memory lives: cpu (DRAM) or cuda (rank r on cuda:r)", "cpu"),
+    Flag(
+        "engine",
+        choice("synthetic", "reference"),
+        "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model",
+        "synthetic",
+    ),
+    Flag("num-blocks", positive_int, "logical cache blocks per engine (same ids on every rank); excludes --memory-budget"),
+    Flag(
+        "memory-budget",
+        byte_size,
+        f"cache bytes per rank, e.g. 8GiB; the block count follows from the page size "
+        f"(default when neither is given: {DEFAULT_MEMORY_BUDGET >> 20}MiB); excludes --num-blocks",
+        metavar="BYTES",
+    ),
+    Flag("block-size", positive_int, "logical block size in tokens (default: the smallest the hybrid page layout allows; raised if too small)"),
+    Flag("kernel-block-size", positive_int, "attention kernel block size in tokens; must be equal on prefill and decode", 16),
+    Flag("host", str, "address to listen on (0.0.0.0 or :: to accept remote peers)", "127.0.0.1"),
+    Flag(
+        "port",
+        port_number,
+        "gRPC port; 0 picks a free one. The bound port is printed on stdout as `LISTENING port=N`",
+        metavar="PORT",
+    ),
+    Flag("engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"),
+    Flag("lease-seconds", positive_float, "prefill: how long a request's blocks stay pinned without news from decode", 30.0),
+    Flag("heartbeat-seconds", positive_float, "interval of heartbeats on the Session stream (both directions)", 5.0),
+    Flag("drain-seconds", positive_float, "on SIGTERM: grace period for in-flight requests before exit", 10.0),
+    Flag("metrics-port", port_number, "serve Prometheus metrics over HTTP on this port (default: off)"),
+    Flag("tls-cert", existing_file, "PEM certificate chain; with --tls-key turns on TLS for the server and its clients", metavar="FILE"),
+    Flag("tls-key", existing_file, "PEM private key for --tls-cert", metavar="FILE"),
+    Flag("tls-ca", existing_file, "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it", metavar="FILE"),
+    Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
+    Flag("log-level", choice("DEBUG", "INFO", "WARNING", "ERROR"), "log level", "INFO"),
+    Flag(
+        "check-state",
+        boolean,
+        "decode: after every READ compare the received state with what prefill must have written "
+        "(every byte for the synthetic engine); a mismatch fails the request with DATA_LOSS",
+        False,
+        roles=("decode",),
+        switch=True,
+    ),
+    Flag(
+        "prefill",
+        host_port,
+        "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list",
+        roles=("decode",),
+        repeatable=True,
+        metavar="HOST:PORT",
+    ),
+)
+
+
+def flags_for(role: Role) -> tuple[Flag, ...]:
+    return tuple(f for f in FLAGS if role in f.roles)
+
+
+def build_parser(role: Role) -> argparse.ArgumentParser:
+    prog = f"{role}-svc"
+    description = {
+        "prefill": "The hybrid-pd prefill service: computes a request's KV cache and SSM state into "
+        "paged blocks and lets decode engines READ them with NIXL.",
+        "decode": "The hybrid-pd decode service: takes Generate requests, gets the prompt's state "
+        "from a prefill service with one NIXL READ per (local rank, source rank), and generates tokens.",
+    }[role]
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=f"Every flag can also be set with an environment variable {ENV_PREFIX}<FLAG> "
+        f"(upper case, '-' -> '_'); a flag on the command line wins over the environment.",
+    )
+    for flag in flags_for(role):
+        default = DEFAULT_PORTS[role] if flag.name == "port" else flag.default
+        options = getattr(flag.parse, "options", None)
+        metavar = flag.metavar or ("{" + ",".join(options) + "}" if options else _METAVARS.get(flag.parse))
+        shown = f"; default {default}" if default is not None else ""
+        help_text = f"{flag.help} (env {flag.env}{shown})"
+        if flag.switch:
+            parser.add_argument(f"--{flag.name}", dest=flag.dest, action="store_const", const="true", default=None, help=help_text)
+            continue
+        parser.add_argument(
+            f"--{flag.name}",
+            dest=flag.dest,
+            action="append" if flag.repeatable else "store",
+            default=None,
+            metavar=metavar,
+            help=help_text,
+        )
+    return parser
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+class SettingsError(ValueError):
+    """A flag or env value that fails validation; the message names the flag and the source."""
+
+
+def _parse_value(flag: Flag, raw: str, source: str) -> object:
+    try:
+        return flag.parse(raw)
+    except ValueError as e:
+        raise SettingsError(f"--{flag.name} ({source}) = {raw!r}: {e}") from None
+
+
+def resolve(
+    role: Role, args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[dict[str, object], dict[str, str]]:
+    """Values by dest, and where each came from ("flag", "env" or "default")."""
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for flag in flags_for(role):
+        given = getattr(args, flag.dest)
+        if given is not None:
+            raws = given if flag.repeatable else [given]
+            parsed = [_parse_value(flag, r, f"--{flag.name}") for r in raws]
+            values[flag.dest] = tuple(parsed) if flag.repeatable else parsed[0]
+            sources[flag.dest] = "flag"
+        elif flag.env in environ and environ[flag.env].strip() != "":
+            raw = environ[flag.env]
+            if flag.repeatable:
+                parts = [p for p in (s.strip() for s in raw.split(",")) if p]
+                values[flag.dest] = tuple(_parse_value(flag, p, flag.env) for p in parts)
+            else:
+                values[flag.dest] = _parse_value(flag, raw, flag.env)
+            sources[flag.dest] = "env"
+        else:
+            default = DEFAULT_PORTS[role] if flag.name == "port" else flag.default
+            values[flag.dest] = () if flag.repeatable and default is None else default
+            sources[flag.dest] = "default"
+    return values, sources
+
+
+def _cache_size(values: dict[str, object], sources: dict[str, str]) -> tuple[int | None, int | None]:
+    """--num-blocks and --memory-budget exclude each other; a command-line value beats an env one."""
+    blocks, budget = values["num_blocks"], values["memory_budget"]
+    if blocks is not None and budget is not None:
+        src_b, src_m = sources["num_blocks"], sources["memory_budget"]
+        if src_b == src_m:
+            where = "command line" if src_b == "flag" else "environment"
+            raise SettingsError(f"--num-blocks and --memory-budget both given on the {where}; give one")
+        if src_b == "flag":
+            budget = None
+        else:
+            blocks = None
+    if blocks is None and budget is None:
+        budget = DEFAULT_MEMORY_BUDGET
+    assert blocks is None or isinstance(blocks, int)
+    assert budget is None or isinstance(budget, int)
+    return blocks, budget
+
+
+T = TypeVar("T")
+
+
+def _req(values: dict[str, object], key: str, kind: type[T]) -> T:
+    value = values[key]
+    assert isinstance(value, kind), (key, value)
+    return value
+
+
+def _opt(values: dict[str, object], key: str, kind: type[T]) -> T | None:
+    value = values.get(key)
+    return None if value is None else _req(values, key, kind)
+
+
+def _default_engine_id(role: Role) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "host"
+    return f"{role}-{host}-{os.getpid()}"[:63]
+
+
+def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
+    values, sources = resolve(role, args, environ)
+    num_blocks, memory_budget = _cache_size(values, sources)
+    tls = TlsSettings(
+        cert=_opt(values, "tls_cert", Path), key=_opt(values, "tls_key", Path), ca=_opt(values, "tls_ca", Path)
+    )
+    if (tls.cert is None) != (tls.key is None):
+        raise SettingsError("--tls-cert and --tls-key go together; give both or neither")
+    if tls.ca is not None and tls.cert is None:
+        raise SettingsError("--tls-ca needs --tls-cert and --tls-key too (the service's own identity)")
+    prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
+    if role == "decode" and not prefill:
+        raise SettingsError("decode needs at least one --prefill HOST:PORT (or env HYBRID_PD_PREFILL=h1:p1,h2:p2)")
+    return ServiceSettings(
+        role=role,
+        model=_req(values, "model", str),
+        tp=_req(values, "tp", int),
+        device="cuda" if values["device"] == "cuda" else "cpu",
+        engine="reference" if values["engine"] == "reference" else "synthetic",
+        num_blocks=num_blocks,
+        memory_budget=memory_budget,
+        block_size=_opt(values, "block_size", int),
+        kernel_block_size=_req(values, "kernel_block_size", int),
+        host=_req(values, "host", str),
+        port=_req(values, "port", int),
+        engine_id=_opt(values, "engine_id", str) or _default_engine_id(role),
+        lease_seconds=_req(values, "lease_seconds", float),
+        heartbeat_seconds=_req(values, "heartbeat_seconds", float),
+        drain_seconds=_req(values, "drain_seconds", float),
+        metrics_port=_opt(values, "metrics_port", int),
+        tls=tls,
+        loop="asyncio" if values["loop"] == "asyncio" else "uvloop",
+        log_level=_req(values, "log_level", str),
+        prefill=prefill,
+        check_state=bool(values.get("check_state", False)),
+        kv_dtype=_opt(values, "kv_dtype", str),
+        conv_dtype=_opt(values, "conv_dtype", str),
+        ssm_dtype=_opt(values, "ssm_dtype", str),
+    )
+
+
+def parse_settings(
+    role: Role, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServiceSettings:
+    """Parse argv + environment; on a bad value print usage and the reason, exit 2."""
+    parser = build_parser(role)
+    args = parser.parse_args(argv)
+    try:
+        return settings_from(role, args, os.environ if environ is None else environ)
+    except SettingsError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

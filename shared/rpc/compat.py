@@ -1,0 +1,208 @@
+"""Handshake checks: is a layout message well formed, and can these two engines pair?
+
+Three kinds of problems, all collected (never just the first):
+- malformed message (missing ids, rank or region counts that do not add up) -> INVALID_ARGUMENT;
+- the pair cannot exchange state (model, dtypes, conv layout, TP or kernel block sizes that do
+  not divide, protocol version) -> FAILED_PRECONDITION;
+- the peer's advertised geometry differs from what our layout math derives from its
+  parameters (a peer running different layout code) -> FAILED_PRECONDITION.
+Each problem names its field (`model.kv_dtype`, `ranks[1].page_bytes`) and both values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from google.protobuf.message import Message
+
+from shared.errors import FieldIssue, IncompatibleLayout, InvalidArgument
+from shared.layout.page import EngineLayout
+from shared.layout.plan import TransferPlan, build_plan
+from shared.layout.spec import LayoutError, ModelSpec
+from shared.pb.hybridpd.v1 import layout_pb2 as pb
+from shared.rpc.layout_message import PROTOCOL_VERSION, rank_geometry, rebuild_layout
+
+
+def _enum_text(enum: Callable[[Any], str], value: int) -> str:
+    name = enum(value)
+    return name.split("_", 2)[-1].lower() if name.count("_") >= 2 else name
+
+
+def _text(msg: pb.EngineLayout, path: str) -> str:
+    """Human form of the field at `path` (enums by name, fingerprints shortened)."""
+    obj: object = msg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    if path.endswith("dtype"):
+        return _enum_text(pb.DataType.Name, int(obj))  # type: ignore[call-overload]
+    if path == "model.family":
+        return _enum_text(pb.SsmFamily.Name, int(obj))  # type: ignore[call-overload]
+    if path == "conv_layout":
+        return _enum_text(pb.ConvLayout.Name, int(obj))  # type: ignore[call-overload]
+    if path == "model.fingerprint":
+        return str(obj)[:12]
+    return repr(obj) if isinstance(obj, str) else str(obj)
+
+
+# Fields both engines must agree on exactly.
+MUST_MATCH: tuple[str, ...] = (
+    "protocol_version",
+    "model.name",
+    "model.fingerprint",
+    "model.family",
+    "model.kv_dtype",
+    "model.conv_dtype",
+    "model.ssm_dtype",
+    "model.num_layers",
+    "model.num_spec_tokens",
+    "model.vocab_size",
+    "conv_layout",
+    "num_regions",
+)
+
+
+def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssue]:
+    """Structural problems of one message (field paths relative to the layout)."""
+    issues: list[FieldIssue] = []
+
+    def need(ok: bool, field: str, why: str) -> None:
+        if not ok:
+            issues.append(FieldIssue(field, why))
+
+    need(msg.protocol_version > 0, "protocol_version", "must be set")
+    need(bool(msg.engine_id), "engine_id", "must be non-empty")
+    need(msg.incarnation != 0, "incarnation", "must be non-zero")
+    need(
+        msg.role == expected_role,
+        "role",
+        f"expected {pb.EngineRole.Name(expected_role)}, got {pb.EngineRole.Name(msg.role)}",  # type: ignore[arg-type]
+    )
+    need(bool(msg.model.fingerprint), "model.fingerprint", "must be non-empty")
+    need(msg.tp_size >= 1, "tp_size", "must be >= 1")
+    need(msg.kernel_block_size >= 1, "kernel_block_size", "must be >= 1")
+    need(msg.physical_per_logical >= 1, "physical_per_logical", "must be >= 1")
+    need(
+        msg.block_size == msg.kernel_block_size * msg.physical_per_logical,
+        "block_size",
+        f"{msg.block_size} != kernel_block_size {msg.kernel_block_size} x physical_per_logical {msg.physical_per_logical}",
+    )
+    need(msg.num_logical_blocks >= 1, "num_logical_blocks", "must be >= 1")
+    need(
+        msg.num_physical_blocks == msg.num_logical_blocks * msg.physical_per_logical,
+        "num_physical_blocks",
+        f"{msg.num_physical_blocks} != num_logical_blocks x physical_per_logical",
+    )
+    need(msg.num_regions >= 1, "num_regions", "must be >= 1")
+    need(len(msg.groups) >= 1, "groups", "must list the KV-cache groups")
+    for g, group in enumerate(msg.groups):
+        need(group.kind != pb.GROUP_KIND_UNSPECIFIED, f"groups[{g}].kind", "must be set")
+        need(0 < len(group.layer_indices) <= msg.num_regions, f"groups[{g}].layer_indices", f"must have 1..{msg.num_regions} layers")
+    need(len(msg.ranks) == msg.tp_size, "ranks", f"{len(msg.ranks)} ranks for tp_size {msg.tp_size}")
+    for r, rank in enumerate(msg.ranks):
+        need(rank.tp_rank == r, f"ranks[{r}].tp_rank", f"is {rank.tp_rank}, expected {r} (ranks in order)")
+        need(bool(rank.agent_name), f"ranks[{r}].agent_name", "must be non-empty")
+        need(bool(rank.agent_metadata), f"ranks[{r}].agent_metadata", "must be non-empty")
+        need(rank.device_type != pb.DEVICE_TYPE_UNSPECIFIED, f"ranks[{r}].device_type", "must be set")
+        need(
+            len(rank.region_base_addresses) == msg.num_regions,
+            f"ranks[{r}].region_base_addresses",
+            f"{len(rank.region_base_addresses)} addresses for {msg.num_regions} regions",
+        )
+    return issues
+
+
+def pairing_issues(prefill: pb.EngineLayout, decode: pb.EngineLayout) -> list[FieldIssue]:
+    """Every field that keeps this prefill/decode pair from exchanging state."""
+    issues = [
+        FieldIssue(path, f"prefill {_text(prefill, path)}, decode {_text(decode, path)}")
+        for path in MUST_MATCH
+        if _text(prefill, path) != _text(decode, path)
+    ]
+    for side, msg in (("prefill", prefill), ("decode", decode)):
+        if msg.protocol_version != PROTOCOL_VERSION and prefill.protocol_version == decode.protocol_version:
+            issues.append(FieldIssue("protocol_version", f"{side} speaks {msg.protocol_version}, this build {PROTOCOL_VERSION}"))
+            break
+    if [(g.kind, list(g.layer_indices)) for g in prefill.groups] != [(g.kind, list(g.layer_indices)) for g in decode.groups]:
+        issues.append(FieldIssue("groups", "the KV-cache groups (kinds and layers) differ"))
+    for side, msg in (("prefill", prefill), ("decode", decode)):
+        if msg.conv_layout != pb.CONV_LAYOUT_DS:
+            issues.append(FieldIssue("conv_layout", f"{side} uses {_text(msg, 'conv_layout')}; head-sharded transfers need ds"))
+    p_tp, d_tp = prefill.tp_size, decode.tp_size
+    if p_tp and d_tp and max(p_tp, d_tp) % min(p_tp, d_tp):
+        issues.append(FieldIssue("tp_size", f"prefill {p_tp}, decode {d_tp}: the larger must be a multiple of the smaller"))
+    kp, kd = prefill.kernel_block_size, decode.kernel_block_size
+    if kp and kd and max(kp, kd) % min(kp, kd):
+        issues.append(FieldIssue("kernel_block_size", f"prefill {kp}, decode {kd}: neither divides the other"))
+    if prefill.engine_id and prefill.engine_id == decode.engine_id:
+        issues.append(FieldIssue("engine_id", f"both engines are named {prefill.engine_id!r}; NIXL agent names would clash"))
+    return issues
+
+
+def _fields(msg: Message) -> dict[str, object]:
+    return {f.name: v for f, v in msg.ListFields()}
+
+
+def derived_issues(msg: pb.EngineLayout, rebuilt: EngineLayout) -> list[FieldIssue]:
+    """Advertised geometry that differs from what `rebuilt` (our math, its parameters) gives."""
+    issues: list[FieldIssue] = []
+    for name, ours in (
+        ("physical_per_logical", rebuilt.physical_per_logical),
+        ("num_regions", rebuilt.num_regions),
+        ("num_physical_blocks", rebuilt.num_kernel_blocks(msg.num_logical_blocks)),
+    ):
+        theirs = getattr(msg, name)
+        if theirs != ours:
+            issues.append(FieldIssue(name, f"advertised {theirs}, derived {ours}"))
+    want = _fields(rank_geometry(rebuilt, msg.num_logical_blocks))
+    for r, rank in enumerate(msg.ranks):
+        have = _fields(rank)
+        for name, value in want.items():
+            if have.get(name) != value:
+                issues.append(FieldIssue(f"ranks[{r}].{name}", "advertised value differs from the layout derived from its parameters"))
+    return issues
+
+
+def _prefixed(issues: list[FieldIssue], prefix: str) -> list[FieldIssue]:
+    return [FieldIssue(f"{prefix}.{i.field}", i.description) for i in issues]
+
+
+def check_pair(
+    prefill: pb.EngineLayout,
+    decode: pb.EngineLayout,
+    *,
+    local_role: str,
+    local_layout: EngineLayout,
+    spec: ModelSpec,
+) -> TransferPlan:
+    """Validate the peer's message, check the pair, and build the transfer plan.
+
+    `local_role` says which of the two messages is ours (trusted); the other one is the peer's,
+    received in `HandshakeRequest.layout` / `HandshakeResponse.layout`. Raises InvalidArgument
+    (malformed peer message) or IncompatibleLayout (listing every field).
+    """
+    prefix = "layout"
+    peer, peer_role = (decode, pb.ENGINE_ROLE_DECODE) if local_role == "prefill" else (prefill, pb.ENGINE_ROLE_PREFILL)
+    bad = malformed_issues(peer, peer_role)
+    if bad:
+        raise InvalidArgument(
+            f"malformed {prefix} ({len(bad)} problems): " + "; ".join(str(i) for i in _prefixed(bad, prefix)),
+            issues=_prefixed(bad, prefix),
+        )
+    issues = pairing_issues(prefill, decode)
+    if not issues:
+        try:
+            rebuilt = rebuild_layout(peer, spec)
+        except LayoutError as e:
+            issues.append(FieldIssue("block_size", f"peer parameters give no valid layout: {e}"))
+        else:
+            issues += derived_issues(peer, rebuilt)
+    if issues:
+        raise IncompatibleLayout(
+            f"incompatible prefill/decode pair ({len(issues)} fields): " + "; ".join(str(i) for i in issues),
+            issues=issues,
+        )
+    prefill_layout, decode_layout = (local_layout, rebuilt) if local_role == "prefill" else (rebuilt, local_layout)
+    try:
+        return build_plan(prefill_layout, decode_layout)
+    except LayoutError as e:
+        raise IncompatibleLayout(f"no transfer plan for this pair: {e}", issues=[FieldIssue("plan", str(e))]) from e

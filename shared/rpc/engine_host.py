@@ -1,0 +1,215 @@
+"""The ranks of one engine living in this service process, and what a peer learns about them.
+
+An `EngineHost` owns, for `--tp N` ranks: the layout (pure math), one `RankCache` and one
+NIXL `RankAgent` per rank (memory registered once at start), the single completion poller,
+the block allocator (one for the engine: a request's block ids are the same on every rank),
+and the model engine that reads and writes state in those blocks. Both services build one;
+the handshake message (`message`) is derived from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+
+from shared.cache.allocator import BlockAllocator, BlocksExhausted
+from shared.cache.regions import RankCache
+from shared.config import ServiceSettings
+from shared.engine.protocol import Engine, RequestBlocks
+from shared.errors import InvalidArgument, ResourceExhausted
+from shared.layout.hf_config import load_model
+from shared.layout.page import EngineLayout, build_engine_layout
+from shared.layout.spec import LayoutError, ModelSpec
+from shared.pb.hybridpd.v1 import layout_pb2 as pb
+from shared.rpc.layout_message import RankMemory, engine_layout_message
+from shared.transport.agent import RankAgent
+from shared.transport.poller import CompletionPoller
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EngineFactory = Callable[[EngineLayout, Sequence[RankCache]], Engine]
+"""Builds the model engine over the host's layout and per-rank caches (`--engine`)."""
+
+
+def new_incarnation() -> int:
+    """Random, non-zero: tells a restarted engine (new memory) from the one a peer knew."""
+    return secrets.randbits(63) | 1
+
+
+def cache_blocks(layout: EngineLayout, num_blocks: int | None, memory_budget: int | None) -> int:
+    """Logical blocks per engine: given, or as many as the per-rank budget holds."""
+    if num_blocks is not None:
+        return num_blocks
+    assert memory_budget is not None
+    per_block = layout.page_bytes * layout.num_regions
+    blocks = memory_budget // per_block
+    if blocks < 1:
+        raise InvalidArgument(
+            f"{memory_budget} B per rank holds no block: one block is {per_block} B "
+            f"({layout.num_regions} regions x {layout.page_bytes} B pages)",
+            field="memory_budget",
+        )
+    return int(blocks)
+
+
+@dataclass
+class EngineHost:
+    role: str
+    engine_id: str
+    incarnation: int
+    spec: ModelSpec
+    layout: EngineLayout
+    num_blocks: int
+    device: str
+    caches: list[RankCache]
+    agents: list[RankAgent]
+    poller: CompletionPoller
+    allocator: BlockAllocator
+    engine: Engine
+    message: pb.EngineLayout
+    # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop.
+    compute: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
+
+    @classmethod
+    async def start(cls, settings: ServiceSettings, engine_factory: EngineFactory) -> EngineHost:
+        """Layout, caches, agents (memory registered once), poller and engine for `settings`."""
+        try:
+            spec = load_model(
+                settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
+            )
+            layout = build_engine_layout(
+                spec, settings.tp, block_size=settings.block_size, kernel_block_size=settings.kernel_block_size
+            )
+        except LayoutError as e:
+            raise InvalidArgument(str(e), field="model") from e
+        if layout.block_size_raised:
+            log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
+        num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget)
+        incarnation = new_incarnation()
+        devices = [f"cuda:{r}" if settings.device == "cuda" else "cpu" for r in range(settings.tp)]
+        caches = await asyncio.to_thread(
+            lambda: [RankCache(layout.num_regions, num_blocks, layout.page_bytes, d) for d in devices]
+        )
+        agents: list[RankAgent] = []
+        poller = CompletionPoller()
+        try:
+            for rank in range(settings.tp):
+                agent = await RankAgent.create(settings.engine_id, rank, incarnation=f"{incarnation:016x}"[-8:])
+                agents.append(agent)
+                await caches[rank].register(agent)
+                poller.attach(agent)
+            ranks = [
+                RankMemory(
+                    agent_name=agent.name,
+                    agent_metadata=await agent.metadata(),
+                    device_type=settings.device,
+                    device_id=cache.place.device_id,
+                    region_base_addresses=tuple(int(a) for a in cache.base_addresses()),
+                )
+                for agent, cache in zip(agents, caches)
+            ]
+            engine = engine_factory(layout, caches)
+        except BaseException:
+            await poller.aclose()
+            for agent in agents:
+                await agent.aclose()
+            raise
+        message = engine_layout_message(
+            layout, role=settings.role, engine_id=settings.engine_id, incarnation=incarnation, num_logical_blocks=num_blocks, ranks=ranks
+        )
+        log.info(
+            "%s engine %s: model %s, tp %d, %d blocks of %d tokens (%d B pages x %d regions per rank) on %s",
+            settings.role, settings.engine_id, spec.name, settings.tp, num_blocks, layout.block_size,
+            layout.page_bytes, layout.num_regions, settings.device,
+        )  # fmt: skip
+        return cls(
+            role=settings.role,
+            engine_id=settings.engine_id,
+            incarnation=incarnation,
+            spec=spec,
+            layout=layout,
+            num_blocks=num_blocks,
+            device=settings.device,
+            caches=caches,
+            agents=agents,
+            poller=poller,
+            allocator=BlockAllocator(num_blocks),
+            engine=engine,
+            message=message,
+        )
+
+    # ---- blocks ----
+
+    def blocks_per_group(self, num_tokens: int) -> list[int]:
+        """Logical blocks each group needs for `num_tokens` tokens (Mamba groups: always 1)."""
+        per_fa = math.ceil(num_tokens / self.layout.block_size)
+        return [per_fa if g.kind == "attention" else 1 for g in self.layout.groups]
+
+    def max_tokens(self) -> int:
+        """The most tokens one request can hold if it had the whole cache."""
+        fa_groups = len(self.layout.attention_group_ids)
+        spare = self.num_blocks - len(self.layout.mamba_group_ids)
+        return max(0, spare // max(1, fa_groups)) * self.layout.block_size
+
+    def allocate(self, key: str, num_tokens: int) -> RequestBlocks:
+        """Blocks for a request's first `num_tokens` tokens, split per group (one allocation)."""
+        counts = self.blocks_per_group(num_tokens)
+        try:
+            ids = self.allocator.allocate(key, sum(counts))
+        except BlocksExhausted as e:
+            raise ResourceExhausted(str(e), reason="CACHE_FULL") from e
+        bounds = np.cumsum([0, *counts])
+        return RequestBlocks(key, [ids[bounds[g] : bounds[g + 1]] for g in range(len(counts))])
+
+    def grow(self, blocks: RequestBlocks, num_tokens: int) -> RequestBlocks:
+        """Add attention blocks so `num_tokens` tokens fit (decode, as the sequence grows)."""
+        need = self.blocks_per_group(num_tokens)
+        extra = [max(0, n - len(have)) if g.kind == "attention" else 0 for n, have, g in zip(need, blocks.block_ids, self.layout.groups)]
+        if not any(extra):
+            return blocks
+        try:
+            ids = self.allocator.allocate(blocks.request_id, sum(extra))
+        except BlocksExhausted as e:
+            raise ResourceExhausted(str(e), reason="CACHE_FULL") from e
+        bounds = np.cumsum([0, *extra])
+        return RequestBlocks(
+            blocks.request_id,
+            [np.concatenate([have, ids[bounds[g] : bounds[g + 1]]]) for g, have in enumerate(blocks.block_ids)],
+        )
+
+    def free(self, key: str) -> int:
+        return self.allocator.free(key)
+
+    # ---- compute ----
+
+    async def run_compute(self, fn: Callable[[], T]) -> T:
+        """Run model code on the compute thread and await it from the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+
+    async def aclose(self) -> None:
+        await self.poller.aclose()
+        for agent in self.agents:
+            await agent.aclose()
+        self.compute.shutdown(wait=False, cancel_futures=True)
+
+
+def engine_factory_for(kind: str) -> EngineFactory:
+    """The model engine behind `--engine` (synthetic or reference), over typed views of each rank's cache."""
+    from shared.cache.model_views import RankViews
+    from shared.engine.factory import make_engine
+
+    def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:
+        try:
+            return make_engine(kind, layout, [RankViews(layout, cache) for cache in caches])
+        except ValueError as e:
+            raise InvalidArgument(str(e), field="engine") from e
+
+    return factory

@@ -1,0 +1,76 @@
+"""Start-to-exit of a service process: signals and the SIGTERM drain (grpc-conventions 1.2).
+
+Drain sequence, on the first SIGTERM or SIGINT:
+1. health goes NOT_SERVING for every name at once (load balancers and probes stop sending);
+2. `draining` is set: handlers refuse new work with UNAVAILABLE, sessions tell their peers;
+3. `server.stop(grace)`: the listener closes, in-flight calls get up to `grace` seconds;
+   long-lived streams end on their own once their work is done, so stop returns early;
+4. the caller closes its data plane and the process exits 0.
+A second signal skips the rest of the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+
+from shared.errors import Unavailable
+from shared.rpc.health import HealthStatus
+
+log = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    def __init__(self, health: HealthStatus, grace_seconds: float) -> None:
+        self.health = health
+        self.grace_seconds = grace_seconds
+        self.draining = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._force = asyncio.Event()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+
+    def remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    def request_stop(self, why: str = "stop requested") -> None:
+        if self._stop_requested.is_set():
+            log.warning("%s again: ending the drain now", why)
+            self._force.set()
+            return
+        log.info("%s: draining (grace %.1fs)", why, self.grace_seconds)
+        self._stop_requested.set()
+
+    async def wait_for_stop(self) -> None:
+        await self._stop_requested.wait()
+
+    def check_accepting(self, what: str = "new requests") -> None:
+        """Raise UNAVAILABLE while draining, so clients retry on another instance."""
+        if self.draining.is_set():
+            raise Unavailable(f"this service is shutting down and takes no {what}; retry on another instance", reason="DRAINING")
+
+    async def drain(self, server: grpc.aio.Server, on_draining: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Steps 1-3 of the module docstring; returns once the server has stopped."""
+        self._stop_requested.set()
+        self.draining.set()
+        await self.health.shutdown()
+        if on_draining is not None:
+            await on_draining()
+        stop = asyncio.ensure_future(server.stop(self.grace_seconds))
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            await asyncio.wait({stop, force}, return_when=asyncio.FIRST_COMPLETED)
+            if not stop.done():
+                await server.stop(None)
+            await stop
+        finally:
+            force.cancel()

@@ -1,0 +1,55 @@
+"""Process entry for both services: logging, the event loop (uvloop or asyncio), metrics port,
+and exit codes (0 after a clean drain, 2 for invalid settings, 1 for any other start failure)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any, Callable, Coroutine
+
+from shared.config import ServiceSettings
+from shared.errors import InvalidArgument, ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def configure_logging(level: str) -> None:
+    # Logs go to stderr: stdout carries only the LISTENING line scripts parse.
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def start_metrics(port: int | None) -> None:
+    if port is None:
+        return
+    from prometheus_client import start_http_server
+
+    start_http_server(port)  # a daemon thread: scrapes never compete with RPCs
+    log.info("metrics on http://0.0.0.0:%d/metrics", port)
+
+
+def run_service(settings: ServiceSettings, serve: Callable[[ServiceSettings], Coroutine[Any, Any, None]]) -> int:
+    configure_logging(settings.log_level)
+    try:
+        start_metrics(settings.metrics_port)
+        with asyncio.Runner(loop_factory=event_loop_factory(settings.loop)) as runner:
+            runner.run(serve(settings))
+    except ServiceError as e:
+        print(f"{settings.role}-svc: {e.status}: {e.message}", file=sys.stderr)
+        return 2 if isinstance(e, InvalidArgument) else 1
+    except OSError as e:
+        print(f"{settings.role}-svc: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

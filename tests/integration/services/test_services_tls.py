@@ -1,0 +1,66 @@
+"""Mutual TLS between the services (--tls-cert/--tls-key/--tls-ca) with certificates made here."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio,
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
+]
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> dict[str, str]:
+    """A CA and one certificate (signed by it) valid for 127.0.0.1, used by both services."""
+    ca_key, ca, key, csr, cert = (str(tmp_path / n) for n in ("ca.key", "ca.pem", "svc.key", "svc.csr", "svc.pem"))
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1", "-extfile", str(ext))
+    return {"cert": cert, "key": key, "ca": ca}
+
+
+async def test_mutual_tls_pair_and_refused_plain_client(start_prefill: Any, start_decode: Any, certs: dict[str, str]) -> None:
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
+    prefill = await start_prefill(*tls)
+    decode = await start_decode(prefill.port, *tls)  # ready: its handshake went over mTLS
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(certs["ca"]).read_bytes(),
+        private_key=Path(certs["key"]).read_bytes(),
+        certificate_chain=Path(certs["cert"]).read_bytes(),
+    )
+    async with grpc.aio.secure_channel(f"127.0.0.1:{decode.port}", creds) as channel:
+        tokens = []
+        async for response in dpb_grpc.DecodeServiceStub(channel).Generate(
+            dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=3), timeout=20
+        ):
+            tokens += response.chunk.token_ids
+        assert len(tokens) == 3
+    # TLS without a client certificate, and plaintext, are both refused.
+    no_cert = grpc.ssl_channel_credentials(root_certificates=Path(certs["ca"]).read_bytes())
+    for channel in (
+        grpc.aio.secure_channel(f"127.0.0.1:{decode.port}", no_cert),
+        grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}"),
+    ):
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
