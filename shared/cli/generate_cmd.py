@@ -72,6 +72,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--request-id", default="", help="request id (default: the service makes one)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no services: run prefill and decode of the reference model in this process (the baseline "
+        "disaggregated runs must equal); needs --model; prints the same shape of output",
+    )
+    p.add_argument("--model", default=_env("model"), metavar="PRESET",
+                   help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2 (env {ENV_PREFIX}MODEL)")
     for name, what in (("cert", "client certificate (mutual TLS)"), ("key", "client private key"), ("ca", "CA bundle to trust")):
         p.add_argument(
             f"--tls-{name}",
@@ -128,9 +136,41 @@ def _summary_line(result: dict[str, Any]) -> str:
     )
 
 
+def _colocated(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-process baseline: same tokenizer, same model, no transfer."""
+    from shared.engine.reference import colocated_generate, decode, encode
+    from shared.layout.presets import TINY_PRESETS
+
+    if args.model not in TINY_PRESETS:
+        raise ValueError(f"--model: --colocated runs the reference models ({', '.join(sorted(TINY_PRESETS))}), got {args.model!r}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    prompt = encode(args.prompt) if args.prompt is not None else list(args.prompt_ids)
+    if not prompt:
+        raise ValueError("--prompt: empty prompt, at least one token is needed")
+    if any(t >= TINY_PRESETS[args.model].vocab_size for t in prompt):
+        raise ValueError(f"--prompt-ids: token ids must be < {TINY_PRESETS[args.model].vocab_size}")
+    token_ids = colocated_generate(TINY_PRESETS[args.model], prompt, args.max_tokens)
+    return {
+        "request_id": args.request_id,
+        "token_ids": token_ids,
+        "text": decode(token_ids),
+        "prompt_token_count": len(prompt),
+        "summary": None,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    if args.colocated:
+        try:
+            result = _colocated(args)
+        except ValueError as e:
+            print(f"INVALID_ARGUMENT: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(result) if args.json else result["text"])
+        return 0
     try:
         result = asyncio.run(_generate(args))
     except grpc.aio.AioRpcError as e:

@@ -1,0 +1,94 @@
+"""A rank's cache memory: R regions, each one contiguous tensor of pages.
+
+Region i holds page `b` of every logical block `b` at byte `b * page_bytes`; what the
+bytes of a page mean (FA K/V in HND order, conv sections, SSM state, padding) is
+the layout's business, read through `view()` at the offsets it gives. Each region is
+allocated once, pre-faulted, and registered once with the rank's NIXL agent; it
+must outlive every peer that holds this rank's metadata.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from shared.transport.memory import MemoryPlace
+
+if TYPE_CHECKING:
+    from shared.transport.agent import RankAgent
+
+
+class RankCache:
+    """`num_regions` regions of `num_blocks * page_bytes` bytes on `device` (cpu or cuda:N)."""
+
+    def __init__(self, num_regions: int, num_blocks: int, page_bytes: int, device: str | torch.device = "cpu") -> None:
+        if num_regions < 1 or num_blocks < 1 or page_bytes < 1:
+            raise ValueError(
+                f"need at least one region, block and byte: got {num_regions} regions, "
+                f"{num_blocks} blocks, {page_bytes} B pages"
+            )
+        self.num_regions = num_regions
+        self.num_blocks = num_blocks
+        self.page_bytes = page_bytes
+        self.device = torch.device(device)
+        # Zero-filling touches every page now: copying into never-touched pages ran ~5x
+        # slower, and a READ must not pay for page faults.
+        self.regions: list[torch.Tensor] = [
+            torch.empty(num_blocks * page_bytes, dtype=torch.uint8, device=self.device).zero_()
+            for _ in range(num_regions)
+        ]
+        self.place = MemoryPlace.of_tensors(self.regions)
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes
+
+    def base_addresses(self) -> npt.NDArray[np.int64]:
+        """Start address of each region (sent to peers in the handshake)."""
+        return np.array([t.data_ptr() for t in self.regions], dtype=np.int64)
+
+    async def register(self, agent: RankAgent) -> MemoryPlace:
+        """Register every region with the rank's agent (once)."""
+        return await agent.register(self.regions)
+
+    def blocks(self, region: int) -> torch.Tensor:
+        """The region as a [num_blocks, page_bytes] uint8 view (index it with block id arrays)."""
+        return self.regions[self._region(region)].view(self.num_blocks, self.page_bytes)
+
+    def page(self, region: int, block: int) -> torch.Tensor:
+        """The bytes of one block's page in one region (a view)."""
+        return self.blocks(region)[self._block(block)]
+
+    def view(
+        self,
+        region: int,
+        block: int,
+        byte_offset: int,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """A typed view of `shape` x `dtype` starting `byte_offset` bytes into a page."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        if byte_offset < 0 or byte_offset + nbytes > self.page_bytes:
+            raise ValueError(
+                f"view of {nbytes} B at offset {byte_offset} does not fit a {self.page_bytes} B page"
+            )
+        start = self._block(block) * self.page_bytes + byte_offset
+        if start % itemsize:
+            raise ValueError(f"offset {byte_offset} is not aligned to {dtype} ({itemsize} B)")
+        raw = self.regions[self._region(region)][start : start + nbytes]
+        return raw.view(dtype).view(tuple(shape))
+
+    def _region(self, region: int) -> int:
+        if not 0 <= region < self.num_regions:
+            raise IndexError(f"region {region} out of range [0, {self.num_regions})")
+        return region
+
+    def _block(self, block: int) -> int:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.num_blocks})")
+        return block

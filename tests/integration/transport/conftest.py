@@ -1,0 +1,56 @@
+"""Fixtures for the two-process transport tests (target subprocesses, an initiator rank)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest_asyncio
+
+
+def _harness() -> ModuleType:
+    name = "transport_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("harness.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+harness = _harness()
+
+
+@pytest_asyncio.fixture
+async def spawn_target() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Start target rank processes (options become command-line flags); killed at teardown."""
+    started: list[Any] = []
+
+    async def spawn(**options: Any) -> Any:
+        target = await harness.Target.spawn(**options)
+        started.append(target)
+        return target
+
+    yield spawn
+    for target in started:
+        target.kill()
+
+
+@pytest_asyncio.fixture
+async def make_initiator() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Initiator ranks in this process (agent, registered cache, poller); closed at teardown."""
+    made: list[Any] = []
+
+    async def make(num_blocks: int = 256, page_bytes: int = 4096) -> Any:
+        initiator = await harness.Initiator.make(num_blocks, page_bytes)
+        made.append(initiator)
+        return initiator
+
+    yield make
+    for initiator in made:
+        await initiator.close()

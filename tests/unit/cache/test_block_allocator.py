@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from shared.cache.allocator import BlockAllocator, BlocksExhausted
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def check_invariants(alloc: BlockAllocator) -> None:
+    """Held blocks are distinct, free and held partition all ids, counts agree."""
+    held = [alloc.blocks_of(rid) for rid in alloc.in_use()]
+    held_ids = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
+    assert np.unique(held_ids).size == held_ids.size, "a block is handed out twice"
+    starts, lengths = alloc.free_runs()
+    free_ids = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)] or [np.empty(0, np.int64)])
+    assert np.intersect1d(free_ids, held_ids).size == 0, "a held block is also free"
+    assert np.array_equal(np.sort(np.concatenate([free_ids, held_ids])), np.arange(alloc.num_blocks))
+    assert alloc.num_free == free_ids.size and alloc.num_used == held_ids.size
+    assert sum(alloc.in_use().values()) == held_ids.size
+
+
+def runs_in(ids: np.ndarray) -> int:
+    """How many maximal runs of consecutive ids (what NIXL merges into one descriptor)."""
+    return 0 if ids.size == 0 else 1 + int(np.count_nonzero(np.diff(ids) != 1))
+
+
+def fewest_runs_possible(alloc: BlockAllocator, n: int) -> int:
+    """Slow reference: greedily take the longest free runs."""
+    _, lengths = alloc.free_runs()
+    covered, count = 0, 0
+    for length in sorted(lengths.tolist(), reverse=True):
+        if covered >= n:
+            break
+        covered += length
+        count += 1
+    return count
+
+
+def test_accounting_of_allocate_and_free() -> None:
+    alloc = BlockAllocator(10)
+    a = alloc.allocate("a", 4)
+    assert a.tolist() == [0, 1, 2, 3]
+    b = alloc.allocate("b", 3)
+    assert b.tolist() == [4, 5, 6]
+    assert (alloc.num_free, alloc.num_used, alloc.in_use()) == (3, 7, {"a": 4, "b": 3})
+    more = alloc.allocate("a", 2)  # a request may grow
+    assert more.tolist() == [7, 8] and alloc.blocks_of("a").tolist() == [0, 1, 2, 3, 7, 8]
+    assert alloc.free("a") == 6 and alloc.free("a") == 0  # freeing twice is harmless
+    assert not alloc.holds("a") and alloc.num_free == 7
+    with pytest.raises(KeyError, match="'a'"):
+        alloc.blocks_of("a")
+    check_invariants(alloc)
+
+
+def test_a_full_cache_raises_a_clear_error_and_changes_nothing() -> None:
+    alloc = BlockAllocator(8)
+    alloc.allocate("a", 6)
+    with pytest.raises(BlocksExhausted, match=r"3 blocks requested, 2 of 8 free \(6 held by 1 requests\)") as full:
+        alloc.allocate("b", 3)
+    assert (full.value.requested, full.value.free, full.value.total) == (3, 2, 8)
+    assert alloc.num_free == 2 and not alloc.holds("b")
+    with pytest.raises(ValueError):
+        alloc.allocate("b", -1)
+    assert alloc.allocate("b", 0).size == 0 and alloc.in_use()["b"] == 0
+
+
+def test_contiguous_allocation_picks_the_shortest_run_that_fits() -> None:
+    alloc = BlockAllocator(20)
+    for rid, n in [("a", 5), ("gap3", 3), ("b", 2), ("gap6", 6), ("c", 4)]:
+        alloc.allocate(rid, n)
+    alloc.free("gap3")  # free run of 3 at 5..7
+    alloc.free("gap6")  # free run of 6 at 10..15
+    assert alloc.allocate("x", 3).tolist() == [5, 6, 7]
+    assert alloc.allocate("y", 4).tolist() == [10, 11, 12, 13]
+
+
+def test_fragmented_cache_falls_back_to_the_fewest_runs() -> None:
+    alloc = BlockAllocator(16)
+    for i in range(8):
+        alloc.allocate(f"r{i}", 2)
+    for i in (0, 2, 3, 6):
+        alloc.free(f"r{i}")  # free runs: 0..1, 4..7, 12..13
+    ids = alloc.allocate("x", 7)
+    assert ids.tolist() == [0, 4, 5, 6, 7, 12, 13] or ids.tolist() == [0, 1, 4, 5, 6, 7, 12]
+    assert runs_in(ids) == 3
+    scattered = BlockAllocator(4)
+    assert scattered.allocate("x", 2, contiguous_preferred=False).tolist() == [0, 1]
+    check_invariants(alloc)
+
+
+def test_the_invariant_check_catches_a_block_handed_out_twice() -> None:
+    """Negative control: a corrupted allocator must fail the check."""
+    alloc = BlockAllocator(8)
+    alloc.allocate("a", 3)
+    alloc._free[1] = True  # corrupt: a held block marked free
+    alloc._num_free += 1
+    with pytest.raises(AssertionError):
+        check_invariants(alloc)
+    alloc.allocate("b", 6)  # now hands out block 1 again...
+    with pytest.raises(AssertionError, match="twice"):
+        check_invariants(alloc)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences against the invariants and the slow run-count reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = BlockAllocator(64)
+        self.next_id = 0
+
+    @rule(n=st.integers(min_value=0, max_value=24), contiguous=st.booleans())
+    def allocate(self, n: int, contiguous: bool) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if n > self.alloc.num_free:
+            with pytest.raises(BlocksExhausted):
+                self.alloc.allocate(rid, n, contiguous_preferred=contiguous)
+            return
+        best = fewest_runs_possible(self.alloc, n)
+        ids = self.alloc.allocate(rid, n, contiguous_preferred=contiguous)
+        assert ids.size == n and ids.dtype == np.int64
+        if contiguous:
+            assert runs_in(ids) == best
+
+    @precondition(lambda self: bool(self.alloc.in_use()))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.alloc.in_use())))
+        held = self.alloc.in_use()[rid]
+        before = self.alloc.num_free
+        assert self.alloc.free(rid) == held
+        assert self.alloc.num_free == before + held
+
+    @invariant()
+    def consistent(self) -> None:
+        check_invariants(self.alloc)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=10), min_size=1, max_size=12))
+def test_allocating_until_full_never_repeats_a_block(sizes: list[int]) -> None:
+    alloc = BlockAllocator(40)
+    given_out: list[np.ndarray] = []
+    for i, n in enumerate(sizes):
+        if n <= alloc.num_free:
+            given_out.append(alloc.allocate(f"r{i}", n))
+    ids = np.concatenate(given_out)
+    assert np.unique(ids).size == ids.size and ids.min() >= 0 and ids.max() < 40
