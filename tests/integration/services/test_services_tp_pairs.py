@@ -30,25 +30,23 @@ async def run_batch(channel: grpc.aio.Channel, prompts: list[list[int]], max_tok
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-@pytest.mark.parametrize(
-    ("model", "p_tp", "d_tp", "decode_flags"),
-    [
-        ("tiny-mamba2", 1, 2, ()),
-        ("tiny-mamba2", 2, 1, ()),
-        ("tiny-mamba2-g1", 2, 4, ()),
-        ("tiny-gdn", 4, 2, ()),
-        ("tiny-mamba1", 1, 1, ("--block-size", "64")),
-    ],
-)
+ISSUE_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+FAMILIES = ["tiny-mamba2", "tiny-mamba2-g1", "tiny-gdn", "tiny-mamba1"]
+# Every family at every pair; (1, 1) and (2, 2) also with a decode block size different from
+# prefill's, so equal TP does not mean equal block sizes.
+CASES = [(m, p, d, ("--block-size", "64") if p == d else ()) for m in FAMILIES for p, d in ISSUE_PAIRS]
+
+
+@pytest.mark.parametrize(("model", "p_tp", "d_tp", "decode_flags"), CASES, ids=[f"{m}-P{p}-D{d}" for m, p, d, _ in CASES])
 async def test_pair_moves_every_byte(
     start_prefill: Any, start_decode: Any, channel_to: Any, model: str, p_tp: int, d_tp: int, decode_flags: tuple[str, ...]
 ) -> None:
     synthetic = engine_factory_for("synthetic")
-    prefill = await start_prefill("--model", model, "--tp", str(p_tp), engine=synthetic)
+    prefill = await start_prefill("--model", model, "--tp", str(p_tp), "--num-blocks", "256", engine=synthetic)
     decode = await start_decode(
-        prefill.port, "--model", model, "--tp", str(d_tp), "--check-state", *decode_flags, engine=synthetic
+        prefill.port, "--model", model, "--tp", str(d_tp), "--num-blocks", "256", "--check-state", *decode_flags, engine=synthetic
     )
-    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([1, 2, 15, 16, 17, 40, 3, 90])]
+    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([1, 2, 15, 16, 17, 40, 3, 90, 31, 32, 33, 47, 48, 49, 5, 64])]  # 16 concurrent
     summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=4)
     link = decode.peers.peers[0].link
     assert sum(link.readers_per_prefill_rank()) == len(link.pairs) == max(p_tp, d_tp)
