@@ -22,6 +22,7 @@ Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
 # Used when neither --num-blocks nor --memory-budget is given.
 DEFAULT_MEMORY_BUDGET = 256 << 20
+DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ServiceSettings:
     lease_seconds: float
     heartbeat_seconds: float
     drain_seconds: float
+    read_timeout_seconds: float
+    max_pinned_requests: int
     metrics_port: int | None
     tls: TlsSettings
     loop: Literal["uvloop", "asyncio"]
@@ -197,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
         metavar="BYTES",
     ),
     Flag("block-size", positive_int, "logical block size in tokens (default: the smallest the hybrid page layout allows; raised if too small)"),
-    Flag("kernel-block-size", positive_int, "attention kernel block size in tokens; must be equal on prefill and decode", 16),
+    Flag("kernel-block-size", positive_int, "attention kernel block size in tokens; prefill and decode may differ when one divides the other", 16),
     Flag("host", str, "address to listen on (0.0.0.0 or :: to accept remote peers)", "127.0.0.1"),
     Flag(
         "port",
@@ -207,7 +210,28 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"),
     Flag("lease-seconds", positive_float, "prefill: how long a request's blocks stay pinned without news from decode", 30.0),
-    Flag("heartbeat-seconds", positive_float, "interval of heartbeats on the Session stream (both directions)", 5.0),
+    Flag(
+        "heartbeat-seconds",
+        positive_float,
+        "prefill: interval of heartbeats on the Session stream (both directions; decode uses the interval its "
+        "prefill peer announces); a peer silent for 1.5 intervals is dropped",
+        5.0,
+    ),
+    Flag(
+        "read-timeout-seconds",
+        positive_float,
+        "decode: deadline of one NIXL READ (a frozen prefill leaves a READ in flight forever); "
+        "also bounded by the request's deadline and the lease",
+        DEFAULT_READ_TIMEOUT_SECONDS,
+        roles=("decode",),
+    ),
+    Flag(
+        "max-pinned-requests",
+        positive_int,
+        "stream credits: prefill grants a decode session at most this many pinned requests (manifests not yet "
+        "read); decode asks for this many",
+        256,
+    ),
     Flag("drain-seconds", positive_float, "on SIGTERM: grace period for in-flight requests before exit", 10.0),
     Flag("metrics-port", port_number, "serve Prometheus metrics over HTTP on this port (default: off)"),
     Flag("tls-cert", existing_file, "PEM certificate chain; with --tls-key turns on TLS for the server and its clients", metavar="FILE"),
@@ -382,6 +406,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         lease_seconds=_req(values, "lease_seconds", float),
         heartbeat_seconds=_req(values, "heartbeat_seconds", float),
         drain_seconds=_req(values, "drain_seconds", float),
+        read_timeout_seconds=float(values.get("read_timeout_seconds") or DEFAULT_READ_TIMEOUT_SECONDS),
+        max_pinned_requests=_req(values, "max_pinned_requests", int),
         metrics_port=_opt(values, "metrics_port", int),
         tls=tls,
         loop="asyncio" if values["loop"] == "asyncio" else "uvloop",
