@@ -131,13 +131,13 @@ async def demo_model(args: argparse.Namespace, model: str) -> tuple[dict[str, An
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'model':<16} {'P→D':>5} {'engine':<9} {'exact':>7} {'FA KiB':>9} {'conv KiB':>9} {'SSM KiB':>9} {'READs':>6} {'READ ms':>8} {'GB/s':>6} {'TTFT ms':>8}"
+    head = f"{'model':<24} {'P→D':>5} {'engine':<9} {'exact':>7} {'FA KiB':>9} {'conv KiB':>9} {'SSM KiB':>9} {'READs':>6} {'READ ms':>8} {'GB/s':>6} {'TTFT ms':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
         b = r["bytes"]
         print(
-            f"{r['model']:<16} {str(r['prefill_tp']) + '→' + str(r['decode_tp']):>5} {r['engine']:<9} "
+            f"{r['model']:<24} {str(r['prefill_tp']) + '→' + str(r['decode_tp']):>5} {r['engine']:<9} "
             f"{str(r['exact']) + '/' + str(r['requests']):>7} {b['fa'] / 1024:>9.1f} {b['conv'] / 1024:>9.1f} "
             f"{b['ssm'] / 1024:>9.1f} {r['reads']:>6} {r['read_ms_p50']:>8.2f} {r['read_gbps']:>6.2f} {r['ttft_ms_p50']:>8.1f}"
         )
