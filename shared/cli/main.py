@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from shared.cli import demo_cmd, generate_cmd, layout_cmds
+from shared.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout_cmds.register(sub)
     generate_cmd.register(sub)
     demo_cmd.register(sub)
+    bench_cmd.register(sub)
     return parser
 
 

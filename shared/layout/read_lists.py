@@ -41,6 +41,7 @@ Pieces of a padded (short) group's unused regions are never referenced: they hol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -80,6 +81,29 @@ class ReadLists:
     remote_geometry: SideGeometry
     local: IntArray  # (n_local, 2) (addr, len) over the decode rank's regions
     remote: IntArray  # (n_remote, 2) (addr, len) over the prefill rank's regions
+
+    @cached_property
+    def slot_starts(self) -> tuple[_SlotStarts | None, ...]:
+        """Per group: the first descriptor id of each (region, piece) slot on both sides (None: the
+        group moves nothing from this source). Depends on the lists only: computed once per peer."""
+        lg, rg = self.local_geometry, self.remote_geometry
+        starts: list[_SlotStarts | None] = []
+        for group in self.groups:
+            regions = np.arange(len(group.layers), dtype=np.int64)
+            if group.kind == "attention":
+                slots = _slots(regions, self.fa_pieces)
+                local, remote = slots * lg.num_units, slots * rg.num_units
+            else:
+                slots = _slots(regions, self.mamba_pieces)
+                local, remote = lg.fa_part + slots * lg.num_logical_blocks, rg.fa_part + slots * rg.num_logical_blocks
+            starts.append(_SlotStarts(local, remote) if len(slots) else None)
+        return tuple(starts)
+
+
+@dataclass(frozen=True)
+class _SlotStarts:
+    local: IntArray
+    remote: IntArray
 
 
 def _as_bases(bases: Sequence[int] | IntArray, layout: EngineLayout, side: str) -> IntArray:
@@ -180,11 +204,12 @@ def _units(geometry: SideGeometry, logical_ids: IntArray, num_units: int, side: 
             f"{side} group {group}: {len(logical_ids)} blocks hold {len(logical_ids) * per_logical} FA units, "
             f"{num_units} needed"
         )
-    if np.any(logical_ids < 0) or np.any(logical_ids >= geometry.num_logical_blocks):
+    if logical_ids.min() < 0 or logical_ids.max() >= geometry.num_logical_blocks:
         raise LayoutError(f"{side} group {group}: block id outside [0, {geometry.num_logical_blocks})")
+    if per_logical == 1:
+        return logical_ids[:num_units]
     needed = -(-num_units // per_logical)
-    ids = logical_ids[:needed]
-    units = (ids[:, None] * per_logical + np.arange(per_logical, dtype=np.int64)[None, :]).reshape(-1)
+    units = (logical_ids[:needed, None] * per_logical + np.arange(per_logical, dtype=np.int64)[None, :]).reshape(-1)
     return units[:num_units]
 
 
@@ -208,7 +233,11 @@ def read_indices(
     remote_block_ids_per_group: Sequence[npt.ArrayLike],
     num_tokens: int,
 ) -> tuple[IntArray, IntArray]:
-    """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens."""
+    """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
+
+    Runs on every request: the per-peer part (slot starts) is cached on the lists, and each id
+    is written once, straight into the two output arrays (long prompts give millions of ids).
+    """
     n_groups = len(lists.groups)
     if len(local_block_ids_per_group) != n_groups or len(remote_block_ids_per_group) != n_groups:
         raise LayoutError(
@@ -219,27 +248,27 @@ def read_indices(
         raise LayoutError(f"num_tokens must be >= 0, got {num_tokens}")
     lg, rg = lists.local_geometry, lists.remote_geometry
     num_units = -(-num_tokens // lists.fa_unit_tokens)
-    local_parts: list[IntArray] = []
-    remote_parts: list[IntArray] = []
-    for g, group in enumerate(lists.groups):
+    # (slot starts, local offsets, remote offsets) per group that moves bytes: one row of ids per
+    # slot, `start + offset` for every offset (FA: its unit ids; Mamba: its one block id).
+    parts: list[tuple[_SlotStarts, IntArray, IntArray]] = []
+    for g, (group, starts) in enumerate(zip(lists.groups, lists.slot_starts)):
+        if starts is None or (group.kind == "attention" and num_units == 0):
+            continue
         lids = np.asarray(local_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         rids = np.asarray(remote_block_ids_per_group[g], dtype=np.int64).reshape(-1)
-        regions = np.arange(len(group.layers), dtype=np.int64)
         if group.kind == "attention":
-            if lists.fa_pieces == 0 or num_units == 0:
-                continue
-            lu, ru = _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)
-            slots = _slots(regions, lists.fa_pieces)
-            local_parts.append((slots[:, None] * lg.num_units + lu[None, :]).reshape(-1))
-            remote_parts.append((slots[:, None] * rg.num_units + ru[None, :]).reshape(-1))
+            parts.append((starts, _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)))
         else:
-            if lists.mamba_pieces == 0:
-                continue
             lm, rm = _mamba_block(lg, lids, "local", g), _mamba_block(rg, rids, "remote", g)
-            slots = _slots(regions, lists.mamba_pieces)
-            local_parts.append(lg.fa_part + slots * lg.num_logical_blocks + lm)
-            remote_parts.append(rg.fa_part + slots * rg.num_logical_blocks + rm)
-    empty = np.zeros(0, dtype=np.int64)
-    local_idx = np.concatenate(local_parts) if local_parts else empty
-    remote_idx = np.concatenate(remote_parts) if remote_parts else empty
+            parts.append((starts, np.array([lm], dtype=np.int64), np.array([rm], dtype=np.int64)))
+    total = sum(len(starts.local) * len(offsets) for starts, offsets, _ in parts)
+    local_idx = np.empty(total, dtype=np.int64)
+    remote_idx = np.empty(total, dtype=np.int64)
+    at = 0
+    for starts, local_off, remote_off in parts:
+        shape = (len(starts.local), len(local_off))
+        end = at + shape[0] * shape[1]
+        np.add(starts.local[:, None], local_off[None, :], out=local_idx[at:end].reshape(shape))
+        np.add(starts.remote[:, None], remote_off[None, :], out=remote_idx[at:end].reshape(shape))
+        at = end
     return local_idx, remote_idx

@@ -1,0 +1,142 @@
+"""The colocated baseline of `bench e2e`: one process that prefills and decodes, behind the same
+DecodeService.Generate API as the decode service, so the same client measures both setups.
+
+Same engine, same cache layout (decode's TP), same single compute thread for model calls,
+same streaming (the first token alone, then chunks of up to 16 tokens) and the same up-front
+allocation of prompt + max_tokens blocks as the decode service; no NIXL, no prefill peer.
+Prefill and decode steps of concurrent requests share the one compute thread, which is the
+interference disaggregation removes.
+
+    python -m shared.bench.colocated_server --model tiny-mamba2 --engine reference --tp 1 --num-blocks N
+
+prints `LISTENING port=N` (port 0 by default picks a free one) and serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+
+import grpc
+
+from shared.bench.sizing import blocks_per_group
+from shared.cache.allocator import BlockAllocator
+from shared.cache.model_views import RankViews
+from shared.cache.regions import RankCache
+from shared.engine.factory import ENGINE_KINDS, make_engine
+from shared.engine.protocol import Engine, RequestBlocks
+from shared.layout.hf_config import load_model
+from shared.layout.page import EngineLayout, build_engine_layout
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from shared.rpc.proto_time import duration
+from shared.rpc.server import build_server
+from shared.rpc.service import announce_port
+
+T = TypeVar("T")
+MAX_TOKENS_PER_CHUNK = 16  # as the decode service
+
+
+class ColocatedServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, layout: EngineLayout, engine: Engine, num_blocks: int) -> None:
+        self.layout = layout
+        self.engine = engine
+        self.allocator = BlockAllocator(num_blocks)
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="engine")
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+
+    def _allocate(self, key: str, num_tokens: int) -> RequestBlocks:
+        counts = blocks_per_group(self.layout, num_tokens)
+        ids = self.allocator.allocate(key, sum(counts))
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        return RequestBlocks(key, [ids[bounds[g] : bounds[g + 1]] for g in range(len(counts))])
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.monotonic()
+        prompt = list(request.prompt_token_ids)
+        if not prompt or request.max_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt_token_ids and max_tokens >= 1")
+        key = request.request_id or uuid.uuid4().hex
+        blocks = self._allocate(key, len(prompt) + request.max_tokens)
+        try:
+            computed = self.engine.num_prefill_tokens(len(prompt))
+            await self._run(lambda: self.engine.prefill(prompt, blocks))
+            prefill_seconds = time.monotonic() - started
+            decode = await self._run(lambda: self.engine.start_decode(prompt, computed, blocks, lambda n: blocks))
+            generated = 0
+            first_token_at: float | None = None
+            while generated < request.max_tokens:
+                n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
+                ids = await self._run(lambda: [decode.step() for _ in range(n)])
+                generated += len(ids)
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids))
+            yield pb.GenerateResponse(
+                summary=pb.GenerateSummary(
+                    request_id=key,
+                    prompt_token_count=len(prompt),
+                    generated_token_count=generated,
+                    finish_reason=pb.FINISH_REASON_LENGTH,
+                    prefill_duration=duration(prefill_seconds),
+                    time_to_first_token=duration((first_token_at or time.monotonic()) - started),
+                    total_duration=duration(time.monotonic() - started),
+                )
+            )
+        finally:
+            self.allocator.free(key)
+
+
+    async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the colocated benchmark server has no layout to share")
+        raise AssertionError("abort raises")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    spec = load_model(args.model)
+    layout = build_engine_layout(spec, args.tp, kernel_block_size=args.kernel_block_size)
+    caches = [RankCache(layout.num_regions, args.num_blocks, layout.page_bytes) for _ in range(args.tp)]
+    engine = make_engine(args.engine, layout, [RankViews(layout, c) for c in caches])
+    server = build_server()
+    pb_grpc.add_DecodeServiceServicer_to_server(ColocatedServicer(layout, engine, args.num_blocks), server)
+    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    announce_port(port)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-mamba2")
+    parser.add_argument("--engine", choices=ENGINE_KINDS, default="reference")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--num-blocks", type=int, required=True)
+    parser.add_argument("--kernel-block-size", type=int, default=16)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

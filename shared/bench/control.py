@@ -1,0 +1,230 @@
+"""`bench control`: the control-plane cost of one request with a tiny state.
+
+A real prefill service and a real decode service run in this process (grpc.aio on loopback,
+real NIXL agents over UCX, the real completion poller; uvloop like the services), with an
+engine that computes nothing (no_compute.py), so only the control plane is left. Per request,
+driven through the decode service's own pieces:
+
+  manifest   job over the Session stream -> manifest back (prefill: allocate, pin, reply)
+  allocate   decode allocates the request's blocks
+  read       decode_svc.reader.read_request: descriptor ids, one post per rank pair, polls to
+             DONE (the tiny READ's copy is part of it)
+    ids      of which: the read_indices calls alone (timed separately on the same manifest)
+  notified   READ done -> prefill received the NIXL notification and freed the blocks
+  free       decode frees its blocks
+  total      manifest + allocate + read + notified + free
+
+Also the whole Generate RPC (max_tokens 1) through the decode service's gRPC API, as a client
+sees it (its critical path does not wait for prefill's free).
+
+Baselines from the same run: `echo`, one round trip over a bare grpc.aio bidirectional stream in
+this process (the floor of `manifest`); `raw_read`, the same READ (identical descriptors, with
+a notification) between plain NIXL agents (the floor of `read`; raw_nixl.py).
+
+The service packages are imported here, inside the functions, on purpose: this is a harness
+that drives them; the library proper never imports a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from shared.bench.client import generate
+from shared.bench.echo import echo_round_trips
+from shared.bench.no_compute import NoComputeEngine
+from shared.bench.pairs import pair_lists, request_reads
+from shared.bench.progress import Progress
+from shared.bench.raw_nixl import RawReader, RawTarget
+from shared.bench.sizing import prefill_tokens, request_blocks
+from shared.bench.stats import Summary, json_number, ratio
+from shared.config import parse_settings
+from shared.layout.read_lists import read_indices
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+
+SCHEMA = "hybrid-pd.bench.control/v1"
+TARGET_MEDIAN_MS = 1.0
+NUM_BLOCKS = 64
+PHASES = ("manifest", "allocate", "read", "ids", "notified", "free", "total", "generate_rpc")
+BASELINES = ("echo", "raw_read")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    model: str = "tiny-mamba2"
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prompt_tokens: int = 8
+    requests: int = 200
+    warmup: int = 20
+
+
+async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
+    from decode_svc.app import DecodeApp
+    from decode_svc.reader import manifest_blocks, read_request
+    from prefill_svc.app import PrefillApp
+
+    base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(NUM_BLOCKS), "--log-level", "WARNING"]
+    prefill_settings = parse_settings(
+        "prefill", [*base, "--tp", str(cfg.prefill_tp), "--engine-id", "bench-control-prefill"], environ={}
+    )
+    prefill_app = await PrefillApp.start(prefill_settings, NoComputeEngine)
+    decode_app: Any = None
+    raw_target: RawTarget | None = None
+    raw_reader: RawReader | None = None
+    try:
+        decode_settings = parse_settings(
+            "decode",
+            [*base, "--tp", str(cfg.decode_tp), "--engine-id", "bench-control-decode", "--prefill", f"127.0.0.1:{prefill_app.port}"],
+            environ={},
+        )
+        decode_app = await DecodeApp.start(decode_settings, NoComputeEngine)
+        await decode_app.wait_ready(30)
+        host = decode_app.host
+        peer = decode_app.peers.pick()
+        session, link = peer.session, peer.link
+        owner = _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
+        prompt = list(range(1, cfg.prompt_tokens + 1))
+        samples: dict[str, list[float]] = {p: [] for p in (*PHASES, *BASELINES)}
+        raw_target = RawTarget(cfg.prefill_tp, prefill_app.host.layout.num_regions, prefill_app.host.layout.region_bytes(NUM_BLOCKS))
+        raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(NUM_BLOCKS))
+        tokens = prefill_tokens(host.spec, cfg.prompt_tokens)
+        raw_reads = [
+            raw_reader.prepare(r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.pair.lists.remote, r.local_idx, r.remote_idx)
+            for r in request_reads(
+                pair_lists(
+                    link.plan,
+                    local_bases=[raw_reader.bases(d) for d in range(cfg.decode_tp)],
+                    remote_bases=[t.bases for t in raw_target.ranks],
+                    local_num_blocks=NUM_BLOCKS,
+                    remote_num_blocks=NUM_BLOCKS,
+                ),
+                request_blocks(host.layout, cfg.prompt_tokens + 1),
+                request_blocks(prefill_app.host.layout, tokens),
+                tokens,
+            )
+        ]
+        total_rounds = cfg.warmup + cfg.requests
+        with Progress("bench control", 2 * total_rounds, enabled=show_progress) as progress:
+            for i in range(total_rounds):
+                rid = f"bench-control-{i}"
+                t0 = time.perf_counter()
+                manifest = await session.submit(rid, prompt, 30.0)
+                t1 = time.perf_counter()
+                pin = prefill_app.pins.lookup(owner, rid)
+                if pin is None or pin.watcher is None:
+                    raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
+                a0 = time.perf_counter()
+                local = host.allocate(rid, len(prompt) + 1)
+                t2 = time.perf_counter()
+                stats = await read_request(host, link, manifest, local, timeout=30.0)
+                t3 = time.perf_counter()
+                session.done_reading(rid)
+                await asyncio.shield(pin.watcher)
+                t4 = time.perf_counter()
+                host.free(rid)
+                t5 = time.perf_counter()
+                remote = manifest_blocks(link, manifest)
+                i0 = time.perf_counter()
+                for pair in link.pairs:
+                    read_indices(pair.lists, local.block_ids, remote, manifest.num_computed_tokens)
+                i1 = time.perf_counter()
+                raw_read = raw_reader.run(raw_reads, f"bench-control-raw-{i}".encode())
+                if i >= cfg.warmup:
+                    samples["raw_read"].append(raw_read)
+                    for name, value in (
+                        ("manifest", t1 - t0),
+                        ("allocate", t2 - a0),
+                        ("read", t3 - t2),
+                        ("ids", i1 - i0),
+                        ("notified", t4 - t3),
+                        ("free", t5 - t4),
+                        ("total", (t1 - t0) + (t2 - a0) + (t5 - t2)),
+                    ):
+                        samples[name].append(value)
+                progress.advance()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{decode_app.port}") as channel:
+                stub = pb_grpc.DecodeServiceStub(channel)
+                for i in range(total_rounds):
+                    timed = await generate(stub, prompt, 1, request_id=f"bench-control-rpc-{i}")
+                    if timed.error:
+                        raise RuntimeError(f"Generate failed: {timed.error}")
+                    if i >= cfg.warmup:
+                        samples["generate_rpc"].append(timed.done - timed.sent)
+                    progress.advance()
+            samples["echo"] = (await echo_round_trips(total_rounds))[cfg.warmup :]
+        leftover = prefill_app.host.allocator.num_used, host.allocator.num_used
+    finally:
+        if raw_reader is not None:
+            raw_reader.close()
+        if raw_target is not None:
+            raw_target.close()
+        if decode_app is not None:
+            await decode_app.stop()
+        await prefill_app.stop()
+    phases = {name: Summary.of(values).scaled(1e3).as_dict() for name, values in samples.items()}
+    total_median = phases["total"]["median"]
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": {
+            "model": cfg.model,
+            "prefill_tp": cfg.prefill_tp,
+            "decode_tp": cfg.decode_tp,
+            "prompt_tokens": cfg.prompt_tokens,
+            "requests": cfg.requests,
+            "warmup": cfg.warmup,
+            "engine": "no-compute",
+            "in_process": True,
+        },
+        "ms": phases,
+        "median_ms": total_median,
+        "p99_ms": phases["total"]["p99"],
+        "ratios": {
+            "manifest_vs_echo": json_number(ratio(phases["manifest"]["median"] or 0.0, phases["echo"]["median"] or 0.0)),
+            "read_vs_raw_read": json_number(ratio(phases["read"]["median"] or 0.0, phases["raw_read"]["median"] or 0.0)),
+        },
+        "target_median_ms": TARGET_MEDIAN_MS,
+        "met": total_median is not None and total_median <= TARGET_MEDIAN_MS,
+        "blocks_in_use_after": {"prefill": int(leftover[0]), "decode": int(leftover[1])},
+        "bytes_per_request": stats.total_bytes,
+        "descriptors_per_request": stats.descriptor_count,
+        "reads_per_request": stats.read_count,
+    }
+
+
+def _owner_key(prefill_app: Any, engine_id: str, incarnation: int) -> str:
+    """How the prefill service keys the pins of this decode engine (its handshaken incarnation)."""
+    peer = prefill_app.servicer.peers.get(engine_id, incarnation)
+    return str(peer.key) if peer is not None else engine_id
+
+
+def format_control(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"bench control: {c['model']}, prefill TP {c['prefill_tp']} -> decode TP {c['decode_tp']}, "
+        f"prompt {c['prompt_tokens']} tokens, {c['requests']} requests (+{c['warmup']} warm-up), services in this process",
+        "",
+        f"{'phase':<14} {'median ms':>10} {'p99 ms':>9} {'min ms':>9}",
+    ]
+    for name in (*PHASES, *BASELINES):
+        if name == "echo":
+            lines.append("baselines (same run):")
+        s = result["ms"][name]
+        label = f"  {name}" if name in ("ids", *BASELINES) else name
+        lines.append(f"{label:<14} {_f(s['median']):>10} {_f(s['p99']):>9} {_f(s['min']):>9}")
+    verdict = "met" if result["met"] else "missed"
+    r = result["ratios"]
+    lines += [
+        "",
+        f"manifest / echo = {_f(r['manifest_vs_echo'])}, read / raw_read = {_f(r['read_vs_raw_read'])}","", f"control-plane cost per request (total): median {_f(result['median_ms'])} ms, p99 {_f(result['p99_ms'])} ms "
+              f"(target median <= {result['target_median_ms']} ms: {verdict})"]
+    return "\n".join(lines)
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

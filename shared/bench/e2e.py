@@ -1,0 +1,360 @@
+"""`bench e2e`: time to first token, inter-token latency and tokens/s, disaggregated vs colocated.
+
+Both setups run side by side in the same run and get the same prompts at each concurrency
+level; each level's requests are cut into `interleave` parts run alternately on the two setups
+(drift on a shared machine hits both alike; wall and CPU time add up over a setup's parts):
+- disaggregated: a prefill and a decode service (local subprocesses, `--engine`),
+- colocated: colocated_server.py, the same engine prefilling and decoding in one process.
+Times are taken by the client (client.py). Throughput per core divides tokens/s by the cores
+the serving processes actually used (their CPU seconds over the level's wall time), so two
+processes are not credited with a core each they did not use. The generated tokens of both
+setups are compared request by request (`tokens_match`): the disaggregated path must not
+change them.
+
+The crossover (bytes moved against prompt length) comes from the layout math (crossover.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import grpc
+import numpy as np
+
+from shared.bench.client import Timed, generate, seconds
+from shared.bench.cpu import process_cpu_seconds
+from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
+from shared.bench.plotting import Chart, Series
+from shared.bench.progress import Progress
+from shared.bench.sizing import blocks_needed, prefill_tokens
+from shared.bench.stats import Summary, json_number, ratio
+from shared.cli.local_pair import LISTENING, LocalPair, start_pair
+from shared.layout.hf_config import load_model
+from shared.layout.page import build_engine_layout
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+
+SCHEMA = "hybrid-pd.bench.e2e/v1"
+TARGET_TTFT_RATIO = 1.10
+SETUPS = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    model: str = "tiny-mamba2"
+    engine: str = "reference"
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    prompt_tokens: int = 128
+    max_tokens: int = 32
+    requests_per_level: int = 0  # 0: max(4, 2 x concurrency)
+    warmup: int = 2  # unmeasured requests per setup before the first level
+    interleave: int = 2  # parts per level, alternating between the setups
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    kernel_block_size: int = 16
+    crossover_model: str = ""  # "": the same model
+    seed: int = 0
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.requests_per_level or max(4, 2 * concurrency)
+
+
+class Colocated:
+    """The colocated_server process."""
+
+    def __init__(self, args: Sequence[str], timeout: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "shared.bench.colocated_server", "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        output: list[str] = []
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("colocated server exited before listening:\n" + "".join(output[-20:]))
+            output.append(line)
+            match = LISTENING.search(line)
+            if match:
+                self.port = int(match.group(1))
+                break
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"colocated server did not listen within {timeout:.0f} s")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout or ()], daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@dataclass
+class LevelResult:
+    setup: str
+    concurrency: int
+    timings: list[Timed]
+    wall: float
+    cpu_seconds: float | None
+
+    def add(self, part: LevelResult) -> None:
+        """Fold in another part of the same level and setup."""
+        self.timings += part.timings
+        self.wall += part.wall
+        self.cpu_seconds = None if self.cpu_seconds is None or part.cpu_seconds is None else self.cpu_seconds + part.cpu_seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        ok = [t for t in self.timings if not t.error]
+        tokens = sum(len(t.token_ids) for t in ok)
+        rate = tokens / self.wall if self.wall > 0 else math.nan
+        cores = self.cpu_seconds / self.wall if self.cpu_seconds is not None and self.wall > 0 else math.nan
+        return {
+            "setup": self.setup,
+            "concurrency": self.concurrency,
+            "requests": len(self.timings),
+            "errors": [t.error for t in self.timings if t.error][:5],
+            "ttft_ms": Summary.of([t.ttft for t in ok if not math.isnan(t.ttft)]).scaled(1e3).as_dict(),
+            # TTFT minus the server-reported prefill time (job sent -> manifest, or the colocated
+            # prefill call): everything but the prefill compute, including the transfer.
+            "ttft_minus_prefill_ms": Summary.of(
+                [t.ttft - seconds(t.summary.prefill_duration) for t in ok if t.summary is not None and not math.isnan(t.ttft)]
+            ).scaled(1e3).as_dict(),
+            "prefill_ms": Summary.of([seconds(t.summary.prefill_duration) for t in ok if t.summary is not None]).scaled(1e3).as_dict(),
+            "itl_ms": Summary.of([t.itl for t in ok if not math.isnan(t.itl)]).scaled(1e3).as_dict(),
+            "tokens": tokens,
+            "wall_s": json_number(self.wall),
+            "tokens_per_s": json_number(rate),
+            "cpu_cores_used": json_number(cores),
+            "tokens_per_s_per_core": json_number(rate / cores if cores and not math.isnan(cores) else math.nan),
+        }
+
+
+def _parts(count: int, parts: int) -> list[range]:
+    """`count` request indices cut into at most `parts` consecutive, non-empty ranges."""
+    n = max(1, min(parts, count))
+    bounds = [round(i * count / n) for i in range(n + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _prompts(cfg: E2EConfig, vocab: int, count: int, level: int) -> list[list[int]]:
+    rng = np.random.default_rng([cfg.seed, level + 1])
+    return [rng.integers(0, vocab, cfg.prompt_tokens).tolist() for _ in range(count)]
+
+
+async def _level(
+    setup: str, address: str, pids: Sequence[int], prompts: list[list[int]], cfg: E2EConfig, concurrency: int, progress: Progress
+) -> LevelResult:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, stub: pb_grpc.DecodeServiceStub) -> Timed:
+        async with sem:
+            timed = await generate(stub, prompts[i], cfg.max_tokens)
+        progress.advance(1, f"{setup} c={concurrency}")
+        return timed
+
+    cpu_before = [process_cpu_seconds(p) for p in pids]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        started = time.perf_counter()
+        timings = await asyncio.gather(*(one(i, stub) for i in range(len(prompts))))
+        wall = time.perf_counter() - started
+    cpu_after = [process_cpu_seconds(p) for p in pids]
+    used: float | None = 0.0
+    for before, after in zip(cpu_before, cpu_after):
+        used = None if used is None or before is None or after is None else used + after - before
+    return LevelResult(setup, concurrency, list(timings), wall, used)
+
+
+async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
+    spec = load_model(cfg.model)
+    prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
+    decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
+    top = max(cfg.concurrency)
+    p_blocks = top * blocks_needed(prefill, prefill_tokens(spec, cfg.prompt_tokens)) + 1
+    d_blocks = top * blocks_needed(decode, cfg.prompt_tokens + cfg.max_tokens) + 1
+    common = ["--model", cfg.model, "--engine", cfg.engine, "--kernel-block-size", str(cfg.kernel_block_size)]
+    total = 2 * (cfg.warmup + sum(cfg.requests_at(c) for c in cfg.concurrency))
+    progress = Progress("bench e2e", total, enabled=show_progress)
+    progress.advance(0, "starting services")
+    pair: LocalPair = await start_pair(
+        [*common, "--tp", str(cfg.prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", "bench-e2e-prefill", "--log-level", "WARNING"],
+        [*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks), "--engine-id", "bench-e2e-decode", "--log-level", "WARNING"],
+    )
+    colocated: Colocated | None = None
+    levels: list[LevelResult] = []
+    try:
+        colocated = Colocated([*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks)])
+        disagg_pids = [pair.prefill.proc.pid, pair.decode.proc.pid]
+        if cfg.warmup:  # first requests pay for lazy initialisation (torch, wire-up): not measured
+            warm = _prompts(cfg, spec.vocab_size, cfg.warmup, -1)
+            await _level("disaggregated", pair.decode.address, disagg_pids, warm, cfg, 1, progress)
+            await _level("colocated", colocated.address, [colocated.proc.pid], warm, cfg, 1, progress)
+        for level, c in enumerate(cfg.concurrency):
+            prompts = _prompts(cfg, spec.vocab_size, cfg.requests_at(c), level)
+            results = {setup: LevelResult(setup, c, [], 0.0, 0.0) for setup in SETUPS}
+            for part in _parts(len(prompts), cfg.interleave):
+                for setup, address, pids in (
+                    ("disaggregated", pair.decode.address, disagg_pids),
+                    ("colocated", colocated.address, [colocated.proc.pid]),
+                ):
+                    results[setup].add(await _level(setup, address, pids, [prompts[i] for i in part], cfg, c, progress))
+            levels += results.values()
+    finally:
+        progress.finish()
+        if colocated is not None:
+            colocated.stop()
+        pair.stop()
+    cross_spec = load_model(cfg.crossover_model or cfg.model)
+    crossover = bytes_by_prompt_length(
+        build_engine_layout(cross_spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size),
+        build_engine_layout(cross_spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size),
+        DEFAULT_LENGTHS,
+    )
+    return build_e2e_result(cfg, levels, crossover.as_dict(), command)
+
+
+def build_e2e_result(cfg: E2EConfig, levels: list[LevelResult], crossover: dict[str, Any], command: str) -> dict[str, Any]:
+    rows = [lv.as_dict() for lv in levels]
+    by_level: dict[int, dict[str, LevelResult]] = {}
+    for lv in levels:
+        by_level.setdefault(lv.concurrency, {})[lv.setup] = lv
+    comparisons = []
+    for c, pair in sorted(by_level.items()):
+        if len(pair) < 2:
+            continue
+        d, col = pair["disaggregated"].as_dict(), pair["colocated"].as_dict()
+        same = [a.token_ids == b.token_ids for a, b in zip(pair["disaggregated"].timings, pair["colocated"].timings)]
+        comparisons.append(
+            {
+                "concurrency": c,
+                "ttft_ratio": json_number(ratio(d["ttft_ms"]["median"] or math.nan, col["ttft_ms"]["median"] or math.nan)),
+                "itl_ratio": json_number(ratio(d["itl_ms"]["median"] or math.nan, col["itl_ms"]["median"] or math.nan)),
+                "tokens_per_s_ratio": json_number(ratio(d["tokens_per_s"] or math.nan, col["tokens_per_s"] or math.nan)),
+                "tokens_per_s_per_core_ratio": json_number(
+                    ratio(d["tokens_per_s_per_core"] or math.nan, col["tokens_per_s_per_core"] or math.nan)
+                ),
+                "tokens_match": f"{sum(same)}/{len(same)}",
+            }
+        )
+    first = comparisons[0] if comparisons else None
+    first_ratio = first["ttft_ratio"] if first else None
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": asdict(cfg) | {"concurrency": list(cfg.concurrency)},
+        "levels": rows,
+        "comparisons": comparisons,
+        "target": {
+            "ttft_ratio_at_most": TARGET_TTFT_RATIO,
+            "at_concurrency": first["concurrency"] if first else None,
+            "value": first_ratio,
+            "met": isinstance(first_ratio, float) and first_ratio <= TARGET_TTFT_RATIO,
+        },
+        "crossover": crossover,
+    }
+
+
+def e2e_charts(result: dict[str, Any]) -> list[tuple[str, Chart]]:
+    """(file tag, chart): throughput per core, TTFT and ITL against concurrency; bytes against prompt length."""
+    c = result["config"]
+
+    def series(key: str, sub: str | None = None) -> list[Series]:
+        out = []
+        for setup in SETUPS:
+            rows = [r for r in result["levels"] if r["setup"] == setup]
+            ys = [_nan(r[key][sub] if sub else r[key]) for r in rows]
+            out.append(Series(setup, [r["concurrency"] for r in rows], ys))
+        return out
+
+    x = result["crossover"]
+    lengths = x["prompt_tokens"]
+    what = f"{c['model']}, {c['engine']} engine, {c['prompt_tokens']}-token prompts"
+    return [
+        ("throughput", Chart(f"Tokens/s per core used ({what})", "concurrency", "tokens/s per core",
+                             series("tokens_per_s_per_core"), log2_x=True)),
+        ("ttft", Chart(f"Time to first token, median ({what})", "concurrency", "ms", series("ttft_ms", "median"), log2_x=True)),
+        ("itl", Chart(f"Inter-token latency, median ({what})", "concurrency", "ms", series("itl_ms", "median"), log2_x=True)),
+        ("crossover", Chart(
+            f"Bytes moved per request ({c['crossover_model'] or c['model']}, TP {c['prefill_tp']}->{c['decode_tp']})",
+            "prompt tokens", "MB",
+            [
+                Series("attention K/V", lengths, [v / 1e6 for v in x["fa_bytes"]]),
+                Series("conv + SSM state", lengths, [(a + b) / 1e6 for a, b in zip(x["conv_bytes"], x["ssm_bytes"])]),
+                Series("total", lengths, [v / 1e6 for v in x["total_bytes"]]),
+            ],
+            log2_x=True,
+            log10_y=True,
+        )),
+    ]  # fmt: skip
+
+
+def _nan(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def format_e2e(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"bench e2e: {c['model']} ({c['engine']} engine), prefill TP {c['prefill_tp']} -> decode TP {c['decode_tp']}, "
+        f"prompt {c['prompt_tokens']} tokens, {c['max_tokens']} new tokens per request",
+        "",
+        f"{'setup':<14} {'conc':>4} {'reqs':>4} {'TTFT p50 ms':>11} {'TTFT p99':>9} {'-prefill':>9} {'ITL p50 ms':>10} "
+        f"{'tok/s':>8} {'cores':>6} {'tok/s/core':>10}",
+    ]
+    for r in result["levels"]:
+        lines.append(
+            f"{r['setup']:<14} {r['concurrency']:>4} {r['requests']:>4} {_f(r['ttft_ms']['median'], 1):>11} "
+            f"{_f(r['ttft_ms']['p99'], 1):>9} {_f(r['ttft_minus_prefill_ms']['median'], 1):>9} "
+            f"{_f(r['itl_ms']['median'], 2):>10} {_f(r['tokens_per_s'], 1):>8} "
+            f"{_f(r['cpu_cores_used'], 2):>6} {_f(r['tokens_per_s_per_core'], 1):>10}"
+            + (f"  errors: {r['errors']}" if r["errors"] else "")
+        )
+    lines.append("(-prefill: median TTFT minus the server-reported prefill time: transfer, control plane, first decode step)")
+    lines += ["", f"{'conc':>4} {'TTFT d/c':>9} {'ITL d/c':>8} {'tok/s d/c':>10} {'tok/s/core d/c':>15} {'same tokens':>12}"]
+    for cmp in result["comparisons"]:
+        lines.append(
+            f"{cmp['concurrency']:>4} {_f(cmp['ttft_ratio'], 3):>9} {_f(cmp['itl_ratio'], 3):>8} {_f(cmp['tokens_per_s_ratio'], 3):>10} "
+            f"{_f(cmp['tokens_per_s_per_core_ratio'], 3):>15} {cmp['tokens_match']:>12}"
+        )
+    t = result["target"]
+    x = result["crossover"]
+    lines += [
+        "",
+        f"TTFT disaggregated / colocated at concurrency {t['at_concurrency']}: {_f(t['value'], 3)} "
+        f"(target <= {t['ttft_ratio_at_most']}: {'met' if t['met'] else 'missed'})",
+        f"bytes moved: FA grows with the prompt, conv + SSM do not; FA reaches conv + SSM at ~"
+        f"{_f(x['crossover_estimate_tokens'], 0)} prompt tokens ({c['crossover_model'] or c['model']})",
+    ]
+    return "\n".join(lines)
+
+
+def _f(value: Any, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """"1,2,4,8" -> (1, 2, 4, 8); each level >= 1, no repeats, kept in the order given."""
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts:
+        raise ValueError("give at least one concurrency level")
+    levels = tuple(int(p) for p in parts)
+    if any(v < 1 for v in levels):
+        raise ValueError("concurrency levels must be >= 1")
+    if len(set(levels)) != len(levels):
+        raise ValueError("concurrency levels repeat")
+    return levels

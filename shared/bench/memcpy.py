@@ -1,0 +1,27 @@
+"""The memory-bandwidth limit: one torch copy of the same number of bytes, in one process, on
+one thread (NIXL/cma is one copy by one thread per READ too). Both buffers are written first,
+so the copy never pays for page faults."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class CopyBaseline:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        self._dst = torch.empty(nbytes, dtype=torch.uint8).zero_()
+
+    def run(self) -> float:
+        """Seconds for one single-threaded copy of `nbytes`."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            started = time.perf_counter()
+            self._dst.copy_(self._src)
+            return time.perf_counter() - started
+        finally:
+            torch.set_num_threads(threads)

@@ -1,0 +1,38 @@
+"""An engine that computes nothing: prefill writes no bytes, decode steps return token 0.
+
+For `bench control`: with it a request costs only the control plane (Session messages, block
+allocation, descriptor ids, the READ of a tiny state, notification, frees), so that cost is
+measured alone. The bytes a READ moves are whatever the blocks held.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from shared.cache.regions import RankCache
+from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.layout.page import EngineLayout
+
+
+class _NoComputeSession:
+    def step(self) -> int:
+        return 0
+
+
+class NoComputeEngine:
+    def __init__(self, layout: EngineLayout, caches: Sequence[RankCache] = ()) -> None:
+        self.spec = layout.spec
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        return None
+
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+    ) -> DecodeSession:
+        return _NoComputeSession()
+
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        return []

@@ -1,0 +1,89 @@
+"""The process the raw NIXL baselines read from: plain agents, nothing of ours in between.
+
+`python -m shared.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
+NIXL agents (no progress thread, as the services run them), registers R pre-faulted regions of
+B bytes with each, prints one JSON line (`ranks`: name, metadata as hex, region base
+addresses), then pumps every agent's notifications about every millisecond (the target side
+of a READ must progress UCX: wire-up answers, notifications) until its stdin closes.
+
+A `rewrite` line on stdin rewrites every region with new bytes and answers `ok`: like a
+prefill engine that has just written a request's state, so a baseline READ finds its source
+freshly written, as ours does (re-reading untouched memory measured a few % faster here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from shared.transport.nixl_env import load_nixl
+
+PUMP_SECONDS = 0.001
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--regions", type=int, required=True)
+    parser.add_argument("--region-bytes", type=int, required=True)
+    parser.add_argument("--name", default="bench-raw-target")
+    args = parser.parse_args(argv)
+    api = load_nixl()
+    agents: list[Any] = []
+    regions: list[list[torch.Tensor]] = []
+    registrations: list[Any] = []
+    for rank in range(args.ranks):
+        agent = api.nixl_agent(f"{args.name}-r{rank}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # Written, not just allocated: a READ of never-touched pages would copy the zero page.
+        tensors = [torch.empty(args.region_bytes, dtype=torch.uint8).fill_(rank + 1) for _ in range(args.regions)]
+        registrations.append(agent.register_memory(tensors))
+        agents.append(agent)
+        regions.append(tensors)
+    ranks = [
+        {
+            "name": f"{args.name}-r{rank}",
+            "metadata": bytes(agent.get_agent_metadata()).hex(),
+            "bases": [t.data_ptr() for t in regions[rank]],
+        }
+        for rank, agent in enumerate(agents)
+    ]
+    sys.stdout.write(json.dumps({"ranks": ranks}) + "\n")
+    sys.stdout.flush()
+    commands: queue.Queue[str] = queue.Queue()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            commands.put(line.strip())
+        commands.put("quit")
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    value = 1
+    while True:
+        try:
+            command = commands.get(timeout=PUMP_SECONDS)
+        except queue.Empty:
+            command = ""
+        if command == "quit":
+            break
+        if command == "rewrite":
+            value = value % 250 + 1
+            for tensors in regions:
+                for t in tensors:
+                    t.fill_(value)
+            sys.stdout.write("ok\n")
+            sys.stdout.flush()
+        for agent in agents:
+            agent.get_new_notifs()
+    for agent, reg in zip(agents, registrations):
+        agent.deregister_memory(reg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Bytes of one READ by section (FA, conv, SSM), from its local descriptor ids.
+
+Same rule as the decode service's accounting: ids below the FA part are attention K/V; in the
+Mamba part the piece index says conv section or SSM state (the SSM piece is last, when this
+source provides SSM rows at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.layout.plan import SourceRead
+from shared.layout.read_lists import ReadLists
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SectionBytes:
+    fa: int = 0
+    conv: int = 0
+    ssm: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.fa + self.conv + self.ssm
+
+    def __add__(self, other: SectionBytes) -> SectionBytes:
+        return SectionBytes(self.fa + other.fa, self.conv + other.conv, self.ssm + other.ssm)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"fa": self.fa, "conv": self.conv, "ssm": self.ssm, "total": self.total}
+
+
+def section_bytes(lists: ReadLists, read: SourceRead, local_idx: IntArray) -> SectionBytes:
+    lengths = lists.local[local_idx, 1]
+    fa_part = lists.local_geometry.fa_part
+    is_fa = local_idx < fa_part
+    fa = int(lengths[is_fa].sum())
+    if not lists.mamba_pieces:
+        return SectionBytes(fa=fa)
+    piece = ((local_idx[~is_fa] - fa_part) // lists.local_geometry.num_logical_blocks) % lists.mamba_pieces
+    is_ssm = piece == lists.mamba_pieces - 1 if read.ssm is not None else np.zeros(piece.shape, dtype=bool)
+    mamba = lengths[~is_fa]
+    return SectionBytes(fa=fa, conv=int(mamba[~is_ssm].sum()), ssm=int(mamba[is_ssm].sum()))

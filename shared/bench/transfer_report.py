@@ -1,0 +1,161 @@
+"""The result of `bench transfer` as JSON (schema `hybrid-pd.bench.transfer/v1`) and as a table.
+
+Pure: built from byte counts, descriptor counts and the seconds measured per round. Every
+GB/s figure is bytes / median seconds; every ratio compares two figures of the same run. The
+`*_paired` ratios are the median over rounds of (baseline seconds / our seconds) in the same
+round: less sensitive to drift across the run than the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from shared.bench.sections import SectionBytes
+from shared.bench.stats import Summary, gbps, json_number, median, ratio
+
+SCHEMA = "hybrid-pd.bench.transfer/v1"
+TARGET_VS_RAW_NIXL = 0.95
+TARGET_VS_RAW_NIXL_COALESCED = 0.85
+
+# key in `seconds` -> row label
+METHODS: dict[str, str] = {
+    "ours": "ours (services, GenerateSummary.read_duration)",
+    "raw_nixl": "(a) raw NIXL, identical descriptors",
+    "raw_nixl_coalesced": "(b) raw NIXL, one descriptor per region",
+    "memcpy": "(c) torch copy, 1 thread, same bytes",
+}
+
+
+@dataclass
+class TransferSamples:
+    """Seconds per measured round, for each method (same rounds, interleaved)."""
+
+    ours: list[float] = field(default_factory=list)
+    raw_nixl: list[float] = field(default_factory=list)
+    raw_nixl_coalesced: list[float] = field(default_factory=list)
+    memcpy: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+
+    def of(self, method: str) -> list[float]:
+        values: list[float] = getattr(self, method)
+        return values
+
+
+def paired_ratio(ours: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over rounds of baseline time / our time (= our GB/s over the baseline's, per round)."""
+    return median([b / o for o, b in zip(ours, baseline) if o > 0])
+
+
+def build_result(
+    *,
+    config: dict[str, Any],
+    sections: SectionBytes,
+    descriptors: dict[str, int],
+    reads: int,
+    samples: TransferSamples,
+    descriptor_set_matches: bool,
+    command: str,
+) -> dict[str, Any]:
+    total = sections.total
+    rates = {m: gbps(total, Summary.of(samples.of(m)).median) for m in METHODS}
+    ours = rates["ours"]
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": command,
+        "config": config,
+        "bytes": sections.as_dict(),
+        "descriptors": descriptors,
+        "reads": reads,
+        "descriptor_set_matches": descriptor_set_matches,
+        "gbps": json_number(ours),
+        "raw_nixl_gbps": json_number(rates["raw_nixl"]),
+        "raw_nixl_coalesced_gbps": json_number(rates["raw_nixl_coalesced"]),
+        "memcpy_gbps": json_number(rates["memcpy"]),
+        "ratio_vs_raw_nixl": json_number(ratio(ours, rates["raw_nixl"])),
+        "ratio_vs_raw_nixl_coalesced": json_number(ratio(ours, rates["raw_nixl_coalesced"])),
+        "ratio_vs_memcpy": json_number(ratio(ours, rates["memcpy"])),
+        "raw_nixl_vs_memcpy": json_number(ratio(rates["raw_nixl"], rates["memcpy"])),
+        "raw_nixl_coalesced_vs_memcpy": json_number(ratio(rates["raw_nixl_coalesced"], rates["memcpy"])),
+        "ratio_vs_raw_nixl_paired": json_number(paired_ratio(samples.ours, samples.raw_nixl)),
+        "ratio_vs_raw_nixl_coalesced_paired": json_number(paired_ratio(samples.ours, samples.raw_nixl_coalesced)),
+        "ratio_vs_memcpy_paired": json_number(paired_ratio(samples.ours, samples.memcpy)),
+        "seconds": {m: Summary.of(samples.of(m)).as_dict() for m in METHODS},
+        "ttft_ms": Summary.of(samples.ttft).scaled(1e3).as_dict(),
+        "prefill_ms": Summary.of(samples.prefill).scaled(1e3).as_dict(),
+        "samples_seconds": {m: [json_number(s, 5) for s in samples.of(m)] for m in METHODS},
+    }
+    result["targets"] = {
+        "ratio_vs_raw_nixl": _target(result["ratio_vs_raw_nixl"], TARGET_VS_RAW_NIXL),
+        "ratio_vs_raw_nixl_coalesced": _target(result["ratio_vs_raw_nixl_coalesced"], TARGET_VS_RAW_NIXL_COALESCED),
+    }
+    return result
+
+
+def _target(value: float | None, at_least: float) -> dict[str, Any]:
+    return {"at_least": at_least, "value": value, "met": value is not None and value >= at_least}
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    c, b, d = result["config"], result["bytes"], result["descriptors"]
+    lines = [
+        f"bench transfer: {c['model']}, prefill TP {c['prefill_tp']} -> decode TP {c['decode_tp']}, "
+        f"prompt {c['prompt_tokens']} tokens ({c['transferred_tokens']} transferred), "
+        f"{c['requests']} requests (+{c['warmup']} warm-up)",
+        f"bytes per request: FA {_mb(b['fa'])}, conv {_mb(b['conv'])}, SSM {_mb(b['ssm'])}, total {_mb(b['total'])} "
+        f"in {result['reads']} READ(s)",
+        "",
+        f"{'method':<48} {'descriptors':>11} {'median ms':>10} {'p99 ms':>8} {'GB/s':>7} {'ours/this':>10}",
+    ]
+    rates = {
+        "ours": result["gbps"],
+        "raw_nixl": result["raw_nixl_gbps"],
+        "raw_nixl_coalesced": result["raw_nixl_coalesced_gbps"],
+        "memcpy": result["memcpy_gbps"],
+    }
+    for method, label in METHODS.items():
+        s = result["seconds"][method]
+        rate = rates[method]
+        mine = result["gbps"]
+        rel = None if rate in (None, 0) or mine is None else mine / rate
+        med = None if s["median"] is None else s["median"] * 1e3
+        p99 = None if s["p99"] is None else s["p99"] * 1e3
+        lines.append(
+            f"{label:<48} {_num(d.get(method), 'd'):>11} {_num(med, '.2f'):>10} {_num(p99, '.2f'):>8} "
+            f"{_num(rate, '.2f'):>7} {_num(rel, '.3f'):>10}"
+        )
+    t = result["targets"]
+    lines += [
+        "",
+        f"ours / (a) = {_num(result['ratio_vs_raw_nixl'], '.3f')} (target >= {TARGET_VS_RAW_NIXL}: "
+        f"{'met' if t['ratio_vs_raw_nixl']['met'] else 'missed'}); "
+        f"ours / (b) = {_num(result['ratio_vs_raw_nixl_coalesced'], '.3f')} (target >= {TARGET_VS_RAW_NIXL_COALESCED}: "
+        f"{'met' if t['ratio_vs_raw_nixl_coalesced']['met'] else 'missed'}); "
+        f"ours / (c) = {_num(result['ratio_vs_memcpy'], '.3f')}; (a) / (c) = {_num(result['raw_nixl_vs_memcpy'], '.3f')}",
+        f"paired per round (median of baseline time / our time): ours / (a) = {_num(result['ratio_vs_raw_nixl_paired'], '.3f')}, "
+        f"ours / (b) = {_num(result['ratio_vs_raw_nixl_coalesced_paired'], '.3f')}, ours / (c) = {_num(result['ratio_vs_memcpy_paired'], '.3f')}",
+        f"TTFT median {_num(result['ttft_ms']['median'], '.1f')} ms, prefill median {_num(result['prefill_ms']['median'], '.1f')} ms",
+    ]
+    if not result["descriptor_set_matches"]:
+        lines.append(
+            "WARNING: the services' byte or descriptor counts differ from the rebuilt descriptor set; "
+            "(a) and (b) may not move the same bytes"
+        )
+    return "\n".join(lines)
+
+
+def chart_rows(result: dict[str, Any]) -> tuple[Sequence[str], Sequence[float]]:
+    """(labels, GB/s) for a bar chart."""
+    labels = ["ours", "(a) raw NIXL", "(b) 1 desc/region", "(c) memcpy"]
+    keys = ["gbps", "raw_nixl_gbps", "raw_nixl_coalesced_gbps", "memcpy_gbps"]
+    return labels, [math.nan if result[k] is None else float(result[k]) for k in keys]

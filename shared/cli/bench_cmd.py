@@ -1,0 +1,302 @@
+"""`hybrid-pd bench`: measurements, each against a baseline measured in the same run.
+
+  transfer   our READ path (real services, synthetic engine at real-model sizes) against a raw
+             NIXL READ of the identical descriptors, a raw NIXL READ of the same bytes with one
+             descriptor per region, and a single-threaded memcpy of the same bytes
+  control    control-plane cost of one request with a tiny state (median and p99)
+  e2e        TTFT, inter-token latency and tokens/s, disaggregated vs colocated, per concurrency
+  descids    micro-benchmark of per-request descriptor ids (read_indices) for 100k blocks
+
+Tables go to stdout, progress to stderr; --json prints one JSON object instead (a `schema` key
+names its shape). Every flag can also come from the environment: HYBRID_PD_<FLAG>. Exit code 0
+when the benchmark ran (targets met or not: they are reported, not enforced), 1 when it could
+not run, 2 for invalid arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any, Callable, Coroutine, Sequence
+
+from shared.config import ENV_PREFIX
+
+DESCRIPTION = __doc__
+
+
+def _env(flag: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + flag.upper().replace("-", "_"), default)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    from shared.bench.e2e import parse_levels
+
+    try:
+        return parse_levels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
+    """A flag whose default can come from HYBRID_PD_<FLAG> (parsed by `type` like a typed value)."""
+    env = ENV_PREFIX + flag.upper().replace("-", "_")
+    shown = "" if default is None else f"; default {default}"
+    p.add_argument(f"--{flag}", default=_env(flag, default), help=f"{help} (env {env}{shown})", **kw)
+
+
+def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    if plot:
+        _add(p, "plot", None, "write a chart here (PNG needs matplotlib; otherwise an SVG is written next to it)", metavar="FILE")
+
+
+def _command(name: str, args: argparse.Namespace, flags: Sequence[str]) -> str:
+    """The command line reproducing this run, every value spelled out."""
+    parts = ["hybrid-pd", "bench", name]
+    for flag in flags:
+        value = getattr(args, flag.replace("-", "_"))
+        if isinstance(value, bool):
+            if value:
+                parts.append(f"--{flag}")
+        elif isinstance(value, (tuple, list)):
+            parts += [f"--{flag}", ",".join(str(v) for v in value)]
+        elif value is not None:
+            parts += [f"--{flag}", str(value)]
+    return " ".join(parts)
+
+
+def _run_async(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any], table: str, chart: Callable[[], list[tuple[str, Any]]] | None) -> int:
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table)
+    if chart is not None and getattr(args, "plot", None):
+        from shared.bench.plotting import save
+
+        for path, figure in chart():
+            written, note = save(figure, path)
+            print(note or f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as e:  # a benchmark that cannot run says why, in one line
+            print(f"hybrid-pd bench {args.bench_command}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+# ---- transfer ----
+
+TRANSFER_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "kernel-block-size", "check-state")
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    from shared.bench.plotting import Chart, Series
+    from shared.bench.transfer import TransferConfig, run_transfer
+    from shared.bench.transfer_report import chart_rows, format_table
+
+    cfg = TransferConfig(
+        model=args.model,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prompt_tokens=args.prompt_tokens,
+        requests=args.requests,
+        warmup=args.warmup,
+        kernel_block_size=args.kernel_block_size,
+        check_state=args.check_state,
+    )
+    result = _run_async(run_transfer(cfg, command=_command("transfer", args, TRANSFER_FLAGS), show_progress=not args.no_progress))
+
+    def chart() -> list[tuple[str, Any]]:
+        labels, values = chart_rows(result)
+        title = f"READ throughput, {cfg.model} TP {cfg.prefill_tp}->{cfg.decode_tp}, {cfg.prompt_tokens}-token prompt"
+        return [(args.plot, Chart(title, "", "GB/s", [Series("GB/s", list(range(len(values))), values)], kind="bar", categories=labels))]
+
+    return _finish(args, result, format_table(result), chart)
+
+
+# ---- control ----
+
+CONTROL_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup")
+
+
+def _control(args: argparse.Namespace) -> int:
+    from shared.bench.control import ControlConfig, format_control, run_control
+
+    cfg = ControlConfig(
+        model=args.model,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prompt_tokens=args.prompt_tokens,
+        requests=args.requests,
+        warmup=args.warmup,
+    )
+    result = _run_async(run_control(cfg, command=_command("control", args, CONTROL_FLAGS), show_progress=not args.no_progress))
+    return _finish(args, result, format_control(result), None)
+
+
+# ---- e2e ----
+
+E2E_FLAGS = (
+    "model", "engine", "concurrency", "prompt-tokens", "max-tokens", "requests-per-level", "warmup", "interleave",
+    "prefill-tp", "decode-tp", "crossover-model",
+)  # fmt: skip
+
+
+def _e2e(args: argparse.Namespace) -> int:
+    from shared.bench.e2e import E2EConfig, e2e_charts, format_e2e, run_e2e
+    from shared.bench.plotting import sibling
+
+    cfg = E2EConfig(
+        model=args.model,
+        engine=args.engine,
+        concurrency=args.concurrency,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        requests_per_level=args.requests_per_level,
+        warmup=args.warmup,
+        interleave=args.interleave,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        crossover_model=args.crossover_model or "",
+    )
+    result = _run_async(run_e2e(cfg, command=_command("e2e", args, E2E_FLAGS), show_progress=not args.no_progress))
+
+    def chart() -> list[tuple[str, Any]]:
+        return [(str(sibling(args.plot, tag)), figure) for tag, figure in e2e_charts(result)]
+
+    return _finish(args, result, format_e2e(result), chart)
+
+
+# ---- descids ----
+
+DESCIDS_FLAGS = ("model", "blocks", "prefill-tp", "decode-tp", "kernel-block-size", "repeat")
+
+
+def _descids(args: argparse.Namespace) -> int:
+    from shared.bench.descids import DescIdsConfig, format_descids, run_descids
+
+    cfg = DescIdsConfig(
+        model=args.model,
+        blocks=args.blocks,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        kernel_block_size=args.kernel_block_size,
+        repeat=args.repeat,
+    )
+    result = run_descids(cfg, command=_command("descids", args, DESCIDS_FLAGS))
+    return _finish(args, result, format_descids(result), None)
+
+
+def register(subparsers: Any) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: transfer, control, e2e, descids", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+
+    def tp_flags(p: argparse.ArgumentParser) -> None:
+        _add(p, "prefill-tp", 1, "prefill TP size", type=_positive, metavar="P")
+        _add(p, "decode-tp", 1, "decode TP size", type=_positive, metavar="D")
+
+    t = sub.add_parser("transfer", help="our READ path vs raw NIXL and memcpy (real services, real-model sizes)",
+                       description=_doc("shared.bench.transfer"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add(t, "model", "nemotron-3-nano-30b-a3b", "model preset or config.json path", metavar="PRESET")
+    tp_flags(t)
+    _add(t, "prompt-tokens", 2048, "prompt length N (N - 1 tokens are transferred for SSM models)", type=_positive, metavar="N")
+    _add(t, "requests", 10, "measured requests (each interleaved with one round of every baseline)", type=_positive, metavar="K")
+    _add(t, "warmup", 1, "unmeasured rounds first (connection wire-up, first-touch)", type=_non_negative, metavar="N")
+    _add(t, "kernel-block-size", 16, "attention kernel block size, both sides", type=_positive, metavar="TOKENS")
+    t.add_argument("--check-state", action="store_true",
+                   help="decode verifies every transferred byte (slower requests; READ time unchanged)")
+    _common(t)
+    t.set_defaults(func=_guarded(_transfer))
+
+    c = sub.add_parser("control", help="control-plane cost of one request with a tiny state",
+                       description=_doc("shared.bench.control"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add(c, "model", "tiny-mamba2", "model preset (a tiny one keeps the state tiny)", metavar="PRESET")
+    tp_flags(c)
+    _add(c, "prompt-tokens", 8, "prompt length", type=_positive, metavar="N")
+    _add(c, "requests", 200, "measured requests", type=_positive, metavar="K")
+    _add(c, "warmup", 20, "unmeasured requests first", type=_non_negative, metavar="N")
+    _common(c, plot=False)
+    c.set_defaults(func=_guarded(_control))
+
+    e = sub.add_parser("e2e", help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
+                       description=_doc("shared.bench.e2e"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add(e, "model", "tiny-mamba2", "model preset", metavar="PRESET")
+    _add(e, "engine", "reference", "reference (tiny models, real math) or synthetic (real-model sizes, no math)",
+         choices=("reference", "synthetic"))
+    _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
+    _add(e, "prompt-tokens", 128, "prompt length (2048 for the TTFT target; the reference engine takes seconds per prompt)",
+         type=_positive, metavar="N")
+    _add(e, "max-tokens", 32, "tokens generated per request", type=_positive, metavar="N")
+    _add(e, "requests-per-level", 0, "requests per level and setup (0: max(4, 2 x concurrency))", type=_non_negative, metavar="K")
+    _add(e, "warmup", 2, "unmeasured requests per setup before the first level", type=_non_negative, metavar="N")
+    _add(e, "interleave", 2, "parts per level, run alternately on the two setups (= requests: one by one)",
+         type=_positive, metavar="N")
+    tp_flags(e)
+    _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
+    _common(e)
+    e.set_defaults(func=_guarded(_e2e))
+
+    d = sub.add_parser("descids", help="micro-benchmark of per-request descriptor ids (read_indices)",
+                       description=_doc("shared.bench.descids"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add(d, "model", "nemotron-3-nano-30b-a3b", "model preset", metavar="PRESET")
+    _add(d, "blocks", 100_000, "kernel blocks of the request, in every attention group", type=_positive, metavar="B")
+    tp_flags(d)
+    _add(d, "kernel-block-size", 16, "attention kernel block size, both sides", type=_positive, metavar="TOKENS")
+    _add(d, "repeat", 30, "timed calls", type=_positive, metavar="N")
+    _common(d, plot=False)
+    d.set_defaults(func=_guarded(_descids))
+
+
+def _doc(module: str) -> str:
+    """A module's docstring as a subcommand's description, without importing torch or NIXL for --help."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ""
+    import ast
+
+    with open(spec.origin) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""

@@ -1,0 +1,71 @@
+"""`hybrid-pd bench`: subcommands, flags, JSON output of the pure micro-benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from shared.bench.descids import SCHEMA as DESCIDS_SCHEMA
+from shared.bench.e2e import parse_levels
+from shared.cli import bench_cmd
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybrid-pd")
+    bench_cmd.register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_every_benchmark_has_a_handler_and_defaults() -> None:
+    p = parser()
+    for name in ("transfer", "control", "e2e", "descids"):
+        args = p.parse_args(["bench", name])
+        assert callable(args.func)
+    t = p.parse_args(["bench", "transfer", "--model", "qwen3.5-0.8b", "--prefill-tp", "2", "--decode-tp", "4", "--prompt-tokens", "512"])
+    assert (t.model, t.prefill_tp, t.decode_tp, t.prompt_tokens, t.requests) == ("qwen3.5-0.8b", 2, 4, 512, 10)
+    e = p.parse_args(["bench", "e2e", "--concurrency", "1,4,16"])
+    assert e.concurrency == (1, 4, 16)
+    assert p.parse_args(["bench", "e2e"]).concurrency == (1, 2, 4, 8)
+
+
+def test_env_gives_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRID_PD_PROMPT_TOKENS", "333")
+    monkeypatch.setenv("HYBRID_PD_CONCURRENCY", "2,8")
+    p = parser()
+    assert p.parse_args(["bench", "transfer"]).prompt_tokens == 333
+    assert p.parse_args(["bench", "transfer", "--prompt-tokens", "7"]).prompt_tokens == 7  # the flag wins
+    assert p.parse_args(["bench", "e2e"]).concurrency == (2, 8)
+
+
+@pytest.mark.parametrize("bad", [["e2e", "--concurrency", "0,2"], ["e2e", "--concurrency", "2,2"], ["transfer", "--requests", "0"]])
+def test_invalid_values_exit_2(bad: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["bench", *bad])
+    assert e.value.code == 2
+
+
+def test_parse_levels() -> None:
+    assert parse_levels("1, 2 4") == (1, 2, 4)
+    with pytest.raises(ValueError):
+        parse_levels("")
+
+
+def test_descids_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parser().parse_args(["bench", "descids", "--model", "tiny-gdn", "--blocks", "300", "--repeat", "2", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == DESCIDS_SCHEMA
+    assert out["ids_per_side"] > 300
+    for key in ("wall_ms", "cpu_ms", "ns_per_id", "target_ms", "met", "command"):
+        assert key in out
+    assert out["command"].startswith("hybrid-pd bench descids --model tiny-gdn --blocks 300")
+
+
+def test_a_failing_benchmark_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parser().parse_args(["bench", "descids", "--model", "no-such-model", "--repeat", "1"])
+    assert args.func(args) == 1
+    assert "no-such-model" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""The `bench e2e` result from recorded timings: per-level figures, ratios, token equality."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.bench.client import Timed
+from shared.bench.e2e import SCHEMA, E2EConfig, LevelResult, build_e2e_result, e2e_charts, format_e2e
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def timed(sent: float, first: float, last: float, tokens: list[int]) -> Timed:
+    return Timed(sent=sent, token_ids=tokens, first_token=first, last_token=last, done=last)
+
+
+CROSSOVER = {
+    "prompt_tokens": [16, 32], "fa_bytes": [1, 2], "conv_bytes": [1, 1], "ssm_bytes": [2, 2], "total_bytes": [4, 5],
+    "crossover_tokens": None, "crossover_estimate_tokens": None,
+}  # fmt: skip
+
+
+def test_ratios_and_token_equality() -> None:
+    cfg = E2EConfig(concurrency=(1,), max_tokens=3)
+    disagg = LevelResult("disaggregated", 1, [timed(0.0, 0.22, 0.42, [1, 2, 3]), timed(1.0, 1.22, 1.42, [4, 5, 6])], 2.0, 1.0)
+    coloc = LevelResult("colocated", 1, [timed(0.0, 0.2, 0.4, [1, 2, 3]), timed(1.0, 1.2, 1.4, [4, 5, 7])], 1.5, 1.5)
+    r = build_e2e_result(cfg, [disagg, coloc], CROSSOVER, "hybrid-pd bench e2e")
+    assert r["schema"] == SCHEMA
+    d, c = r["levels"]
+    assert d["ttft_ms"]["median"] == 220.0 and c["ttft_ms"]["median"] == 200.0
+    assert d["itl_ms"]["median"] == 100.0  # (0.42 - 0.22) / 2 gaps
+    assert d["tokens_per_s"] == 3.0 and d["cpu_cores_used"] == 0.5 and d["tokens_per_s_per_core"] == 6.0
+    cmp = r["comparisons"][0]
+    assert cmp["ttft_ratio"] == 1.1 and cmp["tokens_per_s_ratio"] == 0.75
+    assert cmp["tokens_match"] == "1/2"  # the second request's tokens differ
+    assert r["target"]["met"] is True and r["target"]["value"] == 1.1
+    json.dumps(r)
+    text = format_e2e(r)
+    assert "disaggregated" in text and "1/2" in text
+    assert [tag for tag, _ in e2e_charts(r)] == ["throughput", "ttft", "itl", "crossover"]
+
+
+def test_failed_requests_are_reported_not_counted() -> None:
+    bad = Timed(sent=0.0, error="UNAVAILABLE: no prefill")
+    level = LevelResult("disaggregated", 2, [bad, timed(0.0, 0.1, 0.3, [1, 2, 3])], 1.0, None)
+    row = level.as_dict()
+    assert row["errors"] == ["UNAVAILABLE: no prefill"]
+    assert row["tokens"] == 3 and row["ttft_ms"]["count"] == 1
+    assert row["cpu_cores_used"] is None and row["tokens_per_s_per_core"] is None
+
+
+def test_levels_are_cut_into_alternating_parts() -> None:
+    from shared.bench.e2e import _parts
+
+    assert [list(r) for r in _parts(6, 2)] == [[0, 1, 2], [3, 4, 5]]
+    assert [len(r) for r in _parts(3, 10)] == [1, 1, 1]  # never an empty part
+    assert sum(len(r) for r in _parts(17, 4)) == 17
+    level = LevelResult("colocated", 1, [timed(0.0, 0.1, 0.3, [1, 2, 3])], 1.0, 0.5)
+    level.add(LevelResult("colocated", 1, [timed(0.0, 0.1, 0.3, [4, 5, 6])], 2.0, None))
+    assert len(level.timings) == 2 and level.wall == 3.0 and level.cpu_seconds is None

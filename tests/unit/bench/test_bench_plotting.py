@@ -1,0 +1,64 @@
+"""Charts without matplotlib: well-formed SVG with the labels, and a clear fallback note."""
+
+from __future__ import annotations
+
+import math
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from shared.bench import plotting
+from shared.bench.plotting import Chart, Series, nice_ticks, render_svg, save, sibling
+
+pytestmark = pytest.mark.timeout(30)
+
+LINES = Chart(
+    "Tokens/s <per core>",
+    "concurrency",
+    "tokens/s",
+    [Series("disaggregated", [1, 2, 4], [10.0, 18.0, 30.0]), Series("colocated", [1, 2, 4], [12.0, math.nan, 25.0])],
+    log2_x=True,
+)
+
+
+def texts(svg: str) -> list[str]:
+    root = ET.fromstring(svg)  # raises on malformed markup
+    return [el.text or "" for el in root.iter() if el.tag.endswith("text")]
+
+
+def test_line_chart_is_valid_svg_with_title_axes_and_legend() -> None:
+    labels = texts(render_svg(LINES))
+    for want in ("Tokens/s <per core>", "concurrency", "tokens/s", "disaggregated", "colocated", "1", "2", "4"):
+        assert want in labels
+    assert render_svg(LINES).count("<polyline") == 2  # the nan point is skipped, not drawn at 0
+
+
+def test_bar_and_log_charts() -> None:
+    bars = Chart("GB/s", "", "GB/s", [Series("GB/s", [0, 1], [3.2, 8.0])], kind="bar", categories=["ours", "memcpy"])
+    labels = texts(render_svg(bars))
+    assert "ours" in labels and "memcpy" in labels and "3.2" in labels
+    logs = Chart("bytes", "prompt tokens", "MB", [Series("K/V", [1024, 2048], [0.5, 1000.0])], log2_x=True, log10_y=True)
+    labels = texts(render_svg(logs))
+    assert "0.1" in labels and "1k" in labels  # decades on y, binary thousands on x
+
+
+def test_nice_ticks_cover_the_range() -> None:
+    ticks = nice_ticks(0.0, 37.0)
+    assert ticks[0] <= 0.0 and ticks[-1] >= 37.0 and len(ticks) <= 8
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    assert len(steps) == 1
+
+
+def test_save_svg_and_png_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written, note = save(LINES, tmp_path / "chart.svg")
+    assert written == tmp_path / "chart.svg" and note == "" and written.read_text().startswith("<svg")
+
+    def no_matplotlib(chart: Chart, path: Path) -> None:  # fake: matplotlib may be installed here
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(plotting, "_matplotlib_png", no_matplotlib)
+    written, note = save(LINES, tmp_path / "chart.png")
+    assert written == tmp_path / "chart.svg"
+    assert "matplotlib is not installed" in note and str(written) in note
+    assert sibling(tmp_path / "out.png", "ttft") == tmp_path / "out-ttft.png"

@@ -1,0 +1,39 @@
+"""The benchmarks that drive real services still run end to end (no time is asserted).
+
+`bench control` drives the decode and prefill services through their own pieces in this
+process, so a change there shows up here first; `bench transfer` must rebuild exactly the
+descriptor set the services use, or its raw NIXL baseline would not move the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bench.control import PHASES, ControlConfig, run_control
+from shared.bench.transfer import TransferConfig, run_transfer
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_control_runs_and_frees_everything() -> None:
+    cfg = ControlConfig(requests=5, warmup=1)
+    result = asyncio.run(run_control(cfg, command="test", show_progress=False))
+    for phase in PHASES:
+        assert result["ms"][phase]["count"] == 5
+    assert result["blocks_in_use_after"] == {"prefill": 0, "decode": 0}
+    assert result["reads_per_request"] == 1 and result["bytes_per_request"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_transfer_baselines_move_the_services_descriptors() -> None:
+    cfg = TransferConfig(model="tiny-gdn", prefill_tp=2, decode_tp=1, prompt_tokens=100, requests=2)
+    result = asyncio.run(run_transfer(cfg, command="test", show_progress=False))
+    assert result["descriptor_set_matches"] is True
+    assert result["reads"] == 2
+    assert result["descriptors"]["ours"] == result["descriptors"]["raw_nixl"] > result["descriptors"]["raw_nixl_coalesced"]
+    assert result["bytes"]["total"] == result["bytes"]["fa"] + result["bytes"]["conv"] + result["bytes"]["ssm"]
+    assert result["seconds"]["ours"]["count"] == 2

@@ -1,0 +1,70 @@
+"""The `bench transfer` result: required JSON keys, ratios from the same run, target verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.bench.sections import SectionBytes
+from shared.bench.transfer_report import SCHEMA, TransferSamples, build_result, chart_rows, format_table
+
+pytestmark = pytest.mark.timeout(30)
+
+REQUIRED = (
+    "gbps", "raw_nixl_gbps", "raw_nixl_coalesced_gbps", "memcpy_gbps",
+    "ratio_vs_raw_nixl", "ratio_vs_memcpy", "bytes", "descriptors",
+)  # fmt: skip
+
+CONFIG = {"model": "m", "prefill_tp": 1, "decode_tp": 2, "prompt_tokens": 9, "transferred_tokens": 8, "requests": 3, "warmup": 1}
+
+
+def result(samples: TransferSamples, matches: bool = True) -> dict[str, object]:
+    return build_result(
+        config=CONFIG,
+        sections=SectionBytes(fa=600_000_000, conv=100_000_000, ssm=300_000_000),
+        descriptors={"ours": 100, "raw_nixl": 100, "raw_nixl_coalesced": 4},
+        reads=2,
+        samples=samples,
+        descriptor_set_matches=matches,
+        command="hybrid-pd bench transfer",
+    )
+
+
+def test_keys_rates_and_ratios() -> None:
+    # 1 GB per request: ours 0.5 s, raw 0.4 s, coalesced 0.25 s, memcpy 0.1 s (medians)
+    r = result(TransferSamples(ours=[0.4, 0.5, 0.6], raw_nixl=[0.4, 0.4, 0.9], raw_nixl_coalesced=[0.25] * 3, memcpy=[0.1] * 3))
+    for key in REQUIRED:
+        assert key in r, key
+    assert r["schema"] == SCHEMA
+    assert r["bytes"] == {"fa": 600_000_000, "conv": 100_000_000, "ssm": 300_000_000, "total": 1_000_000_000}
+    assert (r["gbps"], r["raw_nixl_gbps"], r["raw_nixl_coalesced_gbps"], r["memcpy_gbps"]) == (2.0, 2.5, 4.0, 10.0)
+    assert (r["ratio_vs_raw_nixl"], r["ratio_vs_raw_nixl_coalesced"], r["ratio_vs_memcpy"]) == (0.8, 0.5, 0.2)
+    assert r["raw_nixl_vs_memcpy"] == 0.25
+    # per round: raw/ours = 1.0, 0.8, 1.5 -> median 1.0; memcpy/ours = 0.25, 0.2, 0.1667 -> 0.2
+    assert r["ratio_vs_raw_nixl_paired"] == 1.0 and r["ratio_vs_memcpy_paired"] == 0.2
+    targets = r["targets"]
+    assert isinstance(targets, dict)
+    assert targets["ratio_vs_raw_nixl"]["met"] is False  # 0.8 < 0.95
+    json.dumps(r)  # plain JSON: no nan, no numpy types
+
+
+def test_target_met_and_missing_baseline() -> None:
+    met = result(TransferSamples(ours=[0.5], raw_nixl=[0.5], raw_nixl_coalesced=[0.5], memcpy=[0.1]))
+    assert met["targets"]["ratio_vs_raw_nixl"]["met"] is True  # type: ignore[index]
+    assert met["targets"]["ratio_vs_raw_nixl_coalesced"]["met"] is True  # type: ignore[index]
+    empty = result(TransferSamples(ours=[0.5]))
+    assert empty["raw_nixl_gbps"] is None and empty["ratio_vs_raw_nixl"] is None
+    assert empty["targets"]["ratio_vs_raw_nixl"]["met"] is False  # type: ignore[index]
+    json.dumps(empty)
+
+
+def test_table_names_every_method_and_warns_on_mismatch() -> None:
+    samples = TransferSamples(ours=[0.5], raw_nixl=[0.4], raw_nixl_coalesced=[0.25], memcpy=[0.1], ttft=[1.0], prefill=[0.5])
+    table = format_table(result(samples))  # type: ignore[arg-type]
+    for text in ("(a) raw NIXL", "(b) raw NIXL", "(c) torch copy", "FA 600.00 MB", "missed"):
+        assert text in table
+    assert "WARNING" not in table
+    assert "WARNING" in format_table(result(samples, matches=False))  # type: ignore[arg-type]
+    labels, values = chart_rows(result(samples))  # type: ignore[arg-type]
+    assert len(labels) == len(values) == 4
