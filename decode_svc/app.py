@@ -1,7 +1,8 @@
 """Wiring of the decode service: engine host, prefill peers, servicer, gRPC shell; start and drain.
 
-Readiness (health SERVING) needs the local engine up and at least one prefill peer handshaken
-with an open Session; it follows the peers as they come and go.
+Readiness (health SERVING) needs the local engine up (agents, registered memory, a loopback
+self-READ) and at least one prefill peer handshaken, probe-READ and with an open Session; it
+follows the peers as they come and go. Liveness (service "") does not depend on peers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from shared.config import ServiceSettings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.engine_host import EngineFactory, EngineHost
+from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
@@ -23,23 +25,40 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["DecodeService"].full_name
 
 
 class DecodeApp:
-    def __init__(self, settings: ServiceSettings, host: EngineHost) -> None:
+    def __init__(self, settings: ServiceSettings, host: EngineHost, metrics: ServiceMetrics | None = None) -> None:
         self.settings = settings
         self.host = host
-        self.shell = ServiceShell(SERVICE_NAME, settings)
+        self.shell = ServiceShell(SERVICE_NAME, settings, metrics)
+        self.metrics = self.shell.metrics
         self._stopped = False
         self._health_updates: set[asyncio.Future[None]] = set()
         self.peers = PrefillPeers(
-            [PrefillPeer(target, host, settings.tls, self._on_peer_change) for target in settings.prefill]
+            [
+                PrefillPeer(target, host, settings.tls, self._on_peer_change, max_pinned_requests=settings.max_pinned_requests)
+                for target in settings.prefill
+            ]
         )
-        self.servicer = DecodeServicer(host, self.peers, self.shell.lifecycle, check_state=settings.check_state)
+        self.servicer = DecodeServicer(
+            host,
+            self.peers,
+            self.shell.lifecycle,
+            check_state=settings.check_state,
+            read_timeout=settings.read_timeout_seconds,
+            metrics=self.metrics,
+        )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
+        self.metrics.watch_host(host)
+        self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))
+        self.metrics.gauge("hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight)
+        self.metrics.gauge("hybrid_pd_remote_agents", "Remote NIXL agents loaded (dropped when a peer is lost)", lambda: self.peers.remote_agents)
 
     @classmethod
     async def start(cls, settings: ServiceSettings, engine_factory: EngineFactory) -> DecodeApp:
-        host = await EngineHost.start(settings, engine_factory)
+        """Memory, agents and a loopback self-READ first, then listen; SERVING once a prefill peer is ready."""
+        metrics = ServiceMetrics(settings.role)
+        host = await EngineHost.start(settings, engine_factory, on_unknown_notif=metrics.unknown_notification)
         try:
-            app = cls(settings, host)
+            app = cls(settings, host, metrics)
             await app.shell.start()
         except BaseException:
             await host.aclose()
@@ -58,6 +77,11 @@ class DecodeApp:
             while not self.peers.any_ready:
                 await asyncio.sleep(0.02)
 
+    async def _idle(self) -> None:
+        """Until every Generate in flight has ended."""
+        while self.servicer.generation.in_flight:
+            await asyncio.sleep(0.02)
+
     def _on_peer_change(self) -> None:
         update = asyncio.ensure_future(self.shell.set_ready(self.peers.any_ready))
         self._health_updates.add(update)
@@ -69,7 +93,8 @@ class DecodeApp:
             return
         self._stopped = True
         try:
-            await self.shell.drain()
+            await self.shell.drain(wait_idle=self._idle)
         finally:
             await self.peers.aclose()
             await self.host.aclose()
+            self.shell.close()

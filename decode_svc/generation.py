@@ -1,10 +1,20 @@
 """One Generate request, end to end on the decode side.
 
-validate -> pick a ready prefill peer (round-robin) -> job on its Session stream -> manifest
--> allocate local blocks (prompt + max_tokens, so decoding never waits for memory) -> one READ
-per (decode rank, prefill rank) -> [check the state] -> engine decode steps off the loop ->
-token chunks, then a summary. Every failure leaves both sides' blocks free: local blocks in
-`finally`, prefill's through the READ notifications, an explicit release, or its lease.
+validate -> pick a ready prefill peer (round-robin) -> allocate local blocks (prompt +
+max_tokens, so decoding never waits for memory; queued while the cache is full) -> job on the
+peer's Session stream -> manifest -> one READ per (decode rank, prefill rank) -> [check the
+state] -> engine decode steps off the loop -> token chunks, then a summary.
+
+Deadlines: the client's deadline (or DEFAULT_TIMEOUT_SECONDS) bounds everything and travels to
+prefill with the job; waits for capacity end a little earlier so RESOURCE_EXHAUSTED reaches the
+client; each READ also has its own deadline (--read-timeout-seconds), because a frozen prefill
+leaves a READ in flight forever. A cancelled or expired call cancels the job on prefill, or
+releases its READ handles and then its blocks.
+
+Every failure leaves both sides' blocks free: local blocks in `finally` (after the last model
+call of the request ended), prefill's through the READ notifications, an explicit release, or
+its lease. If the prefill session is lost while a request waits for its manifest or reads,
+that request fails at once with UNAVAILABLE naming the peer; requests past their READ carry on.
 """
 
 from __future__ import annotations
@@ -18,12 +28,19 @@ from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import numpy as np
 
+from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
-from shared.errors import DataLoss, DeadlineExceeded, InvalidArgument
+from shared.errors import Aborted, DataLoss, DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import layout_pb2 as lpb
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
+from shared.rpc import fault_hooks
+from shared.rpc.deadlines import wait_deadline
 from shared.rpc.engine_host import EngineHost
 from shared.rpc.proto_time import duration, seconds
+from shared.telemetry import Telemetry
 from decode_svc import tokenizer
+from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.session_client import SessionClient
@@ -31,8 +48,6 @@ from decode_svc.session_client import SessionClient
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A READ must end well before prefill's lease would free the blocks under it.
-LEASE_MARGIN_SECONDS = 1.0
 DEFAULT_TIMEOUT_SECONDS = 300.0  # when the client set no deadline
 MAX_TOKENS_PER_CHUNK = 16
 
@@ -43,6 +58,7 @@ class ValidRequest:
     request_id: str
     prompt: list[int]
     max_tokens: int
+    prompt_field: str  # the request field the prompt came from, for messages
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
@@ -50,6 +66,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
     prompt = tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    prompt_field = "prompt" if request.prompt else "prompt_token_ids"
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
     vocab = host.spec.vocab_size
@@ -61,6 +78,12 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
         raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
     total = len(prompt) + request.max_tokens
     capacity = host.max_tokens()
+    if len(prompt) >= capacity:
+        raise InvalidArgument(
+            f"{len(prompt)} tokens; this decode engine's cache holds at most {capacity} tokens per request, "
+            "prompt and generated tokens together",
+            field=prompt_field,
+        )
     if total > capacity:
         raise InvalidArgument(
             f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} tokens; "
@@ -70,7 +93,21 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
-    return ValidRequest(request_id, prompt, request.max_tokens)
+    return ValidRequest(request_id, prompt, request.max_tokens, prompt_field)
+
+
+def check_fits_prefill(host: EngineHost, link: PeerLink, req: ValidRequest) -> None:
+    """A prompt whose prefilled state cannot fit the chosen prefill engine's whole cache."""
+    remote = link.remote
+    computed = host.engine.num_prefill_tokens(len(req.prompt))
+    per_attention = -(-computed // max(1, remote.block_size))
+    needed = sum(per_attention if g.kind == lpb.GROUP_KIND_ATTENTION else 1 for g in remote.groups)
+    if needed > remote.num_logical_blocks:
+        raise InvalidArgument(
+            f"{len(req.prompt)} tokens need {needed} blocks on prefill {remote.engine_id}, whose cache has "
+            f"{remote.num_logical_blocks}",
+            field=req.prompt_field,
+        )
 
 
 class ComputeGuard:
@@ -95,11 +132,25 @@ class ComputeGuard:
 
 
 class Generation:
-    def __init__(self, host: EngineHost, peers: PrefillPeers, *, check_state: bool) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        peers: PrefillPeers,
+        *,
+        check_state: bool,
+        read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.host = host
         self.peers = peers
         self.check_state = check_state
+        self.read_timeout = read_timeout
+        self.telemetry = telemetry
         self._active: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
 
     async def run(self, request: pb.GenerateRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
         req = validate(self.host, request)
@@ -116,77 +167,121 @@ class Generation:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
-        peer = self.peers.pick()
-        session, link = peer.session, peer.link
-        assert session is not None and link is not None
+        peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
+        assert peer.link is not None
+        check_fits_prefill(self.host, peer.link, req)
 
-        job_sent = time.monotonic()
-        manifest = await session.submit(req.request_id, req.prompt, deadline - loop.time())
-        received = loop.time()
-        prefill_seconds = time.monotonic() - job_sent
         key = req.request_id
+        local = await self.host.allocate_queued(key, len(req.prompt) + req.max_tokens, wait_deadline(deadline, loop.time()))
         compute = ComputeGuard(self.host)
-        stats = ReadStats()
         try:
-            local = self.host.allocate(key, len(req.prompt) + req.max_tokens)
-            lease_left = seconds(manifest.lease_duration) - (loop.time() - received) - LEASE_MARGIN_SECONDS
-            stats = await _unless_session_ends(
-                session, read_request(self.host, link, manifest, local, timeout=min(deadline - loop.time(), lease_left))
-            )
-        except BaseException as e:
-            # READ handles are released by now: prefill may free the blocks at once.
-            await session.release(req.request_id, f"read not completed: {type(e).__name__}")
-            self.host.free(key)
-            raise
-        session.done_reading(req.request_id)
-        try:
-            num_computed = manifest.num_computed_tokens
-            if self.check_state:
-                await self._check(compute, req.prompt, num_computed, local)
-            decoder = tokenizer.StreamDecoder()
-            first_token_at: float | None = None
-            generated = 0
-            capacity = self._capacity(local)
-            decode = await compute.run(lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity))
-            while generated < req.max_tokens:
-                if loop.time() > deadline:
-                    raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
-                # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
-                n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
-                ids = await compute.run(lambda: _steps(decode, n))
-                generated += len(ids)
-                if first_token_at is None:
-                    first_token_at = time.monotonic()
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=decoder.feed(ids)))
-            tail = decoder.finish()
-            if tail:
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
-            yield pb.GenerateResponse(
-                summary=pb.GenerateSummary(
-                    request_id=req.request_id,
-                    prompt_token_count=len(req.prompt),
-                    generated_token_count=generated,
-                    num_transferred_tokens=num_computed,
-                    finish_reason=pb.FINISH_REASON_LENGTH,
-                    prefill_engine_id=link.engine_id,
-                    prefill_target=link.target,
-                    transfer=pb.TransferStats(
-                        attention_bytes=stats.attention_bytes,
-                        conv_bytes=stats.conv_bytes,
-                        ssm_bytes=stats.ssm_bytes,
-                        total_bytes=stats.total_bytes,
-                        read_count=stats.read_count,
-                        descriptor_count=stats.descriptor_count,
-                    ),
-                    prefill_duration=duration(prefill_seconds),
-                    read_duration=duration(stats.seconds),
-                    time_to_first_token=duration((first_token_at or time.monotonic()) - started),
-                    total_duration=duration(time.monotonic() - started),
-                    state_verified=self.check_state,
-                )
-            )
+            if not peer.ready:  # lost while this request waited for blocks
+                peer = self.peers.pick()
+            session, link = peer.session, peer.link
+            assert session is not None and link is not None
+            check_fits_prefill(self.host, link, req)
+            job_sent = time.monotonic()
+            manifest = await session.submit(req.request_id, req.prompt, wait_deadline(deadline, loop.time()) - loop.time())
+            prefill_seconds = time.monotonic() - job_sent
+            try:
+                stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline))
+            except BaseException as e:
+                # READ handles are released by now: prefill may free the blocks at once.
+                session.release(req.request_id, f"read not completed: {type(e).__name__}")
+                raise
+            session.done_reading(req.request_id)
+            self._count_read(stats)
+            async for response in self._decode(req, manifest, local, compute, link, stats, prefill_seconds, started, deadline):
+                yield response
         finally:
             compute.free_when_idle(key)
+
+    async def _read(self, link: PeerLink, manifest: ppb.Manifest, local: RequestBlocks, deadline: float) -> ReadStats:
+        """The manifest's state into `local`: refused if the lease already ran out; one deadline
+        per READ. Decode's heartbeats keep renewing the lease meanwhile."""
+        lease = seconds(manifest.lease_duration)
+        if lease <= 0:
+            raise Aborted(
+                f"prefill {link.engine_id} sent a manifest whose lease already expired; its blocks may be reused",
+                field="manifest.lease_duration",
+                reason="LEASE_EXPIRED",
+            )
+        await fault_hooks.pause("before_read", manifest.request_id)
+        timeout = min(self.read_timeout, deadline - asyncio.get_running_loop().time())
+        async with link.reading():
+            return await read_request(self.host, link, manifest, local, timeout=timeout)
+
+    async def _decode(
+        self,
+        req: ValidRequest,
+        manifest: ppb.Manifest,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        link: PeerLink,
+        stats: ReadStats,
+        prefill_seconds: float,
+        started: float,
+        deadline: float,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        await fault_hooks.pause("after_read", req.request_id)
+        num_computed = manifest.num_computed_tokens
+        if self.check_state:
+            await self._check(compute, req.prompt, num_computed, local)
+        decoder = tokenizer.StreamDecoder()
+        first_token_at: float | None = None
+        generated = 0
+        capacity = self._capacity(local)
+        decode = await compute.run(lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity))
+        while generated < req.max_tokens:
+            if loop.time() > deadline:
+                raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
+            # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
+            n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
+            ids = await compute.run(lambda: _steps(decode, n))
+            generated += len(ids)
+            if first_token_at is None:
+                first_token_at = time.monotonic()
+                if self.telemetry is not None:
+                    self.telemetry.time_to_first_token.observe(first_token_at - started)
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=decoder.feed(ids)))
+        tail = decoder.finish()
+        if tail:
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
+        yield pb.GenerateResponse(
+            summary=pb.GenerateSummary(
+                request_id=req.request_id,
+                prompt_token_count=len(req.prompt),
+                generated_token_count=generated,
+                num_transferred_tokens=num_computed,
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                prefill_engine_id=link.engine_id,
+                prefill_target=link.target,
+                transfer=pb.TransferStats(
+                    attention_bytes=stats.attention_bytes,
+                    conv_bytes=stats.conv_bytes,
+                    ssm_bytes=stats.ssm_bytes,
+                    total_bytes=stats.total_bytes,
+                    read_count=stats.read_count,
+                    descriptor_count=stats.descriptor_count,
+                ),
+                prefill_duration=duration(prefill_seconds),
+                read_duration=duration(stats.seconds),
+                time_to_first_token=duration((first_token_at or time.monotonic()) - started),
+                total_duration=duration(time.monotonic() - started),
+                state_verified=self.check_state,
+            )
+        )
+
+    def _count_read(self, stats: ReadStats) -> None:
+        if self.telemetry is None or not stats.read_count:
+            return
+        t = self.telemetry
+        t.transferred_bytes.labels(section="fa").inc(stats.attention_bytes)
+        t.transferred_bytes.labels(section="conv").inc(stats.conv_bytes)
+        t.transferred_bytes.labels(section="ssm").inc(stats.ssm_bytes)
+        t.transfer_seconds.observe(stats.seconds)
+        t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
     async def _check(self, compute: ComputeGuard, prompt: list[int], num_computed: int, local: RequestBlocks) -> None:
         mismatches = await compute.run(lambda: self.host.engine.check_state(prompt, num_computed, local))

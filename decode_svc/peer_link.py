@@ -1,22 +1,31 @@
 """What decode keeps per handshaken prefill engine: remote agents added, the transfer plan, and
 the local and remote descriptor lists prepared once per (decode rank, prefill rank) pair.
 
-Built once per prefill incarnation. Closing it releases the prepared lists and removes the
-remote agents, which must happen before a restarted prefill (same agent names, new memory)
-can be added again.
+Built once per prefill incarnation, after a probe READ proved the data path works, and closed
+as soon as its session is lost: closing waits until no request is reading through it any more
+(their READs are cancelled with the session), then releases the prepared lists and removes
+the remote agents. So a restarted prefill's old agents are gone before its new ones are added,
+and no READ can ever target the memory of an old incarnation (`reading()` refuses a closing link).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
+import numpy as np
+
+from shared.errors import InvalidArgument, Unavailable
 from shared.layout.plan import TransferPlan
-from shared.layout.read_lists import ReadLists, build_read_lists
+from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import check_pair
 from shared.rpc.engine_host import EngineHost
 from shared.transport.agent import PreppedList
+from shared.transport.errors import PeerAlreadyKnown, TransportError
 from shared.transport.memory import MemoryPlace
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,9 @@ class PeerLink:
     # (decode rank, remote agent name) loaded into that decode rank's agent
     added: list[tuple[int, str]] = field(default_factory=list)
     closed: bool = False
+    closing: bool = False
+    readers: int = 0  # requests reading through this link right now
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def engine_id(self) -> str:
@@ -72,7 +84,7 @@ class PeerLink:
                 for read in rank_plan.reads:
                     p = read.prefill_rank
                     rank_msg = remote.ranks[p]
-                    name = await agent.add_remote(rank_msg.agent_metadata)
+                    name = await _add_remote(host, d, remote, p)
                     link.added.append((d, name))
                     lists = build_read_lists(
                         plan,
@@ -89,6 +101,7 @@ class PeerLink:
                     local = await agent.prep_local(lists.local)
                     remote_list = await agent.prep_remote(name, lists.remote, place)
                     link.pairs.append(PairLists(d, p, name, lists, local, remote_list))
+            await link.probe(host)
         except BaseException:
             await link.close(host)
             raise
@@ -98,10 +111,58 @@ class PeerLink:
         )  # fmt: skip
         return link
 
-    async def close(self, host: EngineHost) -> None:
-        """Release the prepared lists and remove the remote agents (idempotent)."""
-        if self.closed:
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[PeerLink]:
+        """Hold the link open while a request READs through it (refused once closing)."""
+        if self.closing:
+            raise Unavailable(
+                f"the link to prefill {self.engine_id} ({self.target}) is closed (session lost)", reason="PEER_UNAVAILABLE"
+            )
+        self.readers += 1
+        self._idle.clear()
+        try:
+            yield self
+        finally:
+            self.readers -= 1
+            if not self.readers:
+                self._idle.set()
+
+    async def probe(self, host: EngineHost, timeout: float = 10.0) -> None:
+        """One small READ per rank pair (one block per group, no notification): the data path to
+        this prefill works, not just its gRPC port. Skipped when the local cache has no room."""
+        key = f"probe:{self.target}:{self.incarnation:x}"
+        try:
+            local = await host.allocate_queued(key, 1, asyncio.get_running_loop().time() + 1.0)
+        except Exception as e:
+            log.warning("no probe READ from prefill %s: %s", self.engine_id, e)
             return
+        try:
+            remote_ids = [np.array([g % self.remote.num_logical_blocks]) for g in range(len(self.remote.groups))]
+            for pair in self.pairs:
+                lidx, ridx = read_indices(pair.lists, local.block_ids, remote_ids, 1)
+                if lidx.size == 0:
+                    continue
+                agent = host.agents[pair.decode_rank]
+                xfer = await agent.post_read(pair.local, lidx, pair.remote, ridx, b"")
+                if xfer.state != "DONE":
+                    await host.poller.watch(agent, xfer, timeout=timeout)
+        except TransportError as e:
+            raise Unavailable(
+                f"probe READ from prefill {self.engine_id} ({self.target}) failed: the gRPC port answers but "
+                f"the NIXL data path does not: {e}",
+                reason="PROBE_READ_FAILED",
+            ) from e
+        finally:
+            host.free(key)
+
+    async def close(self, host: EngineHost) -> None:
+        """Wait for the requests reading through the link, then release the prepared lists and
+        remove the remote agents (idempotent)."""
+        if self.closing:
+            return
+        self.closing = True
+        if self.readers:
+            await self._idle.wait()  # they end quickly: their session is gone or closing
         self.closed = True
         for pair in self.pairs:
             agent = host.agents[pair.decode_rank]
@@ -115,3 +176,18 @@ class PeerLink:
                 await host.agents[d].remove_remote(name)
             except Exception as e:
                 log.debug("removing remote agent %s failed: %s", name, e)
+
+
+async def _add_remote(host: EngineHost, decode_rank: int, remote: pb.EngineLayout, prefill_rank: int) -> str:
+    """Load one prefill rank's agent metadata, naming the field when it is unusable."""
+    field_name = f"layout.ranks[{prefill_rank}].agent_metadata"
+    try:
+        return await host.agents[decode_rank].add_remote(remote.ranks[prefill_rank].agent_metadata)
+    except PeerAlreadyKnown as e:
+        raise Unavailable(f"prefill {remote.engine_id}: {e}", field=field_name, reason="PEER_ALREADY_KNOWN") from e
+    except TransportError as e:
+        if e.nixl_error in ("nixlMismatchError", "nixlInvalidParamError"):
+            raise InvalidArgument(
+                f"prefill {remote.engine_id} sent agent metadata NIXL cannot load: {e}", field=field_name
+            ) from e
+        raise Unavailable(f"cannot connect to prefill {remote.engine_id}'s agent: {e}", field=field_name) from e

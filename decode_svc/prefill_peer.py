@@ -1,9 +1,11 @@
 """One prefill engine as decode sees it: channel, handshake, link, session, and reconnects.
 
-`run()` loops for the life of the service: handshake (reusing the cached link while the prefill
-incarnation is unchanged; a restarted prefill's old agents are removed before its new ones are
-added), open the Session, serve until the stream ends, then retry with exponential backoff and
-jitter. Requests only go to a peer in state READY.
+`run()` loops for the life of the service: handshake, link (add the prefill's agents, prepare
+the lists, probe READ), open the Session, serve until the stream ends; then drop the link
+(waiting for requests still reading through it, which fail with the session) so the remote
+agents are removed, and retry with exponential backoff and full jitter. Whatever fails in an
+attempt is recorded in `last_error` (GetLayout shows it) and retried; nothing ends the loop but
+the service stopping. Requests only go to a peer in state READY.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Callable
+from typing import Callable, cast
 
 import grpc
 
@@ -29,7 +31,7 @@ from decode_svc.session_client import SessionClient
 log = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_SECONDS = 0.1
-BACKOFF_MAX_SECONDS = 5.0
+BACKOFF_MAX_SECONDS = 2.0
 
 
 class PrefillPeer:
@@ -39,10 +41,13 @@ class PrefillPeer:
         host: EngineHost,
         tls: TlsSettings | None,
         on_state_change: Callable[[], None] = lambda: None,
+        *,
+        max_pinned_requests: int = 0,
     ) -> None:
         self.target = target
         self.host = host
         self.tls = tls
+        self.max_pinned_requests = max_pinned_requests  # credits asked for (0: prefill's default)
         self.on_state_change = on_state_change
         self.state: int = dpb.PEER_STATE_CONNECTING
         self.last_error = ""
@@ -71,13 +76,21 @@ class PrefillPeer:
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self.run())
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.last_error = f"INTERNAL: the connection loop died: {task.exception()!r}"
+            log.error("prefill %s: the connection loop died", self.target, exc_info=task.exception())
 
     async def run(self) -> None:
-        self._channel = build_channel(self.target, self.tls)
-        stub: pb_grpc.PrefillServiceAsyncStub = pb_grpc.PrefillServiceStub(self._channel)
         backoff = BACKOFF_INITIAL_SECONDS
         while True:
+            # A fresh channel per attempt: it connects at once, so our backoff (with jitter) alone
+            # decides when to retry, not the channel's own reconnect backoff on top of it.
             try:
+                self._channel = build_channel(self.target, self.tls)
+                stub = cast("pb_grpc.PrefillServiceAsyncStub", pb_grpc.PrefillServiceStub(self._channel))
                 await self._connect(stub)
                 backoff = BACKOFF_INITIAL_SECONDS
                 assert self.session is not None
@@ -91,39 +104,46 @@ class PrefillPeer:
             except ServiceError as e:
                 self.last_error = f"{e.status}: {e.message}"
                 log.warning("prefill %s: %s", self.target, self.last_error)
+            except Exception as e:  # a bug or an unexpected NIXL error: record it, never stop retrying
+                self.last_error = f"INTERNAL: {type(e).__name__}: {e}"
+                log.exception("prefill %s: connecting failed", self.target)
             self._set_state(dpb.PEER_STATE_FAILED)
-            if self.session is not None:
-                await self.session.close()
-                self.session = None
+            await self._disconnect()
+            await self._close_channel()
             # Full jitter: peers that lost the same prefill do not reconnect in lockstep.
             await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
 
     async def _connect(self, stub: pb_grpc.PrefillServiceAsyncStub) -> None:
         self._set_state(dpb.PEER_STATE_CONNECTING)
-        response = await stub.Handshake(
-            pb.HandshakeRequest(layout=self.host.message), timeout=HANDSHAKE_TIMEOUT_SECONDS, wait_for_ready=True
-        )
+        # Not wait_for_ready: an unreachable peer fails at once with the reason (our loop retries).
+        response = await stub.Handshake(pb.HandshakeRequest(layout=self.host.message), timeout=HANDSHAKE_TIMEOUT_SECONDS)
         remote = response.layout
-        if self.link is not None and self.link.incarnation != remote.incarnation:
-            log.info("prefill %s restarted: dropping the link to its old incarnation", self.name)
-            await self.link.close(self.host)
-            self.link = None
-        if self.link is None:
-            self.link = await PeerLink.open(self.host, self.target, remote)
+        self.link = await PeerLink.open(self.host, self.target, remote)
         session = SessionClient(stub, self.name)
+        self.session = session
         await session.open(
             pb.SessionHello(
                 decode_engine_id=self.host.engine_id,
                 decode_incarnation=self.host.incarnation,
                 prefill_incarnation=remote.incarnation,
                 readers_per_prefill_rank=self.link.readers_per_prefill_rank(),
+                max_pinned_requests=self.max_pinned_requests,
             )
         )
-        self.session = session
         self.last_error = ""
         self._set_state(dpb.PEER_STATE_READY)
-        log.info("prefill %s ready", self.name)
+        log.info("prefill %s ready (incarnation %016x)", self.name, remote.incarnation)
+
+    async def _disconnect(self) -> None:
+        """Close the session and drop the link: its remote agents are removed once no request
+        reads through it (the next attempt adds whatever incarnation answers then)."""
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.link is not None:
+            link, self.link = self.link, None
+            await link.close(self.host)
 
     def _set_state(self, state: int) -> None:
         if state != self.state:
@@ -131,18 +151,19 @@ class PrefillPeer:
             self.on_state_change()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self.session is not None:
-            await self.session.close()
-        if self.link is not None:
-            await self.link.close(self.host)
-        if self._channel is not None:
-            await self._channel.close()
+        task = self._task
+        # Cancel until it ends: grpc.aio can swallow a cancellation that lands inside a call
+        # (the call ends CANCELLED, the task runs on), and the loop would then wait forever.
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+        await self._disconnect()
+        await self._close_channel()
+
+    async def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
 
 class PrefillPeers:
@@ -169,6 +190,11 @@ class PrefillPeers:
     @property
     def any_ready(self) -> bool:
         return any(p.ready for p in self.peers)
+
+    @property
+    def remote_agents(self) -> int:
+        """Remote agents loaded for all peers (0 for a peer whose link was dropped)."""
+        return sum(len(p.link.added) for p in self.peers if p.link is not None and not p.link.closed)
 
     def start(self) -> None:
         for peer in self.peers:

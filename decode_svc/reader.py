@@ -62,6 +62,7 @@ def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
         raise Internal(
             f"prefill {link.engine_id} sent a manifest with {len(manifest.groups)} groups; its layout has {len(remote.groups)}",
             field="manifest.groups",
+            reason="BAD_MANIFEST",
         )
     blocks = [np.asarray(g.block_ids, dtype=np.int64) for g in manifest.groups]
     everything = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
@@ -69,13 +70,19 @@ def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
         raise Internal(
             f"prefill {link.engine_id} sent block id {int(everything.max())} >= its {remote.num_logical_blocks} blocks",
             field="manifest.groups.block_ids",
+            reason="BAD_MANIFEST",
         )
     if np.unique(everything).size != everything.size:
-        raise Internal(f"prefill {link.engine_id} sent a manifest with duplicated block ids", field="manifest.groups.block_ids")
+        raise Internal(
+            f"prefill {link.engine_id} sent a manifest with duplicated block ids",
+            field="manifest.groups.block_ids",
+            reason="BAD_MANIFEST",
+        )
     if manifest.num_computed_tokens > manifest.prompt_token_count:
         raise Internal(
             f"prefill {link.engine_id}: num_computed_tokens {manifest.num_computed_tokens} > prompt {manifest.prompt_token_count}",
             field="manifest.num_computed_tokens",
+            reason="BAD_MANIFEST",
         )
     return blocks
 

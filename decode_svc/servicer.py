@@ -1,32 +1,61 @@
-"""DecodeService handlers: thin proto <-> domain adapters."""
+"""DecodeService handlers: thin proto <-> domain adapters (and the request counter by status)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 import grpc
 
+from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
+from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.metrics import ServiceMetrics
 from decode_svc.generation import Generation
 from decode_svc.prefill_peer import PrefillPeers
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, host: EngineHost, peers: PrefillPeers, lifecycle: Lifecycle, *, check_state: bool) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        peers: PrefillPeers,
+        lifecycle: Lifecycle,
+        *,
+        check_state: bool,
+        read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.host = host
         self.peers = peers
         self.lifecycle = lifecycle
-        self.generation = Generation(host, peers, check_state=check_state)
+        self.metrics = metrics or ServiceMetrics("decode")
+        self.generation = Generation(
+            host, peers, check_state=check_state, read_timeout=read_timeout, telemetry=self.metrics.telemetry
+        )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self.lifecycle.check_accepting("new requests")
-        async for response in self.generation.run(request, context.time_remaining()):
-            yield response
+        status = "INTERNAL"
+        try:
+            self.lifecycle.check_accepting("new requests")
+            async for response in self.generation.run(request, context.time_remaining()):
+                yield response
+            status = "OK"
+        except ServiceError as e:
+            status = e.status
+            if e.reason != e.default_reason:
+                self.metrics.telemetry.failures.labels(reason=e.reason).inc()
+            raise
+        except asyncio.CancelledError:
+            status = "CANCELLED"  # the client went away or its deadline passed
+            raise
+        finally:
+            self.metrics.telemetry.requests.labels(status=status).inc()
 
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
         return pb.GetLayoutResponse(layout=self.host.message, peers=[p.status() for p in self.peers.peers])

@@ -2,8 +2,15 @@
 
 One stream carries every request decode sends to that prefill engine. Jobs are matched to
 their manifest or failure by request id. Decode heartbeats the requests whose blocks it still
-needs (their leases are renewed); prefill heartbeats too, and silence for two intervals means
-the peer is gone: every waiting request fails with UNAVAILABLE naming the peer.
+needs (their leases are renewed), every heartbeat interval or a third of the lease, whichever
+is shorter. Prefill heartbeats every interval; anything heard from it counts, and silence for
+1.5 intervals (checked every quarter interval) means the peer is gone or frozen: the stream is
+dropped and every request waiting on it fails with UNAVAILABLE naming the peer, at most
+1.75 intervals after prefill's last message, so within two intervals of the failure.
+
+Every write goes through one writer task. grpc.aio cancels a whole call when the task awaiting
+one of its writes is cancelled, so a request (whose task is cancelled when its client goes
+away) must never await a write on the shared stream itself: it only queues the message.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from shared.rpc.status import code_name, describe
 log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_SECONDS = 10.0
-
+SILENCE_INTERVALS = 1.5  # heartbeat intervals without a word from prefill before it is dropped
 
 
 class SessionClient:
@@ -37,7 +44,7 @@ class SessionClient:
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
         self._waiting: dict[str, asyncio.Future[pb.Manifest]] = {}
         self._holding: set[str] = set()  # manifests received, blocks still needed
-        self._write_lock = asyncio.Lock()
+        self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = 0.0
 
@@ -47,10 +54,11 @@ class SessionClient:
 
     async def open(self, hello: pb.SessionHello) -> pb.SessionReady:
         """Open the stream and wait for `ready` (raises a ServiceError from the peer's status)."""
-        call = self._call = self.stub.Session()
+        call = self._call = self.stub.Session()  # long-lived: no deadline; heartbeats watch it instead
         try:
-            await call.write(pb.SessionRequest(hello=hello))
-            first = await asyncio.wait_for(call.read(), OPEN_TIMEOUT_SECONDS)
+            async with asyncio.timeout(OPEN_TIMEOUT_SECONDS):
+                await call.write(pb.SessionRequest(hello=hello))
+                first = await call.read()
         except grpc.aio.AioRpcError as e:
             raise describe(e).to_error() from None
         except TimeoutError:
@@ -63,7 +71,11 @@ class SessionClient:
             raise Unavailable(f"prefill {self.peer_name} answered the hello with {first.WhichOneof('payload')}")
         self.ready = first.ready
         self._last_heard = asyncio.get_running_loop().time()
-        self._tasks = [asyncio.ensure_future(self._read_loop()), asyncio.ensure_future(self._heartbeat_loop())]
+        self._tasks = [
+            asyncio.ensure_future(self._read_loop()),
+            asyncio.ensure_future(self._heartbeat_loop()),
+            asyncio.ensure_future(self._write_loop()),
+        ]
         return self.ready
 
     # ---- requests ----
@@ -82,53 +94,57 @@ class SessionClient:
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         try:
-            await self._write(pb.SessionRequest(job=job))
+            self._send(pb.SessionRequest(job=job))
             manifest = await future
         except asyncio.CancelledError:
             if self._waiting.pop(request_id, None) is not None or request_id in self._holding:
                 self._holding.discard(request_id)
-                await self._send_quietly(pb.SessionRequest(cancel=pb.CancelJob(request_id=request_id)))
+                self._send(pb.SessionRequest(cancel=pb.CancelJob(request_id=request_id)))
             raise
         finally:
             self._waiting.pop(request_id, None)
         return manifest
 
-    async def release(self, request_id: str, reason: str) -> None:
-        """Tell prefill to free a request's blocks now (failed or cancelled READ, nothing to read)."""
+    def release(self, request_id: str, reason: str) -> None:
+        """Tell prefill to free a request's blocks now (failed or cancelled READ, nothing to read).
+
+        Does not wait for the write: a failing request must not wait on a stuck stream (if the
+        message is lost with the stream, the lease frees the blocks)."""
         self._holding.discard(request_id)
-        await self._send_quietly(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason)))
+        self._send(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason)))
 
     def done_reading(self, request_id: str) -> None:
         """The READs finished (prefill frees on their notifications): stop renewing the lease."""
         self._holding.discard(request_id)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        writer = self._tasks[-1] if self._tasks else None
+        for task in self._tasks[:-1]:
             task.cancel()
+        if writer is not None:
+            self._outbox.put_nowait(None)  # queued releases go out, then done_writing
+            await asyncio.wait({writer}, timeout=1.0)  # never hang on a dead peer
+            writer.cancel()
         if self._call is not None:
-            try:
-                async with self._write_lock:
-                    await self._call.done_writing()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass
             self._call.cancel()
         self._end(f"session to prefill {self.peer_name} closed")
 
     # ---- stream plumbing ----
 
-    async def _write(self, msg: pb.SessionRequest) -> None:
+    def _send(self, msg: pb.SessionRequest) -> None:
+        """Queue a message for the writer (in order); dropped once the session is closed."""
+        if not self.closed.is_set():
+            self._outbox.put_nowait(msg)
+
+    async def _write_loop(self) -> None:
         assert self._call is not None
         try:
-            async with self._write_lock:
+            while (msg := await self._outbox.get()) is not None:
                 await self._call.write(msg)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            raise self.ended_error() from None
-
-    async def _send_quietly(self, msg: pb.SessionRequest) -> None:
-        try:
-            await self._write(msg)
-        except ServiceError as e:
-            log.debug("could not send %s to %s: %s", msg.WhichOneof("payload"), self.peer_name, e)
+            await self._call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            log.debug("writing to prefill %s failed: %s", self.peer_name, e)
+            self._end(f"session to prefill {self.peer_name} lost (write failed)")
 
     async def _read_loop(self) -> None:
         assert self._call is not None
@@ -161,23 +177,31 @@ class SessionClient:
     async def _heartbeat_loop(self) -> None:
         assert self.ready is not None
         interval = max(0.05, seconds(self.ready.heartbeat_interval))
+        lease = seconds(self.ready.lease_duration)
+        send_every = min(interval, lease / 3) if lease > 0 else interval
+        silence_limit = SILENCE_INTERVALS * interval
+        tick = min(send_every, interval / 4)
         loop = asyncio.get_running_loop()
+        next_send = loop.time() + send_every
         while not self.closed.is_set():
-            await asyncio.sleep(interval)
-            if loop.time() - self._last_heard > 2 * interval:
-                log.warning("prefill %s silent for %.1fs: dropping the session", self.peer_name, loop.time() - self._last_heard)
+            await asyncio.sleep(tick)
+            now = loop.time()
+            if now - self._last_heard > silence_limit:
+                log.warning("prefill %s silent for %.2fs: dropping the session", self.peer_name, now - self._last_heard)
                 if self._call is not None:
                     self._call.cancel()
-                self._end(f"prefill {self.peer_name} stopped answering (no heartbeat for {2 * interval:.1f}s)")
+                self._end(f"prefill {self.peer_name} stopped answering (nothing heard for {now - self._last_heard:.2f}s)")
                 return
-            await self._send_quietly(pb.SessionRequest(heartbeat=pb.DecodeHeartbeat(request_ids=sorted(self._holding))))
+            if now >= next_send:
+                next_send = now + send_every
+                self._send(pb.SessionRequest(heartbeat=pb.DecodeHeartbeat(request_ids=sorted(self._holding))))
 
     def _resolve(self, request_id: str, *, manifest: pb.Manifest | None = None, error: ServiceError | None = None) -> None:
         future = self._waiting.pop(request_id, None)
         if future is None or future.done():
             if manifest is not None:
                 # Nobody waits any more (cancelled meanwhile): free it on prefill right away.
-                asyncio.ensure_future(self.release(request_id, "no longer wanted"))
+                self.release(request_id, "no longer wanted")
             return
         if manifest is not None:
             self._holding.add(request_id)

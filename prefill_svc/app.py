@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from shared.config import ServiceSettings
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.engine_host import EngineFactory, EngineHost
+from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
@@ -19,26 +21,37 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
 
 class PrefillApp:
-    def __init__(self, settings: ServiceSettings, host: EngineHost) -> None:
+    def __init__(self, settings: ServiceSettings, host: EngineHost, metrics: ServiceMetrics | None = None) -> None:
         self.settings = settings
         self.host = host
-        self.shell = ServiceShell(SERVICE_NAME, settings)
+        self.shell = ServiceShell(SERVICE_NAME, settings, metrics)
+        self.metrics = self.shell.metrics
         self._stopped = False
-        self.pins = PinTable(host, settings.lease_seconds)
+        self.pins = PinTable(host, settings.lease_seconds, on_ended=self._pin_ended)
         self.servicer = PrefillServicer(
             host,
             self.pins,
             self.shell.lifecycle,
-            SessionConfig(heartbeat_seconds=settings.heartbeat_seconds, lease_seconds=settings.lease_seconds),
+            SessionConfig(
+                heartbeat_seconds=settings.heartbeat_seconds,
+                lease_seconds=settings.lease_seconds,
+                max_pinned_requests=settings.max_pinned_requests,
+            ),
+            self.metrics,
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
+        self.metrics.watch_host(host)
+        self.metrics.gauge("hybrid_pd_pinned_requests", "Requests whose blocks wait to be read", lambda: len(self.pins))
+        self.metrics.gauge("hybrid_pd_sessions", "Open Session streams", lambda: self.servicer.peers.open_sessions)
+        self.metrics.gauge("hybrid_pd_decode_peers", "Handshaken decode engines with a session", lambda: len(self.servicer.peers))
 
     @classmethod
     async def start(cls, settings: ServiceSettings, engine_factory: EngineFactory) -> PrefillApp:
-        """Memory and agents first, then listen; SERVING once everything is up."""
-        host = await EngineHost.start(settings, engine_factory)
+        """Memory, agents and a loopback self-READ first, then listen; SERVING once everything is up."""
+        metrics = ServiceMetrics(settings.role)
+        host = await EngineHost.start(settings, engine_factory, on_unknown_notif=metrics.unknown_notification)
         try:
-            app = cls(settings, host)
+            app = cls(settings, host, metrics)
             await app.shell.start()
         except BaseException:
             await host.aclose()
@@ -57,7 +70,19 @@ class PrefillApp:
             return
         self._stopped = True
         try:
-            await self.shell.drain()
+            await self.shell.drain(wait_idle=self._idle)
         finally:
             await self.pins.aclose()
             await self.host.aclose()
+            self.shell.close()
+
+    async def _idle(self) -> None:
+        """Until every session has ended (each ends once its jobs and pinned requests are done).
+        Pins whose session is already gone do not hold the exit: nobody is left to release them."""
+        while self.servicer.peers.open_sessions:
+            await asyncio.sleep(0.02)
+
+    def _pin_ended(self, reason: str) -> None:
+        self.metrics.pins_ended.labels(reason=reason).inc()
+        if reason == "lease_expired":
+            self.metrics.telemetry.lease_expiries.inc()

@@ -12,8 +12,10 @@ import numpy as np
 from google.protobuf import timestamp_pb2
 
 from shared.engine.protocol import RequestBlocks
-from shared.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc import fault_hooks
+from shared.rpc.deadlines import wait_deadline
 from shared.rpc.engine_host import EngineHost
 from shared.rpc.proto_time import duration
 from prefill_svc.pins import PinTable
@@ -51,18 +53,11 @@ class JobRunner:
         return f"t{next(self._ids):x}"
 
     async def allocate(self, key: str, num_tokens: int, deadline: float | None) -> RequestBlocks:
-        """Blocks for the job; while the cache is full, wait for frees until the job's deadline."""
+        """Blocks for the job; while the cache is full, wait for frees (queued) until shortly
+        before the job's deadline, then RESOURCE_EXHAUSTED. Without a deadline: no waiting."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                return self.host.allocate(key, num_tokens)
-            except ResourceExhausted:
-                left = None if deadline is None else deadline - loop.time()
-                if left is not None and left <= 0:
-                    raise
-                if left is None and not len(self.pins):
-                    raise  # nothing pinned will ever free blocks
-                await self.pins.wait_for_free_blocks(1.0 if left is None else min(left, 1.0))
+        now = loop.time()
+        return await self.host.allocate_queued(key, num_tokens, now if deadline is None else wait_deadline(deadline, now))
 
     async def run(
         self,
@@ -87,6 +82,11 @@ class JobRunner:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
             raise
+        except BaseException:
+            self.host.free(tid)
+            raise
+        try:
+            await fault_hooks.pause("before_manifest", job.request_id)
         except BaseException:
             self.host.free(tid)
             raise

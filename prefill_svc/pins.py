@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class Pin:
     transfer_id: str  # allocator key and notification payload; unique per prefill incarnation
     request_id: str
-    owner: str  # decode engine id of the session that asked for it
+    owner: str  # key of the decode engine incarnation that asked for it (DecodePeer.key)
     lease_deadline: float  # event-loop time
     waits: list[asyncio.Future[list[str]]] = field(default_factory=list)
     watcher: asyncio.Task[None] | None = None
@@ -35,13 +35,13 @@ class Pin:
 
 
 class PinTable:
-    def __init__(self, host: EngineHost, lease_seconds: float) -> None:
+    def __init__(self, host: EngineHost, lease_seconds: float, on_ended: Callable[[str], None] | None = None) -> None:
         self.host = host
         self.lease_seconds = lease_seconds
+        self.on_ended = on_ended  # called with the reason of every pin that ends (metrics)
         self._pins: dict[str, Pin] = {}
         self._by_request: dict[tuple[str, str], str] = {}
         self.ended: Counter[str] = Counter()  # pins ended, by reason
-        self._freed = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -99,19 +99,12 @@ class PinTable:
             pin.watcher.cancel()
         freed = self.host.free(pin.transfer_id)
         self.ended[reason] += 1
+        if self.on_ended is not None:
+            self.on_ended(reason)
         log.debug("request %s (%s) ended: %s, %d blocks freed", pin.request_id, pin.transfer_id, reason, freed)
-        self._freed.set()
-        self._freed = asyncio.Event()
         if pin.on_end is not None:
             pin.on_end(reason)
         return True
-
-    async def wait_for_free_blocks(self, timeout: float) -> None:
-        """Return after the next release, or after `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self._freed.wait(), timeout)
-        except TimeoutError:
-            pass
 
     async def _watch(self, pin: Pin) -> None:
         if not pin.waits:
@@ -127,7 +120,8 @@ class PinTable:
             self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def _sweep(self) -> None:
-        tick = min(1.0, self.lease_seconds / 4)
+        # Expiry is noticed at most a tick late: lease + lease/8 (capped at 0.25 s).
+        tick = min(0.25, self.lease_seconds / 8)
         loop = asyncio.get_running_loop()
         while self._pins:
             await asyncio.sleep(tick)

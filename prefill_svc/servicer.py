@@ -7,12 +7,13 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.compat import check_pair
 from shared.rpc.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.metrics import ServiceMetrics
 from prefill_svc.jobs import JobRunner
 from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
@@ -22,21 +23,35 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, host: EngineHost, pins: PinTable, lifecycle: Lifecycle, config: SessionConfig) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        pins: PinTable,
+        lifecycle: Lifecycle,
+        config: SessionConfig,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.host = host
         self.pins = pins
         self.lifecycle = lifecycle
         self.config = config
+        self.metrics = metrics or ServiceMetrics("prefill")
         self.peers = DecodePeers()
         self.runner = JobRunner(host, pins)
 
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.HandshakeResponse:
         self.lifecycle.check_accepting("new handshakes")
-        if not request.HasField("layout"):
-            raise InvalidArgument("the decode engine's layout is required", field="layout")
-        check_pair(
-            self.host.message, request.layout, local_role="prefill", local_layout=self.host.layout, spec=self.host.spec
-        )
+        handshakes = self.metrics.telemetry.handshakes
+        try:
+            if not request.HasField("layout"):
+                raise InvalidArgument("the decode engine's layout is required", field="layout")
+            check_pair(
+                self.host.message, request.layout, local_role="prefill", local_layout=self.host.layout, spec=self.host.spec
+            )
+        except ServiceError as e:
+            handshakes.labels(result=e.status.lower()).inc()
+            raise
+        handshakes.labels(result="ok").inc()
         peer = self.peers.add(request.layout)
         log.info("handshake with decode engine %s (tp %d) accepted", peer.engine_id, request.layout.tp_size)
         return pb.HandshakeResponse(layout=self.host.message)

@@ -9,8 +9,13 @@ Protocol (decode -> prefill / prefill -> decode):
 - prefill sends `heartbeat` every interval and `drain` when it shuts down; then it refuses new
   jobs (UNAVAILABLE) and ends the stream once this session's running jobs and pins are done.
 
-Credits: at most `max_pinned_requests` jobs of this session are running or pinned at once;
-further jobs wait (within their deadline).
+Credits: at most `max_pinned_requests` jobs of this session are running or pinned at once
+(decode asks for a number, prefill grants at most its own `--max-pinned-requests`); further
+jobs wait for a credit until shortly before their deadline, then fail RESOURCE_EXHAUSTED.
+
+Pins belong to the decode engine *incarnation* (`DecodePeer.key`), not to the stream: when the
+stream ends (decode died, or the network dropped it) they stay until read, released on a new
+stream of the same incarnation, or their lease ends; a restarted decode engine cannot touch them.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 
-from shared.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.deadlines import wait_deadline
 from shared.rpc.engine_host import EngineHost
-from shared.rpc.proto_time import duration, seconds
 from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.proto_time import duration, seconds
 from shared.rpc.status import code_number
 from prefill_svc.jobs import JobRunner
-from prefill_svc.peers import DecodePeers
+from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ HELLO_TIMEOUT_SECONDS = 10.0
 class SessionConfig:
     heartbeat_seconds: float
     lease_seconds: float
+    max_pinned_requests: int = DEFAULT_MAX_PINNED
 
 
 
@@ -67,7 +74,8 @@ class PrefillSession:
         self.runner = runner
         self.lifecycle = lifecycle
         self.config = config
-        self.owner = ""
+        self.peer: DecodePeer | None = None
+        self.owner = ""  # the peer's key: owner of this session's pins
         self.readers: list[int] = []
         self._out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
         self._jobs: dict[str, asyncio.Task[None]] = {}
@@ -105,9 +113,11 @@ class PrefillSession:
                 f"{readers}: need one count per prefill rank ({self.host.layout.tp}), each 0..{d_tp}, not all 0",
                 field="hello.readers_per_prefill_rank",
             )
-        self.owner = peer.engine_id
+        self.peer = peer
+        self.owner = peer.key
         self.readers = readers
-        self._max_pinned = hello.max_pinned_requests or DEFAULT_MAX_PINNED
+        cap = self.config.max_pinned_requests
+        self._max_pinned = min(hello.max_pinned_requests or cap, cap)
         self._credits = asyncio.Semaphore(self._max_pinned)
         return pb.SessionResponse(
             ready=pb.SessionReady(
@@ -130,7 +140,11 @@ class PrefillSession:
         except TimeoutError:
             raise FailedPrecondition(f"no `hello` within {HELLO_TIMEOUT_SECONDS:g}s", field="hello") from None
         yield self._accept_hello(first)
-        log.info("session opened by decode engine %s (readers per rank %s)", self.owner, self.readers)
+        assert self.peer is not None
+        self.peers.session_opened(self.peer)
+        log.info(
+            "session opened by decode engine %s (readers per rank %s, %d credits)", self.owner, self.readers, self._max_pinned
+        )  # fmt: skip
         tasks = [
             asyncio.ensure_future(self._read_loop(requests)),
             asyncio.ensure_future(self._heartbeat_loop()),
@@ -149,7 +163,11 @@ class PrefillSession:
                 task.cancel()
             for job in self._jobs.values():
                 job.cancel()
-            log.info("session of decode engine %s ended (%d requests still pinned until read or lease end)", self.owner, self.pins.count_for(self.owner))
+            self.peers.session_closed(self.peer)
+            log.info(
+                "session of decode engine %s ended (%d requests stay pinned until read, released or their lease ends)",
+                self.owner, self.pins.count_for(self.owner),
+            )  # fmt: skip
 
     async def _read_loop(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
         try:
@@ -171,8 +189,13 @@ class PrefillSession:
             self._out.put_nowait(None)  # decode closed its side (or failed): end the stream
 
     async def _heartbeat_loop(self) -> None:
+        # On a fixed schedule (no drift): decode judges silence against this interval.
+        loop = asyncio.get_running_loop()
+        interval = self.config.heartbeat_seconds
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.config.heartbeat_seconds)
+            due += interval
+            await asyncio.sleep(max(0.0, due - loop.time()))
             count = self.pins.count_for(self.owner)
             self._out.put_nowait(pb.SessionResponse(heartbeat=pb.PrefillHeartbeat(pinned_request_count=count)))
 
@@ -203,12 +226,17 @@ class PrefillSession:
         deadline = loop.time() + seconds(job.timeout) if job.HasField("timeout") else None
         credit_taken = False
         try:
-            left = None if deadline is None else max(0.0, deadline - loop.time())
+            now = loop.time()
+            left = None if deadline is None else max(0.0, wait_deadline(deadline, now) - now)
             try:
-                await asyncio.wait_for(self._credits.acquire(), left)
+                if self._credits.locked():  # (wait_for with no time left would not even try)
+                    await asyncio.wait_for(self._credits.acquire(), left)
+                else:
+                    await self._credits.acquire()
             except TimeoutError:
-                raise Unavailable(
-                    f"{self._max_pinned} requests of this session are already pinned; none ended before the deadline",
+                raise ResourceExhausted(
+                    f"all {self._max_pinned} credits of this session are held by pinned requests; none ended "
+                    "before the job's deadline",
                     reason="NO_CREDIT",
                 ) from None
             credit_taken = True

@@ -406,7 +406,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         lease_seconds=_req(values, "lease_seconds", float),
         heartbeat_seconds=_req(values, "heartbeat_seconds", float),
         drain_seconds=_req(values, "drain_seconds", float),
-        read_timeout_seconds=float(values.get("read_timeout_seconds") or DEFAULT_READ_TIMEOUT_SECONDS),
+        read_timeout_seconds=_opt(values, "read_timeout_seconds", float) or DEFAULT_READ_TIMEOUT_SECONDS,
         max_pinned_requests=_req(values, "max_pinned_requests", int),
         metrics_port=_opt(values, "metrics_port", int),
         tls=tls,

@@ -29,7 +29,9 @@ from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
+from shared.rpc.loopback import loopback_read
 from shared.transport.agent import RankAgent
+from shared.transport.notifications import UnknownHandler
 from shared.transport.poller import CompletionPoller
 
 log = logging.getLogger(__name__)
@@ -77,19 +79,27 @@ class EngineHost:
     message: pb.EngineLayout
     # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop.
     compute: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
+    # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
+    _freed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    async def start(cls, settings: ServiceSettings, engine_factory: EngineFactory) -> EngineHost:
-        """Layout, caches, agents (memory registered once), poller and engine for `settings`."""
+    async def start(
+        cls, settings: ServiceSettings, engine_factory: EngineFactory, *, on_unknown_notif: UnknownHandler | None = None
+    ) -> EngineHost:
+        """Layout, caches, agents (memory registered once), a loopback self-READ per rank, poller
+        and engine for `settings`. `on_unknown_notif` sees notifications nobody waits for."""
         try:
             spec = load_model(
                 settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
             )
+        except LayoutError as e:
+            raise InvalidArgument(str(e), field="--model") from e
+        try:
             layout = build_engine_layout(
                 spec, settings.tp, block_size=settings.block_size, kernel_block_size=settings.kernel_block_size
             )
         except LayoutError as e:
-            raise InvalidArgument(str(e), field="model") from e
+            raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
         if layout.block_size_raised:
             log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
         num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget)
@@ -99,13 +109,15 @@ class EngineHost:
             lambda: [RankCache(layout.num_regions, num_blocks, layout.page_bytes, d) for d in devices]
         )
         agents: list[RankAgent] = []
-        poller = CompletionPoller()
+        poller = CompletionPoller(on_unknown_notif=on_unknown_notif)
         try:
             for rank in range(settings.tp):
                 agent = await RankAgent.create(settings.engine_id, rank, incarnation=f"{incarnation:016x}"[-8:])
                 agents.append(agent)
                 await caches[rank].register(agent)
                 poller.attach(agent)
+                moved = await loopback_read(agent, caches[rank], poller)
+                log.info("rank %d: agent %s up, memory registered, loopback READ of %d B ok", rank, agent.name, moved)
             ranks = [
                 RankMemory(
                     agent_name=agent.name,
@@ -186,7 +198,28 @@ class EngineHost:
         )
 
     def free(self, key: str) -> int:
-        return self.allocator.free(key)
+        freed = self.allocator.free(key)
+        if freed:
+            self._freed.set()
+            self._freed = asyncio.Event()
+        return freed
+
+    async def allocate_queued(self, key: str, num_tokens: int, deadline: float) -> RequestBlocks:
+        """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
+        time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return self.allocate(key, num_tokens)
+            except ResourceExhausted as e:
+                left = deadline - loop.time()
+                if left <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
+                    raise ResourceExhausted(f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL") from None
+                freed = self._freed
+                try:
+                    await asyncio.wait_for(freed.wait(), left)
+                except TimeoutError:
+                    pass
 
     # ---- compute ----
 

@@ -2,10 +2,14 @@
 
 Drain sequence, on the first SIGTERM or SIGINT:
 1. health goes NOT_SERVING for every name at once (load balancers and probes stop sending);
-2. `draining` is set: handlers refuse new work with UNAVAILABLE, sessions tell their peers;
-3. `server.stop(grace)`: the listener closes, in-flight calls get up to `grace` seconds;
-   long-lived streams end on their own once their work is done, so stop returns early;
-4. the caller closes its data plane and the process exits 0.
+2. `draining` is set: handlers refuse new work with UNAVAILABLE (reason DRAINING), sessions
+   tell their peers;
+3. the server keeps listening while the service's in-flight work finishes (`wait_idle`), for
+   at most `grace` seconds: a call arriving now still gets a handler, and so a clear
+   UNAVAILABLE, instead of being cut off by a server that is already stopping (CANCELLED);
+4. `server.stop(...)`: the listener closes; what is left (health Watch streams, stragglers past
+   the grace) gets at most FINAL_GRACE_SECONDS;
+5. the caller closes its data plane and the process exits 0.
 A second signal skips the rest of the grace period.
 """
 
@@ -22,6 +26,8 @@ from shared.errors import Unavailable
 from shared.rpc.health import HealthStatus
 
 log = logging.getLogger(__name__)
+
+FINAL_GRACE_SECONDS = 1.0
 
 
 class Lifecycle:
@@ -58,16 +64,30 @@ class Lifecycle:
         if self.draining.is_set():
             raise Unavailable(f"this service is shutting down and takes no {what}; retry on another instance", reason="DRAINING")
 
-    async def drain(self, server: grpc.aio.Server, on_draining: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Steps 1-3 of the module docstring; returns once the server has stopped."""
+    async def drain(
+        self,
+        server: grpc.aio.Server,
+        on_draining: Callable[[], Awaitable[None]] | None = None,
+        wait_idle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Steps 1-4 of the module docstring; returns once the server has stopped."""
+        loop = asyncio.get_running_loop()
+        end_of_grace = loop.time() + self.grace_seconds
         self._stop_requested.set()
         self.draining.set()
         await self.health.shutdown()
         if on_draining is not None:
             await on_draining()
-        stop = asyncio.ensure_future(server.stop(self.grace_seconds))
         force = asyncio.ensure_future(self._force.wait())
         try:
+            if wait_idle is not None:
+                idle = asyncio.ensure_future(wait_idle())
+                await asyncio.wait({idle, force}, timeout=self.grace_seconds, return_when=asyncio.FIRST_COMPLETED)
+                if not idle.done():
+                    idle.cancel()
+                    log.warning("in-flight work did not finish within the %.1fs grace: cutting it off", self.grace_seconds)
+            left = max(0.0, min(end_of_grace - loop.time(), FINAL_GRACE_SECONDS))
+            stop = asyncio.ensure_future(server.stop(None if self._force.is_set() else left))
             await asyncio.wait({stop, force}, return_when=asyncio.FIRST_COMPLETED)
             if not stop.done():
                 await server.stop(None)

@@ -1,5 +1,4 @@
-"""Process entry for both services: logging, the event loop (uvloop or asyncio), metrics port,
-and exit codes (0 after a clean drain, 2 for invalid settings, 1 for any other start failure)."""
+"""Process entry for both services: logging, the event loop (uvloop or asyncio), and exit codes (0 after a clean drain, 2 for invalid settings, 1 for any other start failure)."""
 
 from __future__ import annotations
 
@@ -29,19 +28,9 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def start_metrics(port: int | None) -> None:
-    if port is None:
-        return
-    from prometheus_client import start_http_server
-
-    start_http_server(port)  # a daemon thread: scrapes never compete with RPCs
-    log.info("metrics on http://0.0.0.0:%d/metrics", port)
-
-
 def run_service(settings: ServiceSettings, serve: Callable[[ServiceSettings], Coroutine[Any, Any, None]]) -> int:
     configure_logging(settings.log_level)
     try:
-        start_metrics(settings.metrics_port)
         with asyncio.Runner(loop_factory=event_loop_factory(settings.loop)) as runner:
             runner.run(serve(settings))
     except ServiceError as e:

@@ -1,4 +1,4 @@
-"""The gRPC shell around one service: server, health, reflection, listening, drain."""
+"""The gRPC shell around one service: server, health, reflection, metrics, listening, drain."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Awaitable, Callable
 import grpc
 
 from shared.config import ServiceSettings
+from shared.rpc import fault_hooks
 from shared.rpc.health import HealthStatus
 from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.metrics import ServiceMetrics, announce_metrics_port
 from shared.rpc.server import build_server, enable_reflection, listen
 
 
@@ -19,34 +21,50 @@ def announce_port(port: int) -> None:
 
 
 class ServiceShell:
-    """A grpc.aio server serving `service_name` + grpc.health.v1 + reflection, drained on SIGTERM."""
+    """A grpc.aio server serving `service_name` + grpc.health.v1 + reflection, drained on SIGTERM;
+    Prometheus metrics on --metrics-port when given."""
 
-    def __init__(self, service_name: str, settings: ServiceSettings) -> None:
+    def __init__(self, service_name: str, settings: ServiceSettings, metrics: ServiceMetrics | None = None) -> None:
         self.service_name = service_name
         self.settings = settings
         self.health = HealthStatus(service_name)
         self.lifecycle = Lifecycle(self.health, settings.drain_seconds)
+        self.metrics = metrics or ServiceMetrics(settings.role)
         self.server: grpc.aio.Server = build_server()
         self.health.add_to(self.server)
         enable_reflection(self.server, [service_name])
         self.port = 0
+        self.metrics_port: int | None = None
 
     async def start(self) -> int:
         """Listen (NOT_SERVING until `set_ready(True)`) and return the bound port."""
+        fault_hooks.warn_if_active()
         self.port = listen(self.server, self.settings.listen_address, self.settings.tls)
         await self.server.start()
         await self.health.start()
+        if self.settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
         return self.port
 
     async def set_ready(self, ready: bool) -> None:
         await self.health.set_ready(ready)
 
-    async def drain(self, on_draining: Callable[[], Awaitable[None]] | None = None) -> None:
-        await self.lifecycle.drain(self.server, on_draining)
+    async def drain(
+        self,
+        on_draining: Callable[[], Awaitable[None]] | None = None,
+        wait_idle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        await self.lifecycle.drain(self.server, on_draining, wait_idle)
+
+    def close(self) -> None:
+        """After the drain: stop serving metrics."""
+        self.metrics.close()
 
     async def run_until_signal(self, stop: Callable[[], Awaitable[None]]) -> None:
-        """Announce the port, wait for SIGTERM/SIGINT, then run `stop` (which drains)."""
+        """Announce the ports, wait for SIGTERM/SIGINT, then run `stop` (which drains)."""
         self.lifecycle.install_signal_handlers()
+        if self.metrics_port is not None:
+            announce_metrics_port(self.metrics_port)
         announce_port(self.port)
         try:
             await self.lifecycle.wait_for_stop()

@@ -9,8 +9,9 @@ tokens are a deterministic function of the prompt, so tests can predict them.
 
 from __future__ import annotations
 
+import time
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -82,3 +83,25 @@ class StampEngine:
             for layer, page in self._mamba_pages(blocks)
             if not torch.equal(page, self._pattern(prompt, layer))
         ]
+
+
+class SlowStamp(StampEngine):
+    """FAKE: prefill and decode steps take a while, so a test can act in the middle."""
+
+    prefill_seconds = 0.3
+    step_seconds = 0.02
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        time.sleep(self.prefill_seconds)
+        super().prefill(prompt, blocks)
+
+    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure: Any) -> Any:
+        session = super().start_decode(prompt, num_computed, blocks, ensure)
+        step = session.step
+
+        def slow_step() -> int:
+            time.sleep(self.step_seconds)
+            return int(step())
+
+        session.step = slow_step  # type: ignore[method-assign]
+        return session

@@ -12,10 +12,12 @@ import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.errors import Unavailable
-from shared.rpc.status import describe
+from shared.rpc import fault_hooks
+from shared.rpc.status import code_number, describe
 
 stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
 
@@ -31,9 +33,12 @@ async def until(condition: Any, timeout: float = 5.0) -> None:
 class RawSession:
     """The test plays decode on the Session stream (handshake with a real decode's layout)."""
 
-    def __init__(self, channel: grpc.aio.Channel, decode_layout: Any) -> None:
+    def __init__(self, channel: grpc.aio.Channel, decode_layout: Any, *, incarnation: int | None = None) -> None:
         self.stub = pb_grpc.PrefillServiceStub(channel)
-        self.layout = decode_layout
+        self.layout = lpb.EngineLayout()
+        self.layout.CopyFrom(decode_layout)
+        if incarnation is not None:  # the same decode engine, restarted
+            self.layout.incarnation = incarnation
         self.call: Any = None
 
     async def open(self) -> pb.SessionReady:
@@ -108,26 +113,7 @@ async def test_bad_job_fails_in_band_and_session_lives(start_prefill: Any, start
     assert (await session.next("manifest")).request_id == "good"
 
 
-class SlowStamp(stamp.StampEngine):  # type: ignore[misc, name-defined]
-    """FAKE: prefill and decode steps take a while, so a test can act in the middle."""
-
-    prefill_seconds = 0.3
-    step_seconds = 0.02
-
-    def prefill(self, prompt: Any, blocks: Any) -> None:
-        time.sleep(self.prefill_seconds)
-        super().prefill(prompt, blocks)
-
-    def start_decode(self, prompt: Any, num_computed: int, blocks: Any, ensure: Any) -> Any:
-        session = super().start_decode(prompt, num_computed, blocks, ensure)
-        step = session.step
-
-        def slow_step() -> int:
-            time.sleep(self.step_seconds)
-            return int(step())
-
-        session.step = slow_step
-        return session
+SlowStamp = stamp.SlowStamp
 
 
 async def test_client_cancel_frees_both_sides(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
@@ -188,3 +174,93 @@ async def test_second_hello_ends_the_session_with_a_status(start_prefill: Any, s
         await session.next("manifest")
     assert describe(err.value).status == "FAILED_PRECONDITION"
     assert describe(err.value).fields == ("hello",)
+
+
+async def test_decode_heartbeats_keep_a_held_request_alive(
+    start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode holds a manifest for 2.5 leases before its READ: its heartbeats renew the lease."""
+    monkeypatch.setattr(fault_hooks, "_PAUSES", [fault_hooks.Pause("before_read", 2.5, "held-")])
+    prefill = await start_prefill("--lease-seconds", "1", "--heartbeat-seconds", "0.3")
+    decode = await start_decode(prefill.port, "--check-state")
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    tokens = []
+    async for response in stub.Generate(dpb.GenerateRequest(request_id="held-1", prompt_token_ids=[4, 5, 6], max_tokens=4), timeout=20):
+        tokens += response.chunk.token_ids
+    assert tokens == stamp.expected_tokens([4, 5, 6], 4, decode.host.spec.vocab_size)
+    await until(lambda: prefill.host.allocator.num_used == 0)
+    assert prefill.pins.ended == {"read": 1}  # never lease_expired
+
+
+async def test_a_restarted_decode_cannot_touch_its_old_incarnations_pins(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill("--lease-seconds", "1")
+    decode = await start_decode(prefill.port, ready=False)
+    old = RawSession(channel_to(prefill.port), decode.host.message)
+    await old.open()
+    await old.send(job=pb.PrefillJob(request_id="r", prompt_token_ids=[1, 2, 3]))
+    await old.next("manifest")
+    old.call.cancel()  # the old incarnation dies
+    new = RawSession(channel_to(prefill.port), decode.host.message, incarnation=decode.host.incarnation + 2)
+    await new.open()
+    # Same request id: a new request of the new incarnation, not the old pin.
+    await new.send(job=pb.PrefillJob(request_id="r", prompt_token_ids=[7, 8, 9]))
+    await new.next("manifest")
+    assert len(prefill.pins) == 2
+    for _ in range(4):  # heartbeats and a release naming "r" only concern the new incarnation's pin
+        await new.send(heartbeat=pb.DecodeHeartbeat(request_ids=["r"]))
+        await asyncio.sleep(0.4)
+    assert prefill.pins.ended == {"lease_expired": 1} and len(prefill.pins) == 1
+    await new.send(release=pb.ReleaseBlocks(request_id="r", reason="test"))
+    await until(lambda: prefill.host.allocator.num_used == 0)
+    assert prefill.pins.ended == {"lease_expired": 1, "released": 1}
+
+
+async def test_prefill_forgets_a_decode_engine_when_its_session_ends(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    session = RawSession(channel_to(prefill.port), decode.host.message)
+    await session.open()
+    await until(lambda: prefill.servicer.peers.open_sessions == 1)
+    assert len(prefill.servicer.peers) == 1
+    session.call.cancel()
+    await until(lambda: prefill.servicer.peers.open_sessions == 0 and len(prefill.servicer.peers) == 0)
+
+
+async def test_stream_credits_bound_pinned_requests(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill("--max-pinned-requests", "1")
+    decode = await start_decode(prefill.port, ready=False)
+    session = RawSession(channel_to(prefill.port), decode.host.message)
+    ready = await session.open()
+    assert ready.max_pinned_requests == 1
+    await session.send(job=pb.PrefillJob(request_id="first", prompt_token_ids=[1, 2]))
+    await session.next("manifest")
+    short = pb.PrefillJob(request_id="no-credit", prompt_token_ids=[3, 4])
+    short.timeout.FromMilliseconds(300)
+    await session.send(job=short)
+    failure = await session.next("failure")
+    assert failure.request_id == "no-credit" and failure.status_code == code_number("RESOURCE_EXHAUSTED")
+    assert "credits" in failure.message
+    patient = pb.PrefillJob(request_id="patient", prompt_token_ids=[5, 6])
+    patient.timeout.FromSeconds(10)
+    await session.send(job=patient)
+    await asyncio.sleep(0.2)
+    assert len(prefill.pins) == 1  # still waiting for the credit
+    await session.send(release=pb.ReleaseBlocks(request_id="first", reason="test"))
+    assert (await session.next("manifest")).request_id == "patient"
+
+
+async def test_client_deadline_aborts_the_prefill_job(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill(engine=SlowStamp)
+    decode = await start_decode(prefill.port, engine=SlowStamp)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=4), timeout=0.15):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The job was cancelled on prefill (no pin ever made), its blocks freed once the compute ended.
+    await until(lambda: prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0)
+    assert not prefill.pins.ended and len(prefill.pins) == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,28 @@ async def test_mutual_tls_pair_and_refused_plain_client(start_prefill: Any, star
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_generate_cli_without_client_certificate_is_refused(
+    start_prefill: Any, start_decode: Any, certs: dict[str, str]
+) -> None:
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
+    prefill = await start_prefill(*tls)
+    decode = await start_decode(prefill.port, *tls)
+
+    async def cli(*flags: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.cli.main", "generate", "--decode", f"127.0.0.1:{decode.port}",
+            "--prompt-ids", "1,2,3", "--max-tokens", "2", "--timeout", "10", *flags,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode is not None
+        return proc.returncode, err.decode()
+
+    code, err = await cli("--tls-ca", certs["ca"])  # trusts the server, presents no certificate
+    assert code == 1 and err.startswith("UNAVAILABLE"), err
+    code, err = await cli()  # plaintext
+    assert code == 1 and err.startswith("UNAVAILABLE"), err
+    code, err = await cli("--tls-ca", certs["ca"], "--tls-cert", certs["cert"], "--tls-key", certs["key"])
+    assert code == 0, err

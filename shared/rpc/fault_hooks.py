@@ -1,0 +1,62 @@
+"""TEST-ONLY pauses at named steps of a request, so fault tests can kill or freeze a peer at an
+exact point of its life (a real SIGKILL has to land between two steps that take microseconds).
+
+Only tests set `HYBRID_PD_TEST_PAUSE`; it is not a service flag and is unset in production,
+where `pause()` returns at once. Format: comma-separated `STEP:SECONDS[:REQUEST_ID_PREFIX]`,
+e.g. `before_read:2:victim-` pauses decode for 2 s before the READ of every request whose id
+starts with `victim-`. Steps:
+- `before_manifest` (prefill): the state is computed, nothing is pinned, no manifest sent yet;
+- `before_read` (decode): the manifest is in hand, local blocks allocated, no READ posted;
+- `after_read` (decode): the state is read, decoding has not started.
+Each pause logs `TEST PAUSE <step> <request id> <seconds>s` at WARNING (stderr), so a test that
+watches the output knows when to strike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "HYBRID_PD_TEST_PAUSE"
+STEPS = ("before_manifest", "before_read", "after_read")
+
+
+@dataclass(frozen=True)
+class Pause:
+    step: str
+    seconds: float
+    request_prefix: str = ""
+
+
+def parse(text: str) -> list[Pause]:
+    pauses: list[Pause] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        fields = item.split(":", 2)
+        if len(fields) < 2 or fields[0] not in STEPS:
+            raise ValueError(f"{ENV_VAR}: {item!r} is not STEP:SECONDS[:PREFIX] with STEP one of {', '.join(STEPS)}")
+        pauses.append(Pause(fields[0], float(fields[1]), fields[2] if len(fields) == 3 else ""))
+    return pauses
+
+
+_PAUSES: list[Pause] = parse(os.environ.get(ENV_VAR, ""))
+
+
+def warn_if_active() -> None:
+    """Say loudly at start-up that this process runs with test pauses."""
+    if _PAUSES:
+        log.warning("%s is set: TEST-ONLY pauses %s", ENV_VAR, ", ".join(f"{p.step} {p.seconds:g}s {p.request_prefix!r}" for p in _PAUSES))
+
+
+async def pause(step: str, request_id: str) -> None:
+    """Sleep if a test asked for a pause at `step` for this request (cancellable, like any await)."""
+    for p in _PAUSES:
+        if p.step == step and request_id.startswith(p.request_prefix):
+            log.warning("TEST PAUSE %s %s %.3gs", step, request_id, p.seconds)
+            await asyncio.sleep(p.seconds)
+            log.warning("TEST PAUSE %s %s over", step, request_id)

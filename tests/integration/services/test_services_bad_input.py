@@ -1,0 +1,160 @@
+"""Bad input of every kind gets the right status and a message naming the field, and touches
+nothing: both allocators as before, no READ posted, no prefill run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any, Callable
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from decode_svc.peer_link import PeerLink
+from shared.errors import InvalidArgument
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.pb.hybridpd.v1 import layout_pb2 as lpb
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.status import RpcFailure, describe
+from shared.transport.agent import RankAgent
+from shared.transport.poller import CompletionPoller
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+
+async def generate_failure(channel: grpc.aio.Channel, **fields: Any) -> RpcFailure:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=20):
+            pass
+    return describe(err.value)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "needle"),
+    [
+        # Longer than decode's whole cache (--num-blocks 8: 6 attention blocks of 32 tokens).
+        ({"prompt_token_ids": [1] * 200, "max_tokens": 1}, "prompt_token_ids", "holds at most"),
+        ({"prompt": "x" * 200, "max_tokens": 1}, "prompt", "holds at most"),
+        # Fits decode, not prefill (--num-blocks 4 there: 2 attention blocks, 64 prefilled tokens).
+        ({"prompt_token_ids": [1] * 100, "max_tokens": 1}, "prompt_token_ids", "blocks on prefill"),
+    ],
+)
+async def test_prompt_longer_than_a_cache_allows(
+    start_prefill: Any, start_decode: Any, channel_to: Any, fields: dict[str, Any], field: str, needle: str
+) -> None:
+    prefill = await start_prefill("--num-blocks", "4")
+    decode = await start_decode(prefill.port, "--num-blocks", "8")
+    failure = await generate_failure(channel_to(decode.port), **fields)
+    assert failure.status == "INVALID_ARGUMENT" and failure.fields == (field,), failure
+    assert failure.message.startswith(field) and needle in failure.message
+    assert prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0
+    assert prefill.host.engine.prefills == 0
+
+
+def corrupt_manifests(prefill: Any, mutate: Callable[[pb.Manifest], None]) -> None:
+    """FAKE: a prefill engine whose manifests are wrong (a real one cannot be made to send them)."""
+    real = prefill.servicer.runner.run
+
+    async def run(job: pb.PrefillJob, **kwargs: Any) -> pb.Manifest:
+        manifest: pb.Manifest = await real(job, **kwargs)
+        mutate(manifest)
+        return manifest
+
+    prefill.servicer.runner.run = run
+
+
+def drop_a_group(m: pb.Manifest) -> None:
+    del m.groups[-1]
+
+
+def block_out_of_range(m: pb.Manifest) -> None:
+    m.groups[-1].block_ids[0] = 100_000
+
+
+def duplicate_block(m: pb.Manifest) -> None:
+    m.groups[-1].block_ids[0] = m.groups[0].block_ids[0]
+
+
+def lease_expired(m: pb.Manifest) -> None:
+    m.lease_duration.CopyFrom(duration_pb2.Duration())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "status", "field", "reason"),
+    [
+        (drop_a_group, "INTERNAL", "manifest.groups", "BAD_MANIFEST"),
+        (block_out_of_range, "INTERNAL", "manifest.groups.block_ids", "BAD_MANIFEST"),
+        (duplicate_block, "INTERNAL", "manifest.groups.block_ids", "BAD_MANIFEST"),
+        (lease_expired, "ABORTED", "manifest.lease_duration", "LEASE_EXPIRED"),
+    ],
+)
+async def test_bad_manifest_is_refused_before_any_read(
+    start_prefill: Any, start_decode: Any, channel_to: Any, mutate: Any, status: str, field: str, reason: str
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port)
+    corrupt_manifests(prefill, mutate)
+    failure = await generate_failure(channel_to(decode.port), prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=3)
+    assert failure.status == status and failure.reason == reason, failure
+    assert failure.message.startswith(field) and "prefill test-prefill" in failure.message, failure
+    assert decode.host.poller.stats.reads_posted == 0  # nothing was read
+    assert decode.host.allocator.num_used == 0
+    # Decode released the request on prefill: its blocks are free long before any lease.
+    await until(lambda: prefill.host.allocator.num_used == 0)
+    assert prefill.pins.ended["released"] == 1 and not prefill.pins.ended["lease_expired"]
+
+
+async def test_notifications_for_unknown_requests_are_ignored_and_counted(start_prefill: Any) -> None:
+    prefill = await start_prefill()
+    stranger = await RankAgent.create("stranger", 0)
+    pump = CompletionPoller()  # without a progress thread, the sender must be pumped too
+    pump.attach(stranger)
+    try:
+        target = prefill.host.message.ranks[0]
+        await stranger.add_remote(target.agent_metadata)
+        before = prefill.metrics.telemetry.unknown_notifications._value.get()
+        for message in (b"t-no-such-transfer", b"garbage \x00\xff"):
+            await stranger.send_notif(target.agent_name, message)
+        await until(lambda: prefill.host.poller.stats.notifs_unknown == 2)
+        assert prefill.metrics.telemetry.unknown_notifications._value.get() == before + 2
+        assert prefill.host.allocator.num_used == 0 and len(prefill.pins) == 0
+        assert "hybrid_pd_unknown_notifications_total 2.0" in prefill.metrics.exposition()
+    finally:
+        await pump.aclose()
+        await stranger.aclose()
+
+
+async def test_peer_agent_metadata_nixl_cannot_load(start_prefill: Any, start_decode: Any) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    bad = lpb.EngineLayout()
+    bad.CopyFrom(prefill.host.message)
+    bad.ranks[0].agent_metadata = b"not NIXL agent metadata"
+    with pytest.raises(InvalidArgument) as err:
+        await PeerLink.open(decode.host, f"127.0.0.1:{prefill.port}", bad)
+    assert err.value.fields == ("layout.ranks[0].agent_metadata",)
+    assert decode.host.allocator.num_used == 0
+
+
+async def test_unknown_model_stops_the_service_with_exit_2() -> None:
+    async def run(role: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", f"{role}_svc", "--model", "no-such-model", "--port", "0",
+            *(["--prefill", "127.0.0.1:1"] if role == "decode" else []),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 50)
+        assert proc.returncode is not None
+        return proc.returncode, err.decode()
+
+    for code, err in await asyncio.gather(run("prefill"), run("decode")):
+        assert code == 2, err
+        assert "INVALID_ARGUMENT: --model: model 'no-such-model' is neither a preset" in err, err

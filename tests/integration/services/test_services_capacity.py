@@ -1,0 +1,92 @@
+"""A full cache queues the request until shortly before its deadline, then RESOURCE_EXHAUSTED;
+a request whose deadline allows waits for the blocks and runs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.status import RpcFailure, describe
+
+stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+
+async def generate(channel: grpc.aio.Channel, prompt: list[int], max_tokens: int, timeout: float) -> list[int] | RpcFailure:
+    tokens: list[int] = []
+    try:
+        async for response in dpb_grpc.DecodeServiceStub(channel).Generate(
+            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=timeout
+        ):
+            tokens += response.chunk.token_ids
+    except grpc.aio.AioRpcError as e:
+        return describe(e)
+    return tokens
+
+
+async def until(condition: Any, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill()
+    # 6 blocks: 2 Mamba + 4 attention blocks of 32 tokens; the hog takes all of them for ~2 s.
+    decode = await start_decode(prefill.port, "--num-blocks", "6", engine=stamp.SlowStamp)
+    channel = channel_to(decode.port)
+    hog = asyncio.ensure_future(generate(channel, [1] * 8, 120, timeout=30))
+    await until(lambda: decode.host.allocator.num_free == 0)
+    prefills_before = prefill.host.engine.prefills
+    started = time.monotonic()
+    refused = await generate(channel, [2, 3, 4], 4, timeout=1.0)
+    assert isinstance(refused, RpcFailure) and refused.status == "RESOURCE_EXHAUSTED", refused
+    assert refused.reason == "CACHE_FULL" and "cache full" in refused.message
+    assert time.monotonic() - started >= 0.5  # it queued, it was not refused at once
+    assert prefill.host.engine.prefills == prefills_before  # prefill never saw it
+    patient = await generate(channel, [2, 3, 4], 4, timeout=30)
+    assert patient == stamp.expected_tokens([2, 3, 4], 4, decode.host.spec.vocab_size)
+    assert isinstance(await hog, list)
+    await until(lambda: decode.host.allocator.num_used == 0 and prefill.host.allocator.num_used == 0)
+
+
+async def test_full_prefill_cache_answers_resource_exhausted(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    # 4 blocks: one job of 65 prompt tokens (64 prefilled: 2 attention + 2 Mamba blocks) fills it.
+    prefill = await start_prefill("--num-blocks", "4")
+    decode = await start_decode(prefill.port)
+    stub = pb_grpc.PrefillServiceStub(channel_to(prefill.port))
+    answer = await stub.Handshake(pb.HandshakeRequest(layout=decode.host.message), timeout=10)
+    holder = stub.Session()
+    await holder.write(
+        pb.SessionRequest(
+            hello=pb.SessionHello(
+                decode_engine_id=decode.host.engine_id,
+                decode_incarnation=decode.host.incarnation,
+                prefill_incarnation=answer.layout.incarnation,
+                readers_per_prefill_rank=[1],
+            )
+        )
+    )
+    await holder.read()  # ready
+    await holder.write(pb.SessionRequest(job=pb.PrefillJob(request_id="hog", prompt_token_ids=[1] * 65)))
+    while (await holder.read()).WhichOneof("payload") != "manifest":
+        pass
+    assert prefill.host.allocator.num_free == 0
+    refused = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=1.0)
+    assert isinstance(refused, RpcFailure) and refused.status == "RESOURCE_EXHAUSTED", refused
+    assert "prefill test-prefill" in refused.message and "cache full" in refused.message
+    await until(lambda: decode.host.allocator.num_used == 0)
+    await holder.write(pb.SessionRequest(release=pb.ReleaseBlocks(request_id="hog", reason="test")))
+    served = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=10)
+    assert served == stamp.expected_tokens([5, 6, 7], 2, decode.host.spec.vocab_size)
+    holder.cancel()
