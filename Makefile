@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/python -m mypy
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 test-slow: setup
 	HYBRID_PD_SLOW=1 $(BIN)/python -m pytest -q

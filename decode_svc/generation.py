@@ -281,6 +281,8 @@ class Generation:
         t.transferred_bytes.labels(section="conv").inc(stats.conv_bytes)
         t.transferred_bytes.labels(section="ssm").inc(stats.ssm_bytes)
         t.transfer_seconds.observe(stats.seconds)
+        for seconds in stats.post_seconds:
+            t.post_seconds.observe(seconds)
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
     async def _check(self, compute: ComputeGuard, prompt: list[int], num_computed: int, local: RequestBlocks) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,7 @@ class ReadStats:
     read_count: int = 0
     descriptor_count: int = 0
     seconds: float = 0.0
+    post_seconds: list[float] = field(default_factory=list)  # one per READ posted
 
     @property
     def total_bytes(self) -> int:
@@ -53,6 +54,7 @@ class ReadStats:
         self.ssm_bytes += other.ssm_bytes
         self.read_count += other.read_count
         self.descriptor_count += other.descriptor_count
+        self.post_seconds += other.post_seconds
 
 
 def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
@@ -89,23 +91,21 @@ def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
 
 def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IntArray) -> ReadStats:
     """Bytes of one READ by kind of state, from the local descriptor ids (vectorised)."""
-    lists = pair.lists
-    lengths = lists.local[local_idx, 1]
-    fa_part = lists.local_geometry.fa_part
-    is_fa = local_idx < fa_part
-    stats = ReadStats(attention_bytes=int(lengths[is_fa].sum()), read_count=1, descriptor_count=int(local_idx.size))
-    if lists.mamba_pieces:
-        read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
-        piece = ((local_idx[~is_fa] - fa_part) // lists.local_geometry.num_logical_blocks) % lists.mamba_pieces
-        is_ssm = piece == lists.mamba_pieces - 1 if read.ssm is not None else np.zeros(piece.shape, dtype=bool)
-        mamba_lengths = lengths[~is_fa]
-        stats.ssm_bytes = int(mamba_lengths[is_ssm].sum())
-        stats.conv_bytes = int(mamba_lengths[~is_ssm].sum())
+    read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
+    fa, conv, ssm = pair.lists.bytes_by_section(local_idx, read.ssm is not None)
+    stats = ReadStats(attention_bytes=fa, conv_bytes=conv, ssm_bytes=ssm, read_count=1, descriptor_count=int(local_idx.size))
     return stats
 
 
 async def _read_one(
-    host: EngineHost, agent: RankAgent, pair: PairLists, lidx: IntArray, ridx: IntArray, notif: bytes, timeout: float
+    host: EngineHost,
+    agent: RankAgent,
+    pair: PairLists,
+    lidx: IntArray,
+    ridx: IntArray,
+    notif: bytes,
+    timeout: float,
+    stats: ReadStats,
 ) -> ReadResult:
     """One READ; on cancellation its handle is released before this returns."""
     post = asyncio.ensure_future(agent.post_read(pair.local, lidx, pair.remote, ridx, notif))
@@ -118,6 +118,7 @@ async def _read_one(
             raise asyncio.CancelledError() from None
         await agent.release(xfer)
         raise
+    stats.post_seconds.append(xfer.post_seconds)
     if xfer.state == "DONE":
         return ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at)
     try:
@@ -155,7 +156,7 @@ async def read_request(
                 jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                 continue
             stats.add(_pair_bytes(link, pair, lidx))
-            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout)))
+            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout, stats)))
         started = time.monotonic()
         await asyncio.gather(*jobs)
         stats.seconds = time.monotonic() - started

@@ -36,13 +36,5 @@ class SectionBytes:
 
 
 def section_bytes(lists: ReadLists, read: SourceRead, local_idx: IntArray) -> SectionBytes:
-    lengths = lists.local[local_idx, 1]
-    fa_part = lists.local_geometry.fa_part
-    is_fa = local_idx < fa_part
-    fa = int(lengths[is_fa].sum())
-    if not lists.mamba_pieces:
-        return SectionBytes(fa=fa)
-    piece = ((local_idx[~is_fa] - fa_part) // lists.local_geometry.num_logical_blocks) % lists.mamba_pieces
-    is_ssm = piece == lists.mamba_pieces - 1 if read.ssm is not None else np.zeros(piece.shape, dtype=bool)
-    mamba = lengths[~is_fa]
-    return SectionBytes(fa=fa, conv=int(mamba[~is_ssm].sum()), ssm=int(mamba[is_ssm].sum()))
+    fa, conv, ssm = lists.bytes_by_section(local_idx, read.ssm is not None)
+    return SectionBytes(fa=fa, conv=conv, ssm=ssm)

@@ -1,5 +1,10 @@
 """The dual descriptor view of one rank's registered cache memory (layout-spec section 3.3).
 
+This is the reference view, vLLM's documented order; the data path does not use its ids. The
+read lists the transport executes (`read_lists`) list the same kind of descriptors per region
+block-major instead, so that NIXL can merge the descriptors of contiguous blocks; both are built
+by `region_descriptors`.
+
 One list, two sections over the same bytes, built from the region base addresses:
 
     FA section     for region j < R: K of every kernel block, then V of every kernel block
@@ -38,20 +43,31 @@ def region_descriptors(
     piece_sizes: IntArray,
     block_offsets: IntArray,
     out: IntArray | None = None,
+    *,
+    block_major: bool = False,
 ) -> IntArray:
-    """`(addr, len)` rows for every region, piece and block, in that order (block fastest).
+    """`(addr, len)` rows for every region, piece and block, in that order (block fastest); with
+    `block_major`, for every region, block and piece (piece fastest: the pieces of one block get
+    consecutive rows, which NIXL merges when they are adjacent in memory).
 
     Written straight into `out` (shape `(R·Q·N, 2)`) when given: lists of millions of
     descriptors are built without intermediate copies.
     """
-    shape = (len(bases), len(piece_offsets), len(block_offsets))
+    num = len(bases) * len(piece_offsets) * len(block_offsets)
     if out is None:
-        out = np.empty((shape[0] * shape[1] * shape[2], 2), dtype=np.int64)
-    view = out.reshape(*shape, 2)
-    np.add(
-        (bases[:, None] + piece_offsets[None, :])[:, :, None], block_offsets[None, None, :], out=view[..., 0]
-    )
-    view[..., 1] = piece_sizes[None, :, None]
+        out = np.empty((num, 2), dtype=np.int64)
+    if block_major:
+        view = out.reshape(len(bases), len(block_offsets), len(piece_offsets), 2)
+        np.add(
+            (bases[:, None] + block_offsets[None, :])[:, :, None], piece_offsets[None, None, :], out=view[..., 0]
+        )
+        view[..., 1] = piece_sizes[None, None, :]
+    else:
+        view = out.reshape(len(bases), len(piece_offsets), len(block_offsets), 2)
+        np.add(
+            (bases[:, None] + piece_offsets[None, :])[:, :, None], block_offsets[None, None, :], out=view[..., 0]
+        )
+        view[..., 1] = piece_sizes[None, :, None]
     return out
 
 

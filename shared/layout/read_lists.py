@@ -9,10 +9,25 @@ over p's regions, each an `(n, 2)` int64 array of `(addr, len)`. Both lists have
 *structure*; only their block counts differ (each side has its own number of blocks, kernel
 block size and physical-per-logical ratio):
 
-    FA part     for region j < R, for piece k < 2·F (K pieces then V pieces), for FA unit u:
+    FA part     for region j < R, for FA unit u, for piece k < 2·F (K pieces then V pieces):
+                    id   = (j·U + u)·2F + k
                     addr = base_j + kernel_block(u)·L + half(k)·L/2 + head_offset(k) + sub_unit(u)
-    Mamba part  for region j < R, for piece k < M (conv sections read from p, then SSM), for
-                logical block m:   addr = base_j + m·P + offset_k
+    Mamba part  for region j < R, for logical block m, for piece k < M (conv sections read
+                from p, then SSM):
+                    id   = fa_part + (j·N + m)·M + k
+                    addr = base_j + m·P + offset_k
+
+(U: FA units per region, N: logical blocks per region, both of this side.)
+
+Why block-major inside a region, not vLLM's region, piece, block order (the reference view in
+`descriptors`): NIXL's `make_prepped_xfer` merges a run of consecutive indices over adjacent
+equal-size descriptors into one wire descriptor, and every unmerged descriptor costs a few µs.
+A kernel block is [2, heads, kernel_block_size, head_dim], K half first, so K_u, V_u, K_u+1 ...
+are adjacent in memory whenever a piece covers a whole half (equal kernel block sizes, every
+head read); so are x|B|C|SSM of one Mamba page whenever whole sections are read. Block-major
+ids make these runs consecutive as well, and the FA part of a contiguously allocated request
+merges to one wire descriptor per region (measured: docs/performance.md). NIXL merges equal
+sizes only, so of a Mamba page only equal-size neighbours (B|C) merge.
 
 An FA unit is `fa_unit_tokens` tokens (the gcd of the two sides' kernel block sizes), so a
 side whose kernel blocks are larger has several units per kernel block. With equal kernel block
@@ -29,11 +44,12 @@ d's sections), so no descriptor is ever written by two sources.
 Per request, `read_indices` maps the logical block ids of every KV-cache group on both sides
 to descriptor ids: FA groups expand each side's logical ids with that side's ratio r to kernel
 blocks and then to units, keeping the units that cover `num_tokens`; each Mamba group has
-exactly one logical block. Ids are emitted group by group, region-major, piece, then block, on
-both sides in the same order, so `local_idx[i]` pairs with `remote_idx[i]` and both
+exactly one logical block. Ids are emitted group by group, region, block (FA unit), then
+piece, on both sides in the same order, so `local_idx[i]` pairs with `remote_idx[i]` and both
 descriptors have the same length. Consecutive blocks give consecutive ids, so NIXL can merge
 descriptors of contiguously allocated blocks. One READ per (d, p) then moves FA and Mamba
-state of every layer at once.
+state of every layer at once. Code that classifies ids (FA, conv, SSM) asks the lists
+(`fa_part`, `mamba_piece_of`) rather than re-deriving this order.
 
 Pieces of a padded (short) group's unused regions are never referenced: they hold nothing.
 """
@@ -83,25 +99,50 @@ class ReadLists:
     remote: IntArray  # (n_remote, 2) (addr, len) over the prefill rank's regions
 
     @cached_property
-    def slot_starts(self) -> tuple[_SlotStarts | None, ...]:
-        """Per group: the first descriptor id of each (region, piece) slot on both sides (None: the
+    def region_starts(self) -> tuple[_RegionStarts | None, ...]:
+        """Per group: the first descriptor id of each of its regions on both sides (None: the
         group moves nothing from this source). Depends on the lists only: computed once per peer."""
         lg, rg = self.local_geometry, self.remote_geometry
-        starts: list[_SlotStarts | None] = []
+        starts: list[_RegionStarts | None] = []
         for group in self.groups:
             regions = np.arange(len(group.layers), dtype=np.int64)
             if group.kind == "attention":
-                slots = _slots(regions, self.fa_pieces)
-                local, remote = slots * lg.num_units, slots * rg.num_units
+                if not self.fa_pieces:
+                    starts.append(None)
+                    continue
+                local = regions * (lg.num_units * self.fa_pieces)
+                remote = regions * (rg.num_units * self.fa_pieces)
             else:
-                slots = _slots(regions, self.mamba_pieces)
-                local, remote = lg.fa_part + slots * lg.num_logical_blocks, rg.fa_part + slots * rg.num_logical_blocks
-            starts.append(_SlotStarts(local, remote) if len(slots) else None)
+                if not self.mamba_pieces:
+                    starts.append(None)
+                    continue
+                local = lg.fa_part + regions * (lg.num_logical_blocks * self.mamba_pieces)
+                remote = rg.fa_part + regions * (rg.num_logical_blocks * self.mamba_pieces)
+            starts.append(_RegionStarts(local, remote) if len(regions) else None)
         return tuple(starts)
+
+    def bytes_by_section(self, local_ids: IntArray, reads_ssm: bool) -> tuple[int, int, int]:
+        """(FA, conv, SSM) bytes the given local descriptor ids move; `reads_ssm`: whether this
+        source's Mamba pieces end with the SSM state (the plan's `SourceRead.ssm` is not None)."""
+        lengths = self.local[local_ids, 1]
+        is_fa = local_ids < self.local_geometry.fa_part
+        fa = int(lengths[is_fa].sum())
+        if not self.mamba_pieces:
+            return fa, 0, 0
+        mamba = lengths[~is_fa]
+        if not reads_ssm:
+            return fa, int(mamba.sum()), 0
+        is_ssm = self.mamba_piece_of(local_ids[~is_fa]) == self.mamba_pieces - 1
+        return fa, int(mamba[~is_ssm].sum()), int(mamba[is_ssm].sum())
+
+    def mamba_piece_of(self, local_ids: IntArray) -> IntArray:
+        """Piece index (conv sections read from this source, then SSM) of local ids in the Mamba
+        part (ids >= `local_geometry.fa_part`)."""
+        return (local_ids - self.local_geometry.fa_part) % max(self.mamba_pieces, 1)
 
 
 @dataclass(frozen=True)
-class _SlotStarts:
+class _RegionStarts:
     local: IntArray
     remote: IntArray
 
@@ -166,13 +207,14 @@ def build_read_lists(
         fa_len = 0 if fa is None else len(bases) * len(fa[0]) * len(fa[2])
         descs = np.empty((fa_len + len(bases) * len(mamba) * num_blocks, 2), dtype=np.int64)
         if fa is not None:
-            region_descriptors(bases, *fa, out=descs[:fa_len])
+            region_descriptors(bases, *fa, out=descs[:fa_len], block_major=True)
         region_descriptors(
             bases,
             np.array([m.local_offset if local else m.remote_offset for m in mamba], dtype=np.int64),
             sizes,
             np.arange(num_blocks, dtype=np.int64) * layout.page_bytes,
             out=descs[fa_len:],
+            block_major=True,
         )
         return descs, fa_len, 0 if fa is None else len(fa[0])
 
@@ -222,9 +264,10 @@ def _mamba_block(geometry: SideGeometry, logical_ids: IntArray, side: str, group
     return block
 
 
-def _slots(regions: IntArray, pieces: int) -> IntArray:
-    """(region, piece) slots of a list part, region-major."""
-    return (regions[:, None] * pieces + np.arange(pieces, dtype=np.int64)[None, :]).reshape(-1)
+def _block_pieces(blocks: IntArray, pieces: int) -> IntArray:
+    """Ids within a region of every piece of the given blocks (FA units or logical blocks),
+    block-major: the list order inside a region."""
+    return (blocks[:, None] * pieces + np.arange(pieces, dtype=np.int64)[None, :]).reshape(-1)
 
 
 def read_indices(
@@ -235,7 +278,7 @@ def read_indices(
 ) -> tuple[IntArray, IntArray]:
     """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
 
-    Runs on every request: the per-peer part (slot starts) is cached on the lists, and each id
+    Runs on every request: the per-peer part (region starts) is cached on the lists, and each id
     is written once, straight into the two output arrays (long prompts give millions of ids).
     """
     n_groups = len(lists.groups)
@@ -248,19 +291,26 @@ def read_indices(
         raise LayoutError(f"num_tokens must be >= 0, got {num_tokens}")
     lg, rg = lists.local_geometry, lists.remote_geometry
     num_units = -(-num_tokens // lists.fa_unit_tokens)
-    # (slot starts, local offsets, remote offsets) per group that moves bytes: one row of ids per
-    # slot, `start + offset` for every offset (FA: its unit ids; Mamba: its one block id).
-    parts: list[tuple[_SlotStarts, IntArray, IntArray]] = []
-    for g, (group, starts) in enumerate(zip(lists.groups, lists.slot_starts)):
+    # (region starts, local offsets, remote offsets) per group that moves bytes: one row of ids
+    # per region, `start + offset` for every offset (the pieces of its units or its one block).
+    parts: list[tuple[_RegionStarts, IntArray, IntArray]] = []
+    for g, (group, starts) in enumerate(zip(lists.groups, lists.region_starts)):
         if starts is None or (group.kind == "attention" and num_units == 0):
             continue
         lids = np.asarray(local_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         rids = np.asarray(remote_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         if group.kind == "attention":
-            parts.append((starts, _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)))
+            lu, ru = _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)
+            parts.append((starts, _block_pieces(lu, lists.fa_pieces), _block_pieces(ru, lists.fa_pieces)))
         else:
             lm, rm = _mamba_block(lg, lids, "local", g), _mamba_block(rg, rids, "remote", g)
-            parts.append((starts, np.array([lm], dtype=np.int64), np.array([rm], dtype=np.int64)))
+            parts.append(
+                (
+                    starts,
+                    _block_pieces(np.array([lm], dtype=np.int64), lists.mamba_pieces),
+                    _block_pieces(np.array([rm], dtype=np.int64), lists.mamba_pieces),
+                )
+            )
     total = sum(len(starts.local) * len(offsets) for starts, offsets, _ in parts)
     local_idx = np.empty(total, dtype=np.int64)
     remote_idx = np.empty(total, dtype=np.int64)

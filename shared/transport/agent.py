@@ -92,6 +92,7 @@ class Xfer:
     posted_at: float  # time.monotonic() before the post
     state: XferState
     released: bool = False
+    post_seconds: float = 0.0  # make_prepped_xfer + transfer() (on DRAM the copy happens inside)
 
 
 class RankAgent:
@@ -410,6 +411,7 @@ class RankAgent:
         except self._api.errors as exc:
             self._release_xfer(xfer)
             raise self._wrap(exc, "READ", remote.peer) from exc
+        xfer.post_seconds = time.monotonic() - posted_at
         if state == "ERR":
             self._release_xfer(xfer)
             raise TransferFailed(f"READ from peer {remote.peer!r} failed when posted", peer=remote.peer)

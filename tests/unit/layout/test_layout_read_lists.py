@@ -1,5 +1,6 @@
-"""Read lists and per-request indices: pairing, equality with the dual view in the homogeneous
-case, contiguous ids for contiguous blocks, per-head descriptors for different kernel sizes."""
+"""Read lists and per-request indices: pairing, the dual view reordered block-major in the
+homogeneous case, contiguous ids for contiguous blocks, mergeable runs (as NIXL merges them) on
+equal TP and kernel sizes, per-head descriptors for different kernel sizes."""
 
 from __future__ import annotations
 
@@ -32,16 +33,52 @@ def blocks(plan: TransferPlan, fa: list[int], mamba: int) -> list[np.ndarray]:
     return [np.array(fa) if g.kind == "attention" else np.array([mamba]) for g in plan.decode.groups]
 
 
-def test_homogeneous_lists_are_the_dual_view() -> None:
+def wire_descriptors(rl: ReadLists, li: np.ndarray, ri: np.ndarray) -> int:
+    """How many descriptors NIXL's make_prepped_xfer sends: a run of consecutive indices (on both
+    sides) over adjacent equal-size descriptors (on both sides) is merged into one."""
+    local, remote = rl.local[li], rl.remote[ri]
+    merges = (
+        (np.diff(li) == 1)
+        & (np.diff(ri) == 1)
+        & (local[1:, 0] == local[:-1, 0] + local[:-1, 1])
+        & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
+        & (local[1:, 1] == local[:-1, 1])
+        & (remote[1:, 1] == remote[:-1, 1])
+    )
+    return int(len(li) - merges.sum())
+
+
+def test_homogeneous_lists_are_the_dual_view_block_major() -> None:
     spec = get_preset("tiny-mamba2")
     lay = build_engine_layout(spec, 2, kernel_block_size=16)
     plan = build_plan(lay, lay)
     rl = lists_for(plan, 1, 1, n_local=6, n_remote=6)
-    assert np.array_equal(rl.local, dual_view(lay, [(j + 1) << 36 for j in range(2)], 6).descs)
+    view = dual_view(lay, [(j + 1) << 36 for j in range(2)], 6)
+    regions, pieces = lay.num_regions, view.mamba_pieces
+    # Same descriptors as vLLM's region-major view, each region's part transposed to block-major.
+    fa_order = np.arange(view.num_fa_descs).reshape(regions, 2, view.num_kernel_blocks).transpose(0, 2, 1)
+    mamba_order = view.num_fa_descs + np.arange(regions * pieces * 6).reshape(regions, pieces, 6).transpose(0, 2, 1)
+    assert np.array_equal(rl.local, view.descs[np.concatenate([fa_order.reshape(-1), mamba_order.reshape(-1)])])
+    assert rl.local_geometry.fa_part == view.num_fa_descs
     ids = blocks(plan, [4, 1], 3)
     li, ri = read_indices(rl, ids, ids, num_tokens=2 * lay.block_size)
     assert np.array_equal(li, ri)
-    assert np.array_equal(li, descriptor_ids(lay, 6, ids))
+    # The request selects exactly the reference view's descriptors, group by group and region by
+    # region, in block-major order.
+    ref = view.descs[descriptor_ids(lay, 6, ids)]
+    got = rl.local[li]
+    at = 0
+    for group in lay.groups:
+        for _ in group.layers:
+            if group.kind == "attention":
+                n = 2 * 2 * lay.physical_per_logical  # (K, V) x kernel blocks of 2 logical blocks
+                expected = ref[at : at + n].reshape(2, -1, 2).transpose(1, 0, 2).reshape(-1, 2)
+            else:
+                n = pieces
+                expected = ref[at : at + n]
+            assert np.array_equal(got[at : at + n], expected)
+            at += n
+    assert at == len(li)
 
 
 def test_pairs_have_equal_lengths_and_cover_tokens() -> None:
@@ -78,11 +115,57 @@ def test_contiguous_blocks_give_contiguous_id_runs() -> None:
     units = tokens // 8  # one unit per kernel block (equal kernel sizes)
     for idx, geometry in ((li, rl.local_geometry), (ri, rl.remote_geometry)):
         fa = idx[idx < geometry.fa_part]
-        assert len(fa) == 2 * 2 * units  # regions x (K, V) x kernel blocks
-        assert np.all(np.diff(fa.reshape(-1, units), axis=1) == 1)
-    # Each run starts at the first kernel block of the request's first logical block.
+        assert len(fa) == 2 * 2 * units  # regions x kernel blocks x (K, V)
+        assert np.all(np.diff(fa.reshape(2, -1), axis=1) == 1)  # one run per region
+    # Each run starts with K of the first kernel block of the request's first logical block,
+    # then V of that kernel block.
     fa_local_ids = li[li < rl.local_geometry.fa_part]
-    assert rl.local[fa_local_ids[0], 0] == (1 << 36) + 2 * plan.decode.physical_per_logical * plan.decode.kernel_page_bytes
+    first = (1 << 36) + 2 * plan.decode.physical_per_logical * plan.decode.kernel_page_bytes
+    assert rl.local[fa_local_ids[0], 0] == first
+    assert rl.local[fa_local_ids[1], 0] == first + plan.decode.kernel_page_bytes // 2
+    # 2 KV heads: one whole head per rank on both sides, so each FA run is adjacent bytes too.
+    is_fa = li < rl.local_geometry.fa_part
+    assert wire_descriptors(rl, li[is_fa], ri[is_fa]) == 2
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tiny-mamba2", 2), ("tiny-gdn", 2), ("nemotron-3-nano-30b-a3b", 2)])
+def test_contiguous_blocks_on_equal_tp_merge_to_one_descriptor_per_fa_region(name: str, tp: int) -> None:
+    spec = get_preset(name)
+    lay = build_engine_layout(spec, tp, kernel_block_size=16)
+    plan = build_plan(lay, lay)
+    rl = lists_for(plan, tp - 1, tp - 1, n_local=10, n_remote=12)
+    tokens = 3 * lay.block_size - 5
+    li, ri = read_indices(rl, blocks(plan, [2, 3, 4], 7), blocks(plan, [6, 7, 8], 1), num_tokens=tokens)
+    kernel_blocks = -(-tokens // 16)
+    fa_regions = sum(len(g.layers) for g in lay.groups if g.kind == "attention")
+    for idx, descs, geometry in ((li, rl.local, rl.local_geometry), (ri, rl.remote, rl.remote_geometry)):
+        fa = idx[idx < geometry.fa_part].reshape(fa_regions, -1)
+        assert fa.shape[1] == 2 * kernel_blocks
+        for run in fa:  # per region: consecutive ids over adjacent, equal-size descriptors
+            assert np.all(np.diff(run) == 1)
+            d = descs[run]
+            assert np.all(d[1:, 0] == d[:-1, 0] + d[:-1, 1]) and np.all(d[:, 1] == lay.fa_half_bytes)
+        # Mamba: per region, the pieces of its one page are consecutive ids over adjacent bytes
+        # that cover the real state exactly (whole sections on equal TP).
+        mamba = idx[idx >= geometry.fa_part].reshape(-1, rl.mamba_pieces)
+        for page in mamba:
+            assert np.all(np.diff(page) == 1)
+            d = descs[page]
+            assert np.all(d[1:, 0] == d[:-1, 0] + d[:-1, 1]) and int(d[:, 1].sum()) == lay.mamba_bytes
+    # As NIXL merges them: one wire descriptor per FA region; a Mamba page merges its equal-size
+    # neighbours only.
+    is_fa = li < rl.local_geometry.fa_part
+    assert wire_descriptors(rl, li[is_fa], ri[is_fa]) == fa_regions
+    mamba_pages = len(li[~is_fa]) // rl.mamba_pieces
+    assert mamba_pages <= wire_descriptors(rl, li[~is_fa], ri[~is_fa]) <= len(li[~is_fa])
+    # Negative control: decode TP 2 reads half of prefill TP 1's KV heads: consecutive ids, but
+    # every K or V piece is half of a half on the prefill side, so nothing merges.
+    split = build_plan(build_engine_layout(spec, 1, kernel_block_size=16), build_engine_layout(spec, 2, kernel_block_size=16))
+    rl = lists_for(split, 0, 0, n_local=10, n_remote=12)
+    li, ri = read_indices(rl, blocks(split, [2, 3, 4], 7), blocks(split, [6, 7, 8], 1), num_tokens=tokens)
+    is_fa = li < rl.local_geometry.fa_part
+    assert np.all(np.diff(li[is_fa].reshape(fa_regions, -1), axis=1) == 1)
+    assert wire_descriptors(rl, li[is_fa], ri[is_fa]) == int(is_fa.sum())
 
 
 def test_not_an_fa_source_moves_mamba_only() -> None:
@@ -94,6 +177,22 @@ def test_not_an_fa_source_moves_mamba_only() -> None:
     assert rl.fa_pieces == 0 and rl.local_geometry.fa_part == 0
     li, ri = read_indices(rl, blocks(plan, [0], 1), blocks(plan, [0], 1), num_tokens=10)
     assert len(li) == 2 * 2 * 4  # two Mamba groups x 2 regions x (x, B, C, SSM)
+    assert np.array_equal(rl.mamba_piece_of(li), np.tile(np.arange(4), 4))
+
+
+def test_mamba_piece_of_names_each_piece() -> None:
+    spec = get_preset("tiny-gdn")
+    plan = build_plan(build_engine_layout(spec, 1), build_engine_layout(spec, 4))
+    rl = lists_for(plan, 2, 0)
+    read = plan.ranks[2].read_from(0)
+    li, _ = read_indices(rl, blocks(plan, [5, 0], 3), blocks(plan, [2, 6], 4), num_tokens=40)
+    mamba = li[li >= rl.local_geometry.fa_part]
+    offsets = np.array([m.local_offset for m in read.mamba_reads])
+    sizes = np.array([m.size for m in read.mamba_reads])
+    piece = rl.mamba_piece_of(mamba)
+    # Each id's descriptor is the piece it is named: its offset in the page and its size.
+    page_offset = (rl.local[mamba, 0] - (1 << 36)) % plan.decode.page_bytes
+    assert np.array_equal(page_offset, offsets[piece]) and np.array_equal(rl.local[mamba, 1], sizes[piece])
 
 
 def test_errors() -> None:
