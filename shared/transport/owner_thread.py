@@ -33,6 +33,7 @@ class OwnerThread:
         self._jobs: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
         self._pump = pump
         self._interval = interval
+        self._after_job: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         # Daemon: an agent nobody closed must not keep the interpreter alive at exit.
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -45,6 +46,11 @@ class OwnerThread:
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         return future
+
+    def after_job(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From the job running now (owner thread only): run `fn` right after its caller got
+        the result, before the next job. For cleanup the caller need not wait for."""
+        self._after_job.append((fn, args))
 
     def stop(self) -> None:
         """Finish the calls already queued, then end the thread."""
@@ -65,6 +71,7 @@ class OwnerThread:
                 return
             if job is not None:
                 self._run(job)  # type: ignore[arg-type]
+                self._run_after_job()
             interval = self._interval()
             if interval is not None and time.monotonic() - last_pump >= interval:
                 last_pump = time.monotonic()
@@ -72,6 +79,15 @@ class OwnerThread:
                     self._pump()
                 except Exception:
                     log.exception("pumping the NIXL agent on %s failed", self._thread.name)
+                self._run_after_job()
+
+    def _run_after_job(self) -> None:
+        while self._after_job:
+            fn, args = self._after_job.pop(0)
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("cleanup after a call on %s failed", self._thread.name)
 
     @staticmethod
     def _run(job: _Job) -> None:
