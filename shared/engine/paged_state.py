@@ -117,26 +117,27 @@ class PagedStateStore:
 
     # --- checks -------------------------------------------------------------------------
     def replica_mismatches(self, length: int) -> list[str]:
-        """Replicated pieces whose copies differ between ranks (empty when all agree)."""
+        """Replicated pieces whose copies differ between ranks (empty when all agree).
+
+        Every rank's shard is compared with the unsharded state read back (which takes each
+        replicated piece from the lowest rank holding it), so one vectorised comparison per rank
+        and layer covers every copy."""
         problems: list[str] = []
         spec = self.layout.spec
-        for layer in spec.attention_layers:
+        for layer in spec.attention_layers if length else ():
             region, kernel, slot = self._token_slots(layer, np.arange(length))
-            seen: dict[int, Tensor] = {}
+            k, v = self.read_kv(layer, length)
             for r, (rank, heads) in enumerate(zip(self.ranks, self._kv_heads)):
-                kv = rank.fa[region][kernel, :, :, slot, :]  # [T, 2, heads_r, hd]
-                for i, h in enumerate(heads.tolist()):
-                    if h in seen and not torch.equal(seen[h], kv[:, :, i]):
-                        problems.append(f"layer {layer}: KV head {h} differs on rank {r}")
-                    seen.setdefault(h, kv[:, :, i])
+                fa = rank.fa[region]
+                same_k = fa[kernel, 0, :, slot, :].to(torch.float32) == k[:, heads]
+                same_v = fa[kernel, 1, :, slot, :].to(torch.float32) == v[:, heads]
+                bad = heads[~(same_k & same_v).reshape(length, len(heads), -1).all(dim=2).all(dim=0)]
+                problems += [f"layer {layer}: KV head {int(h)} differs on rank {r}" for h in bad]
         for layer in spec.ssm_layers:
             region, block = self._mamba_block(layer)
-            first: dict[int, Tensor] = {}
+            conv, _ = self.read_ssm(layer)
             for r, (rank, crow) in enumerate(zip(self.ranks, self._conv_rows)):
-                rows = rank.conv[region][block]
-                for i, c in enumerate(crow.tolist()):
-                    if c in first and not torch.equal(first[c], rows[i]):
-                        problems.append(f"layer {layer}: conv channel {c} differs on rank {r}")
-                        break
-                    first.setdefault(c, rows[i])
+                bad = crow[~(rank.conv[region][block].to(torch.float32) == conv[crow]).all(dim=1)]
+                if bad.numel():
+                    problems.append(f"layer {layer}: conv channel {int(bad[0])} differs on rank {r}")
         return problems

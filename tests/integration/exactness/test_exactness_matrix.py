@@ -66,12 +66,14 @@ class CorruptingEngine(ReferenceEngine):
     """Test-only decode engine: corrupts the state it received before decoding, as a broken
     transfer would (the disaggregated path is otherwise the real one)."""
 
-    corruption: Corruption
+    def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], corruption: Corruption) -> None:
+        super().__init__(layout, ranks)
+        self.corruption = corruption
 
     def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
                      ensure_capacity: EnsureCapacity) -> DecodeSession:
         store = PagedStateStore(self.layout, self.ranks, blocks)
-        type(self).corruption(self.model, store, prompt)
+        self.corruption(self.model, store, prompt)
         return super().start_decode(prompt, num_computed, blocks, ensure_capacity)
 
 
@@ -80,13 +82,8 @@ class CorruptingEngine(ReferenceEngine):
 async def test_negative_controls_change_disaggregated_tokens(control: str) -> None:
     model, length, max_tokens = "tiny-mamba2-g1", 20, 12
 
-    class Engine(CorruptingEngine):
-        pass
-
-    Engine.corruption = staticmethod(NEGATIVE_CONTROLS[control])  # type: ignore[assignment]
-
-    def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:
-        return Engine(layout, [RankViews(layout, c) for c in caches])
+    def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> CorruptingEngine:
+        return CorruptingEngine(layout, [RankViews(layout, c) for c in caches], NEGATIVE_CONTROLS[control])
 
     async with service_pair(model, 2, 4, decode_factory=factory) as pair:
         got = await pair.generate(prompt_of(length), max_tokens)

@@ -109,3 +109,18 @@ def test_synthetic_engine_at_real_model_sizes_checks_every_byte(name: str) -> No
     assert any("K/V of 1 positions differ" in p for p in engine.check_state(prompt, n, blocks))
     other = engine.start_decode(prompt, n, blocks, lambda _: blocks).step()
     assert other != tokens[0]  # tokens depend on the bytes decode holds
+
+
+def test_replicated_kv_heads_that_disagree_are_reported() -> None:
+    spec = TINY_PRESETS["tiny-mamba2"]  # 2 KV heads: at TP 4 ranks 0 and 1 both hold head 0
+    layout = build_engine_layout(spec, 4)
+    ranks = make_ranks(layout)
+    engine = SyntheticEngine(layout, ranks)
+    blocks = request_blocks(layout, len(PROMPT))
+    engine.prefill(PROMPT, blocks)
+    n = engine.num_prefill_tokens(len(PROMPT))
+    assert engine.check_state(PROMPT, n, blocks) == []
+    layer = spec.attention_layers[0]
+    first_block = int(blocks.block_ids[layout.group_of("attention", layer)][0])
+    ranks[1].fa[layout.region_of("attention", layer)][first_block * layout.physical_per_logical, 0, 0, 0, 0] += 1.0
+    assert "layer 1: KV head 0 differs on rank 1" in engine.check_state(PROMPT, n, blocks)
