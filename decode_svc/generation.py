@@ -26,7 +26,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
-import numpy as np
 
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
@@ -69,11 +68,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
     prompt_field = "prompt" if request.prompt else "prompt_token_ids"
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
-    vocab = host.spec.vocab_size
-    outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
-    if outside.size:
-        i = int(outside[0])
-        raise InvalidArgument(f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field="prompt_token_ids")
+    host.check_token_ids(prompt, "prompt_token_ids")
     if request.max_tokens < 1:
         raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
     total = len(prompt) + request.max_tokens

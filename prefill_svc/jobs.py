@@ -8,7 +8,6 @@ import itertools
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 from google.protobuf import timestamp_pb2
 
 from shared.engine.protocol import RequestBlocks
@@ -27,13 +26,7 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         raise InvalidArgument("must be non-empty", field="job.request_id")
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="job.prompt_token_ids")
-    vocab = host.spec.vocab_size
-    outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
-    if outside.size:
-        i = int(outside[0])
-        raise InvalidArgument(
-            f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field="job.prompt_token_ids"
-        )
+    host.check_token_ids(prompt, "job.prompt_token_ids")
     needed = sum(host.blocks_per_group(host.engine.num_prefill_tokens(len(prompt))))
     if needed > host.num_blocks:
         raise InvalidArgument(

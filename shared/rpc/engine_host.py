@@ -165,6 +165,14 @@ class EngineHost:
         per_fa = math.ceil(num_tokens / self.layout.block_size)
         return [per_fa if g.kind == "attention" else 1 for g in self.layout.groups]
 
+    def check_token_ids(self, prompt: Sequence[int], field: str) -> None:
+        """InvalidArgument naming `field` when a token id is outside the model's vocabulary."""
+        vocab = self.spec.vocab_size
+        outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
+        if outside.size:
+            i = int(outside[0])
+            raise InvalidArgument(f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field=field)
+
     def max_tokens(self) -> int:
         """The most tokens one request can hold if it had the whole cache."""
         fa_groups = len(self.layout.attention_group_ids)
