@@ -18,6 +18,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from shared.cache.id_buffers import IdBufferPool
 from shared.errors import InvalidArgument, Unavailable
 from shared.layout.plan import TransferPlan
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
@@ -54,6 +55,7 @@ class PeerLink:
     closed: bool = False
     closing: bool = False
     readers: int = 0  # requests reading through this link right now
+    id_buffers: IdBufferPool = field(default_factory=IdBufferPool)  # descriptor-id arrays, reused
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from shared.cache.id_buffers import IdArray, IdBuffers
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
 from shared.layout.read_lists import read_indices
@@ -90,7 +91,7 @@ def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
     return blocks
 
 
-def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IntArray) -> ReadStats:
+def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray) -> ReadStats:
     """Bytes of one READ by kind of state, from the local descriptor ids (vectorised)."""
     read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
     fa, conv, ssm = pair.lists.bytes_by_section(local_idx, read.ssm is not None)
@@ -102,14 +103,19 @@ async def _read_one(
     host: EngineHost,
     agent: RankAgent,
     pair: PairLists,
-    lidx: IntArray,
-    ridx: IntArray,
+    lidx: IdArray,
+    ridx: IdArray,
     notif: bytes,
     timeout: float,
     stats: ReadStats,
+    ids: IdBuffers,
 ) -> ReadResult:
     """One READ; on cancellation its handle is released before this returns."""
     post = asyncio.ensure_future(agent.post_read(pair.local, lidx, pair.remote, ridx, notif))
+    # The ids are copied by NIXL when the READ is prepared: their arrays serve the next request
+    # once the post is done. `post` is only ever awaited through shield, never cancelled, so it
+    # is done only when the owner thread has finished with them.
+    post.add_done_callback(lambda _: ids.release())
     try:
         xfer = await asyncio.shield(post)
     except asyncio.CancelledError:
@@ -148,16 +154,19 @@ async def read_request(
     jobs: list[asyncio.Future[object]] = []
     try:
         for pair in link.pairs:
+            ids = link.id_buffers.claim()
             try:
-                lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens)
+                lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
             except LayoutError as e:
+                ids.release()
                 raise Internal(f"manifest from prefill {link.engine_id} does not fit the plan: {e}", field="manifest.groups") from e
             agent = host.agents[pair.decode_rank]
             if lidx.size == 0:
+                ids.release()
                 jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                 continue
             stats.add(_pair_bytes(link, pair, lidx))
-            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout, stats)))
+            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids)))
         started = time.monotonic()
         await asyncio.gather(*jobs)
         stats.seconds = time.monotonic() - started

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from shared.bench.client import generate
+from shared.bench.control_trace import NOTIFICATION_WAIT_STEP, StepTrace, thread_hop_seconds, traced
 from shared.bench.echo import echo_round_trips
 from shared.bench.no_compute import NoComputeEngine
 from shared.bench.pairs import pair_lists, request_reads
@@ -61,11 +62,12 @@ class ControlConfig:
     prompt_tokens: int = 8
     requests: int = 200
     warmup: int = 20
+    breakdown: bool = False  # one more pass of `requests`, timed step by step (control_trace.py)
 
 
 async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
     from decode_svc.app import DecodeApp
-    from decode_svc.reader import manifest_blocks, read_request
+    from decode_svc.reader import ReadStats, manifest_blocks, read_request
     from prefill_svc.app import PrefillApp
 
     base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(NUM_BLOCKS), "--log-level", "WARNING"]
@@ -90,6 +92,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         owner = _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
         prompt = list(range(1, cfg.prompt_tokens + 1))
         samples: dict[str, list[float]] = {p: [] for p in (*PHASES, *BASELINES)}
+        trace = StepTrace()
         raw_target = RawTarget(cfg.prefill_tp, prefill_app.host.layout.num_regions, prefill_app.host.layout.region_bytes(NUM_BLOCKS))
         raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(NUM_BLOCKS))
         tokens = prefill_tokens(host.spec, cfg.prompt_tokens)
@@ -109,44 +112,62 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             )
         ]
         total_rounds = cfg.warmup + cfg.requests
-        with Progress("bench control", 2 * total_rounds, enabled=show_progress) as progress:
+
+        async def one_request(rid: str) -> tuple[dict[str, float], ReadStats]:
+            """One request through decode's pieces: seconds per phase."""
+            t0 = time.perf_counter()
+            manifest = await session.submit(rid, prompt, 30.0)
+            t1 = time.perf_counter()
+            pin = prefill_app.pins.lookup(owner, rid)
+            if pin is None or pin.watcher is None:
+                raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
+            a0 = time.perf_counter()
+            local = host.allocate(rid, len(prompt) + 1)
+            t2 = time.perf_counter()
+            trace.mark("d.read_start")  # no-ops outside the traced pass
+            stats = await read_request(host, link, manifest, local, timeout=30.0)
+            trace.mark("d.read_end")
+            t3 = time.perf_counter()
+            session.done_reading(rid)
+            await asyncio.shield(pin.watcher)
+            t4 = time.perf_counter()
+            host.free(rid)
+            t5 = time.perf_counter()
+            remote = manifest_blocks(link, manifest)
+            i0 = time.perf_counter()
+            for pair in link.pairs:
+                read_indices(pair.lists, local.block_ids, remote, manifest.num_computed_tokens)
+            i1 = time.perf_counter()
+            phases = {
+                "manifest": t1 - t0,
+                "allocate": t2 - a0,
+                "read": t3 - t2,
+                "ids": i1 - i0,
+                "notified": t4 - t3,
+                "free": t5 - t4,
+                "total": (t1 - t0) + (t2 - a0) + (t5 - t2),
+            }
+            return phases, stats
+
+        rounds = 2 * total_rounds + (cfg.requests if cfg.breakdown else 0)
+        with Progress("bench control", rounds, enabled=show_progress) as progress:
             for i in range(total_rounds):
-                rid = f"bench-control-{i}"
-                t0 = time.perf_counter()
-                manifest = await session.submit(rid, prompt, 30.0)
-                t1 = time.perf_counter()
-                pin = prefill_app.pins.lookup(owner, rid)
-                if pin is None or pin.watcher is None:
-                    raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
-                a0 = time.perf_counter()
-                local = host.allocate(rid, len(prompt) + 1)
-                t2 = time.perf_counter()
-                stats = await read_request(host, link, manifest, local, timeout=30.0)
-                t3 = time.perf_counter()
-                session.done_reading(rid)
-                await asyncio.shield(pin.watcher)
-                t4 = time.perf_counter()
-                host.free(rid)
-                t5 = time.perf_counter()
-                remote = manifest_blocks(link, manifest)
-                i0 = time.perf_counter()
-                for pair in link.pairs:
-                    read_indices(pair.lists, local.block_ids, remote, manifest.num_computed_tokens)
-                i1 = time.perf_counter()
+                phases, stats = await one_request(f"bench-control-{i}")
                 raw_read = raw_reader.run(raw_reads, f"bench-control-raw-{i}".encode())
                 if i >= cfg.warmup:
                     samples["raw_read"].append(raw_read)
-                    for name, value in (
-                        ("manifest", t1 - t0),
-                        ("allocate", t2 - a0),
-                        ("read", t3 - t2),
-                        ("ids", i1 - i0),
-                        ("notified", t4 - t3),
-                        ("free", t5 - t4),
-                        ("total", (t1 - t0) + (t2 - a0) + (t5 - t2)),
-                    ):
+                    for name, value in phases.items():
                         samples[name].append(value)
                 progress.advance()
+            if cfg.breakdown:
+                # A separate pass: each mark costs a few microseconds the phases above must not carry.
+                with traced(trace, prefill_app, decode_app):
+                    for i in range(cfg.requests):
+                        trace.begin()
+                        await one_request(f"bench-control-traced-{i}")
+                        trace.end()
+                        progress.advance()
+                samples["thread_hop"] = await thread_hop_seconds(cfg.requests)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{decode_app.port}") as channel:
                 stub = pb_grpc.DecodeServiceStub(channel)
                 for i in range(total_rounds):
@@ -166,9 +187,10 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         if decode_app is not None:
             await decode_app.stop()
         await prefill_app.stop()
+    hops = samples.pop("thread_hop", [])
     phases = {name: Summary.of(values).scaled(1e3).as_dict() for name, values in samples.items()}
     total_median = phases["total"]["median"]
-    return {
+    result: dict[str, Any] = {
         "schema": SCHEMA,
         "command": command,
         "config": {
@@ -180,6 +202,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             "warmup": cfg.warmup,
             "engine": "no-compute",
             "in_process": True,
+            "breakdown": cfg.breakdown,
         },
         "ms": phases,
         "median_ms": total_median,
@@ -195,6 +218,26 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         "descriptors_per_request": stats.descriptor_count,
         "reads_per_request": stats.read_count,
     }
+    if cfg.breakdown:
+        result["breakdown"] = _breakdown(trace, phases, Summary.of(hops).scaled(1e3).median)
+    return result
+
+
+def _breakdown(trace: StepTrace, phases: dict[str, Any], hop_ms: float) -> dict[str, Any]:
+    """The traced pass's steps, and the floor of this design on this machine from the same run."""
+    echo, raw = phases["echo"]["median"] or 0.0, phases["raw_read"]["median"] or 0.0
+    steps = trace.summaries_ms()
+    # Prefill pumps its agent every busy interval while notifications are awaited: the READ's
+    # notification waits for the next pump (by design: a shorter interval costs CPU per rank).
+    wait = next(s["median"] for s in steps if s["step"] == NOTIFICATION_WAIT_STEP) or 0.0
+    floors = {
+        "echo_ms": echo,  # the job and its manifest cross the Session stream once each way
+        "thread_hop_ms": json_number(hop_ms),  # paid twice: compute thread, agent owner thread
+        "raw_read_ms": raw,
+        "notification_wait_ms": wait,
+    }
+    floor = echo + 2 * hop_ms + raw + wait
+    return {"steps": trace.summaries_ms(), "floors": floors, "design_floor_ms": json_number(floor)}
 
 
 def _owner_key(prefill_app: Any, engine_id: str, incarnation: int) -> str:
@@ -217,6 +260,8 @@ def format_control(result: dict[str, Any]) -> str:
         s = result["ms"][name]
         label = f"  {name}" if name in ("ids", *BASELINES) else name
         lines.append(f"{label:<14} {_f(s['median']):>10} {_f(s['p99']):>9} {_f(s['min']):>9}")
+    if "breakdown" in result:
+        lines += ["", *_format_breakdown(result["breakdown"])]
     verdict = "met" if result["met"] else "missed"
     r = result["ratios"]
     lines += [
@@ -224,6 +269,20 @@ def format_control(result: dict[str, Any]) -> str:
         f"manifest / echo = {_f(r['manifest_vs_echo'])}, read / raw_read = {_f(r['read_vs_raw_read'])}","", f"control-plane cost per request (total): median {_f(result['median_ms'])} ms, p99 {_f(result['p99_ms'])} ms "
               f"(target median <= {result['target_median_ms']} ms: {verdict})"]
     return "\n".join(lines)
+
+
+def _format_breakdown(b: dict[str, Any]) -> list[str]:
+    lines = [f"{'step (separate traced pass)':<56} {'median ms':>10} {'p99 ms':>9}"]
+    for step in b["steps"]:
+        lines.append(f"{step['step']:<56} {_f(step['median']):>10} {_f(step['p99']):>9}")
+    f = b["floors"]
+    lines += [
+        "",
+        f"floor of this design here: echo {_f(f['echo_ms'])} + 2 x thread hop {_f(f['thread_hop_ms'])} "
+        f"+ raw READ {_f(f['raw_read_ms'])} + notification wait {_f(f['notification_wait_ms'])} "
+        f"= {_f(b['design_floor_ms'])} ms",
+    ]
+    return lines
 
 
 def _f(value: float | None) -> str:

@@ -9,6 +9,7 @@ returned note says so.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -175,32 +176,49 @@ def _bars(chart: Chart, py: Callable[[float], float], plot_w: int) -> list[str]:
 
 
 def _matplotlib_png(chart: Chart, path: Path) -> None:
-    import matplotlib
+    # Figure + FigureCanvasAgg, not pyplot: no global backend switch (matplotlib.use) and no
+    # figure registry, so callers that use pyplot with their own backend are left alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(W / 100, H / 100), dpi=100)
+    fig = Figure(figsize=(W / 100, H / 100), dpi=100)
+    FigureCanvasAgg(fig)  # attaches itself to fig; savefig then renders through Agg
+    ax = fig.add_subplot()
     if chart.kind == "bar":
         values = list(chart.series[0].ys) if chart.series else []
         labels = list(chart.categories) or [str(i) for i in range(len(values))]
-        bars = ax.bar(labels, values, color=COLORS[: len(values)])
-        ax.bar_label(bars, fmt="%.3g")
+        # Numeric positions, not the labels: string x values would merge duplicate categories.
+        positions = list(range(len(values)))
+        colors = [COLORS[i % len(COLORS)] for i in positions]
+        bars = ax.bar(positions, values, color=colors)
+        ax.bar_label(bars, labels=[fmt(v) for v in values])
+        ax.set_xticks(positions, labels=labels[: len(values)])
     else:
         for i, s in enumerate(chart.series):
             ax.plot(list(s.xs), list(s.ys), marker="o", color=COLORS[i % len(COLORS)], label=s.name)
         if chart.log2_x:
             ax.set_xscale("log", base=2)
-        if chart.log10_y:
-            ax.set_yscale("log")
-        ax.legend()
-    ax.set_title(chart.title)
+        # Same x ticks as the SVG: the measured x values, at most ~8 labels.
+        ticks = sorted({x for s in chart.series for x in s.xs})
+        if ticks:
+            label = binary_fmt if chart.log2_x else fmt
+            shown = ticks[:: max(1, math.ceil(len(ticks) / 8))]
+            ax.set_xticks(shown, labels=[label(x) for x in shown])
+            ax.xaxis.set_minor_locator(NullLocator())
+        if chart.series:
+            ax.legend()  # without series matplotlib warns "no artists with labels"
+    if chart.log10_y:
+        ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: fmt(v)))
+    # Benchmark titles run to ~90 characters: wrap them rather than let the canvas clip them.
+    ax.set_title("\n".join(textwrap.wrap(chart.title, 70)) or chart.title, fontsize=12)
     ax.set_xlabel(chart.x_label)
     ax.set_ylabel(chart.y_label)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    fig.savefig(path, format="png")
 
 
 def save(chart: Chart, path: str | Path) -> tuple[Path, str]:

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,10 @@ from shared.layout.plan import SourceRead, TransferPlan
 from shared.layout.spec import LayoutError
 
 IntArray = npt.NDArray[np.int64]
+IdArray = npt.NDArray[np.int32]
+"""Descriptor ids as NIXL takes them (int32): half the memory of int64 for millions of ids, and
+nothing to convert before `make_prepped_xfer`."""
+MAX_DESCRIPTORS = 2**31 - 1  # ids must fit int32
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class ReadLists:
         lg, rg = self.local_geometry, self.remote_geometry
         starts: list[_RegionStarts | None] = []
         for group in self.groups:
-            regions = np.arange(len(group.layers), dtype=np.int64)
+            regions = np.arange(len(group.layers), dtype=np.int32)
             if group.kind == "attention":
                 if not self.fa_pieces:
                     starts.append(None)
@@ -118,10 +122,10 @@ class ReadLists:
                     continue
                 local = lg.fa_part + regions * (lg.num_logical_blocks * self.mamba_pieces)
                 remote = rg.fa_part + regions * (rg.num_logical_blocks * self.mamba_pieces)
-            starts.append(_RegionStarts(local, remote) if len(regions) else None)
+            starts.append(_RegionStarts(local.astype(np.int32), remote.astype(np.int32)) if len(regions) else None)
         return tuple(starts)
 
-    def bytes_by_section(self, local_ids: IntArray, reads_ssm: bool) -> tuple[int, int, int]:
+    def bytes_by_section(self, local_ids: npt.NDArray[np.integer[Any]], reads_ssm: bool) -> tuple[int, int, int]:
         """(FA, conv, SSM) bytes the given local descriptor ids move; `reads_ssm`: whether this
         source's Mamba pieces end with the SSM state (the plan's `SourceRead.ssm` is not None)."""
         lengths = self.local[local_ids, 1]
@@ -135,7 +139,7 @@ class ReadLists:
         is_ssm = self.mamba_piece_of(local_ids[~is_fa]) == self.mamba_pieces - 1
         return fa, int(mamba[~is_ssm].sum()), int(mamba[is_ssm].sum())
 
-    def mamba_piece_of(self, local_ids: IntArray) -> IntArray:
+    def mamba_piece_of(self, local_ids: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.integer[Any]]:
         """Piece index (conv sections read from this source, then SSM) of local ids in the Mamba
         part (ids >= `local_geometry.fa_part`)."""
         return (local_ids - self.local_geometry.fa_part) % max(self.mamba_pieces, 1)
@@ -143,8 +147,8 @@ class ReadLists:
 
 @dataclass(frozen=True)
 class _RegionStarts:
-    local: IntArray
-    remote: IntArray
+    local: IdArray
+    remote: IdArray
 
 
 def _as_bases(bases: Sequence[int] | IntArray, layout: EngineLayout, side: str) -> IntArray:
@@ -220,6 +224,11 @@ def build_read_lists(
 
     local, local_fa, fa_pieces = side(dec, lb, local_num_blocks, True)
     remote, remote_fa, _ = side(pre, rb, remote_num_blocks, False)
+    if max(len(local), len(remote)) > MAX_DESCRIPTORS:
+        raise LayoutError(
+            f"{max(len(local), len(remote))} descriptors in one list: NIXL indexes them with int32 "
+            f"(at most {MAX_DESCRIPTORS}); use fewer blocks per engine"
+        )
     return ReadLists(
         decode_rank=decode_rank,
         prefill_rank=prefill_rank,
@@ -264,10 +273,19 @@ def _mamba_block(geometry: SideGeometry, logical_ids: IntArray, side: str, group
     return block
 
 
-def _block_pieces(blocks: IntArray, pieces: int) -> IntArray:
+def _block_pieces(blocks: IntArray, pieces: int) -> IdArray:
     """Ids within a region of every piece of the given blocks (FA units or logical blocks),
-    block-major: the list order inside a region."""
-    return (blocks[:, None] * pieces + np.arange(pieces, dtype=np.int64)[None, :]).reshape(-1)
+    block-major: the list order inside a region. int32 is exact: every id is below the list
+    length, checked against MAX_DESCRIPTORS when the lists were built."""
+    first = blocks.astype(np.int32) * np.int32(pieces)
+    if len(first) < 4096:  # small: one broadcast add is the fewest calls
+        return (first[:, None] + np.arange(pieces, dtype=np.int32)[None, :]).reshape(-1)
+    out = np.empty((len(first), pieces), dtype=np.int32)
+    # One strided pass per piece: a broadcast add whose inner axis is the few pieces costs numpy
+    # a loop setup per block (measured 10x slower for 100k blocks of 2 pieces).
+    for piece in range(pieces):
+        np.add(first, np.int32(piece), out=out[:, piece])
+    return out.reshape(-1)
 
 
 def read_indices(
@@ -275,11 +293,16 @@ def read_indices(
     local_block_ids_per_group: Sequence[npt.ArrayLike],
     remote_block_ids_per_group: Sequence[npt.ArrayLike],
     num_tokens: int,
-) -> tuple[IntArray, IntArray]:
+    *,
+    buffers: Callable[[int], tuple[IdArray, IdArray]] | None = None,
+) -> tuple[IdArray, IdArray]:
     """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
 
     Runs on every request: the per-peer part (region starts) is cached on the lists, and each id
-    is written once, straight into the two output arrays (long prompts give millions of ids).
+    is written once, straight into the two output arrays (long prompts give millions of ids), as
+    int32, the index type of NIXL. `buffers(count)`, if given, supplies the two output arrays
+    (at least `count` long; the result is their first `count` ids): arrays reused across
+    requests skip the page faults of fresh ones.
     """
     n_groups = len(lists.groups)
     if len(local_block_ids_per_group) != n_groups or len(remote_block_ids_per_group) != n_groups:
@@ -293,7 +316,7 @@ def read_indices(
     num_units = -(-num_tokens // lists.fa_unit_tokens)
     # (region starts, local offsets, remote offsets) per group that moves bytes: one row of ids
     # per region, `start + offset` for every offset (the pieces of its units or its one block).
-    parts: list[tuple[_RegionStarts, IntArray, IntArray]] = []
+    parts: list[tuple[_RegionStarts, IdArray, IdArray]] = []
     for g, (group, starts) in enumerate(zip(lists.groups, lists.region_starts)):
         if starts is None or (group.kind == "attention" and num_units == 0):
             continue
@@ -312,8 +335,14 @@ def read_indices(
                 )
             )
     total = sum(len(starts.local) * len(offsets) for starts, offsets, _ in parts)
-    local_idx = np.empty(total, dtype=np.int64)
-    remote_idx = np.empty(total, dtype=np.int64)
+    if buffers is None:
+        local_idx = np.empty(total, dtype=np.int32)
+        remote_idx = np.empty(total, dtype=np.int32)
+    else:
+        local_buf, remote_buf = buffers(total)
+        if min(len(local_buf), len(remote_buf)) < total or local_buf.dtype != np.int32 or remote_buf.dtype != np.int32:
+            raise LayoutError(f"buffers({total}) returned {local_buf.dtype}[{len(local_buf)}] and {remote_buf.dtype}[{len(remote_buf)}]")
+        local_idx, remote_idx = local_buf[:total], remote_buf[:total]
     at = 0
     for starts, local_off, remote_off in parts:
         shape = (len(starts.local), len(local_off))

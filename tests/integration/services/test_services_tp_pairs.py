@@ -61,3 +61,24 @@ async def test_pair_moves_every_byte(
             await asyncio.sleep(0.01)
     assert decode.host.allocator.num_used == 0
     assert prefill.pins.ended["read"] == len(prompts)
+
+
+async def test_reused_id_arrays_never_carry_another_requests_ids(
+    start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decode writes each READ's descriptor ids into arrays it reuses across requests once the
+    # READ was posted. Only requests of >= 65536 ids use them; with the threshold at 0 every
+    # request here does, 16 at a time, and every byte must still be the right one.
+    from shared.cache import id_buffers
+
+    monkeypatch.setattr(id_buffers, "MIN_POOLED_IDS", 0)
+    synthetic = engine_factory_for("synthetic")
+    prefill = await start_prefill("--model", "tiny-gdn", "--tp", "2", "--num-blocks", "256", engine=synthetic)
+    decode = await start_decode(prefill.port, "--model", "tiny-gdn", "--tp", "1", "--num-blocks", "256", "--check-state", engine=synthetic)
+    prompts = [[(5 * i + j) % 256 for j in range(n)] for i, n in enumerate([90, 3, 47, 64, 17, 33, 2, 80] * 2)]
+    for _ in range(2):  # the second round starts with every array back in the pool
+        summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=2)
+        assert all(s.state_verified for s in summaries)
+    pool = decode.peers.peers[0].link.id_buffers
+    assert 0 < pool.idle <= pool.max_idle  # every claim was given back
+    assert pool.created < 2 * len(prompts) * 2  # and reused, not allocated per READ

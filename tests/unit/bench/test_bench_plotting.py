@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -62,3 +64,51 @@ def test_save_svg_and_png_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert written == tmp_path / "chart.svg"
     assert "matplotlib is not installed" in note and str(written) in note
     assert sibling(tmp_path / "out.png", "ttft") == tmp_path / "out-ttft.png"
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "chart",
+    [
+        LINES,  # log2 x, a nan point
+        Chart("GB/s", "", "GB/s", [Series("GB/s", [0, 1, 2], [3.2, 8.0, 3.2])], kind="bar", categories=["ours", "memcpy", "ours"]),
+        Chart("bytes", "prompt tokens", "MB", [Series("K/V", [1024, 2048, 4096], [0.5, 10.0, 1000.0])], log2_x=True, log10_y=True),
+        Chart("linear", "x", "y", [Series("a", [0.5, 1.5, 3.0], [-1.0, 0.0, 2.5])]),
+    ],
+    ids=["line-log2x", "bar", "log2x-log10y", "line-linear"],
+)
+def test_save_png_with_matplotlib(chart: Chart, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "chart.png"
+    written, note = save(chart, target)
+    assert written == target and note == ""
+    data = target.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 5_000  # a drawn 720x420 chart, not an empty canvas
+    assert not (tmp_path / "chart.svg").exists()  # no fallback written
+
+
+def test_png_differs_with_the_data(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    flat = Chart("t", "x", "y", [Series("s", [1, 2, 4], [1.0, 1.0, 1.0])])
+    save(LINES, tmp_path / "a.png")
+    save(flat, tmp_path / "b.png")
+    assert (tmp_path / "a.png").read_bytes() != (tmp_path / "b.png").read_bytes()
+
+
+def test_png_leaves_the_pyplot_backend_alone(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # A fresh interpreter: in this one an earlier test may already have resolved the backend.
+    code = (
+        "import sys, matplotlib\n"
+        "from shared.bench.plotting import Chart, Series, save\n"
+        "save(Chart('t', 'x', 'y', [Series('s', [1, 2], [1.0, 2.0])]), sys.argv[1])\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
+        "assert matplotlib.rcParams._get_backend_or_none() is None, 'backend switched'\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.png")], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "c.png").read_bytes().startswith(PNG_SIGNATURE)

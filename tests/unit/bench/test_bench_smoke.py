@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from shared.bench.control import PHASES, ControlConfig, run_control
+from shared.bench.control_trace import STEPS
 from shared.bench.transfer import TransferConfig, run_transfer
 
 
@@ -37,3 +38,26 @@ def test_transfer_baselines_move_the_services_descriptors() -> None:
     assert result["descriptors"]["ours"] == result["descriptors"]["raw_nixl"] > result["descriptors"]["raw_nixl_coalesced"]
     assert result["bytes"]["total"] == result["bytes"]["fa"] + result["bytes"]["conv"] + result["bytes"]["ssm"]
     assert result["seconds"]["ours"]["count"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_control_breakdown_times_every_step_and_unwraps_the_services() -> None:
+    import decode_svc.reader as reader
+    from decode_svc.session_client import SessionClient
+    from prefill_svc.session import PrefillSession
+    from shared.layout.read_lists import read_indices
+
+    originals = (SessionClient._send, SessionClient._resolve, PrefillSession._start_job, reader._pair_bytes)
+    cfg = ControlConfig(requests=5, warmup=1, breakdown=True)
+    result = asyncio.run(run_control(cfg, command="test", show_progress=False))
+    steps = result["breakdown"]["steps"]
+    assert len(steps) == len(STEPS)
+    for step in steps:
+        assert step["count"] == 5, step  # every mark of every request was seen
+        assert step["median"] >= 0
+    assert result["breakdown"]["design_floor_ms"] > 0
+    assert result["blocks_in_use_after"] == {"prefill": 0, "decode": 0}
+    # The instrumentation is gone again: the classes and the module hold their own functions.
+    assert (SessionClient._send, SessionClient._resolve, PrefillSession._start_job, reader._pair_bytes) == originals
+    assert reader.read_indices is read_indices

@@ -214,3 +214,64 @@ def test_errors() -> None:
     with pytest.raises(LayoutError, match="reads nothing"):
         lists_for(plan, 0, 1)
     assert [len(x) for x in read_indices(rl, blocks(plan, [], 1), blocks(plan, [], 1), 0)] == [16, 16]
+
+
+@pytest.mark.parametrize("num_blocks", [6, 2100])  # 2100 logical blocks: > 4096 FA units, the strided path
+def test_ids_select_the_reference_descriptors_at_any_size_and_into_given_buffers(num_blocks: int) -> None:
+    spec = get_preset("tiny-mamba2")
+    lay = build_engine_layout(spec, 1, kernel_block_size=16)
+    plan = build_plan(lay, lay)
+    rl = lists_for(plan, 0, 0, n_local=num_blocks, n_remote=num_blocks)
+    view = dual_view(lay, [(j + 1) << 36 for j in range(lay.num_regions)], num_blocks)
+    rng = np.random.default_rng(num_blocks)
+    fa_blocks = rng.permutation(num_blocks - 1)[: num_blocks // 2]  # scattered, not in order
+    ids = blocks(plan, list(fa_blocks), num_blocks - 1)
+    tokens = len(fa_blocks) * lay.block_size - 3
+    li, ri = read_indices(rl, ids, ids, num_tokens=tokens)
+    assert li.dtype == np.int32 and ri.dtype == np.int32
+    assert np.array_equal(li, ri)
+    # The same descriptors as the reference view selects for the request (its order is
+    # region-major: compared as sets of rows), the last kernel blocks past the tokens left out.
+    ref = view.descs[descriptor_ids(lay, num_blocks, ids)]
+    kernel_blocks = -(-tokens // lay.kernel_block_size)
+    expected = []
+    at = 0
+    for group in lay.groups:
+        for _ in group.layers:
+            if group.kind == "attention":
+                n = 2 * len(fa_blocks) * lay.physical_per_logical
+                expected.append(ref[at : at + n].reshape(2, -1, 2)[:, :kernel_blocks].reshape(-1, 2))
+            else:
+                n = view.mamba_pieces
+                expected.append(ref[at : at + n])
+            at += n
+    assert at == len(ref)
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a[np.lexsort(a.T[::-1])]
+
+    assert np.array_equal(rows(rl.local[li]), rows(np.concatenate(expected)))
+    # Into caller-given buffers (reused across requests by the decode service): the same ids.
+    big = (np.full(len(li) + 5, -1, dtype=np.int32), np.full(len(li) + 5, -1, dtype=np.int32))
+    li2, ri2 = read_indices(rl, ids, ids, num_tokens=tokens, buffers=lambda n: big)
+    assert np.array_equal(li2, li) and np.array_equal(ri2, ri)
+    assert np.shares_memory(li2, big[0]) and big[0][-1] == -1
+    with pytest.raises(LayoutError, match="buffers"):
+        read_indices(rl, ids, ids, num_tokens=tokens, buffers=lambda n: (big[0][: n - 1], big[1]))
+    with pytest.raises(LayoutError, match="buffers"):
+        read_indices(rl, ids, ids, num_tokens=tokens, buffers=lambda n: (np.zeros(n, np.int64), big[1]))
+
+
+def test_a_long_contiguous_request_still_merges_to_one_descriptor_per_fa_region() -> None:
+    # > 4096 FA units per region take read_indices' strided path: its order must stay block-major.
+    spec = get_preset("tiny-mamba2")
+    lay = build_engine_layout(spec, 1, kernel_block_size=16)
+    plan = build_plan(lay, lay)
+    rl = lists_for(plan, 0, 0, n_local=2200, n_remote=2300)
+    run = list(range(10, 2110))
+    tokens = len(run) * lay.block_size
+    li, ri = read_indices(rl, blocks(plan, run, 2150), blocks(plan, [b + 100 for b in run], 2250), num_tokens=tokens)
+    assert -(-tokens // lay.kernel_block_size) > 4096
+    is_fa = li < rl.local_geometry.fa_part
+    fa_regions = sum(len(g.layers) for g in lay.groups if g.kind == "attention")
+    assert wire_descriptors(rl, li[is_fa], ri[is_fa]) == fa_regions
