@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from shared.bench.sections import SectionBytes, section_bytes
 from shared.layout.plan import SourceRead, TransferPlan
-from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
+from shared.layout.read_lists import IdArray, ReadLists, build_read_lists, read_indices
 
 IntArray = npt.NDArray[np.int64]
 
@@ -28,8 +28,8 @@ class PairLists:
 @dataclass(frozen=True)
 class PairRead:
     pair: PairLists
-    local_idx: IntArray
-    remote_idx: IntArray
+    local_idx: IdArray
+    remote_idx: IdArray
 
     @property
     def descriptors(self) -> int:

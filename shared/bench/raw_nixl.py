@@ -28,12 +28,13 @@ import torch
 from shared.transport.nixl_env import load_nixl
 
 IntArray = npt.NDArray[np.int64]
+IdArray = npt.NDArray[np.int32]  # descriptor ids, as read_indices returns them
 START_TIMEOUT_SECONDS = 60.0
 
 
 def coalesce_per_region(
     local_descs: IntArray,
-    local_idx: IntArray,
+    local_idx: IdArray,
     local_bases: IntArray,
     remote_bases: IntArray,
 ) -> tuple[IntArray, IntArray]:
@@ -142,8 +143,8 @@ class RawReader:
         prefill_rank: int,
         local_descs: IntArray,
         remote_descs: IntArray,
-        local_idx: IntArray,
-        remote_idx: IntArray,
+        local_idx: IdArray,
+        remote_idx: IdArray,
     ) -> PreparedRead:
         """Prepare both descriptor lists (untimed, once per peer in the services too)."""
         agent = self.agents[decode_rank]
