@@ -91,10 +91,11 @@ def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
     return blocks
 
 
-def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray) -> ReadStats:
-    """Bytes of one READ by kind of state, from the local descriptor ids (vectorised)."""
+def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens: int) -> ReadStats:
+    """Bytes of one READ by kind of state: counted from the token count (every region of a
+    group moves the same pieces), not summed over the ids."""
     read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
-    fa, conv, ssm = pair.lists.bytes_by_section(local_idx, read.ssm is not None)
+    fa, conv, ssm = pair.lists.bytes_for(num_tokens, read.ssm is not None)
     stats = ReadStats(attention_bytes=fa, conv_bytes=conv, ssm_bytes=ssm, read_count=1, descriptor_count=int(local_idx.size))
     return stats
 
@@ -165,7 +166,7 @@ async def read_request(
                 ids.release()
                 jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                 continue
-            stats.add(_pair_bytes(link, pair, lidx))
+            stats.add(_pair_bytes(link, pair, lidx, num_tokens))
             jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids)))
         started = time.monotonic()
         await asyncio.gather(*jobs)

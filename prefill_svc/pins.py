@@ -30,7 +30,7 @@ class Pin:
     owner: str  # key of the decode engine incarnation that asked for it (DecodePeer.key)
     lease_deadline: float  # event-loop time
     waits: list[asyncio.Future[list[str]]] = field(default_factory=list)
-    watcher: asyncio.Task[None] | None = None
+    outcome: asyncio.Future[str] | None = None  # resolves with the reason when the pin ends
     on_end: Callable[[str], None] | None = None  # called once with the reason
 
 
@@ -69,7 +69,11 @@ class PinTable:
         ]
         self._pins[transfer_id] = pin
         self._by_request[(owner, request_id)] = transfer_id
-        pin.watcher = asyncio.ensure_future(self._watch(pin))
+        pin.outcome = loop.create_future()
+        # A callback, not a task gathering the waits: the last notification frees the blocks in
+        # the same event-loop turn that delivered it.
+        for wait in pin.waits:
+            wait.add_done_callback(lambda _, pin=pin: self._wait_done(pin))
         self._ensure_sweeper()
         return pin
 
@@ -95,8 +99,6 @@ class PinTable:
         self._by_request.pop((pin.owner, pin.request_id), None)
         for wait in pin.waits:
             wait.cancel()
-        if pin.watcher is not None and pin.watcher is not asyncio.current_task():
-            pin.watcher.cancel()
         freed = self.host.free(pin.transfer_id)
         self.ended[reason] += 1
         if self.on_ended is not None:
@@ -104,16 +106,14 @@ class PinTable:
         log.debug("request %s (%s) ended: %s, %d blocks freed", pin.request_id, pin.transfer_id, reason, freed)
         if pin.on_end is not None:
             pin.on_end(reason)
+        if pin.outcome is not None and not pin.outcome.done():
+            pin.outcome.set_result(reason)
         return True
 
-    async def _watch(self, pin: Pin) -> None:
-        if not pin.waits:
-            return  # nobody reads (nothing to read): decode releases it explicitly
-        try:
-            await asyncio.gather(*pin.waits)
-        except asyncio.CancelledError:
-            return
-        self.release(pin, "read")
+    def _wait_done(self, pin: Pin) -> None:
+        """One rank's notifications all arrived (or its wait was cancelled by a release)."""
+        if all(w.done() and not w.cancelled() for w in pin.waits):
+            self.release(pin, "read")
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

@@ -119,7 +119,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             manifest = await session.submit(rid, prompt, 30.0)
             t1 = time.perf_counter()
             pin = prefill_app.pins.lookup(owner, rid)
-            if pin is None or pin.watcher is None:
+            if pin is None or pin.outcome is None:
                 raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
             a0 = time.perf_counter()
             local = host.allocate(rid, len(prompt) + 1)
@@ -129,7 +129,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             trace.mark("d.read_end")
             t3 = time.perf_counter()
             session.done_reading(rid)
-            await asyncio.shield(pin.watcher)
+            await asyncio.shield(pin.outcome)
             t4 = time.perf_counter()
             host.free(rid)
             t5 = time.perf_counter()

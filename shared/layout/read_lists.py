@@ -139,6 +139,35 @@ class ReadLists:
         is_ssm = self.mamba_piece_of(local_ids[~is_fa]) == self.mamba_pieces - 1
         return fa, int(mamba[~is_ssm].sum()), int(mamba[is_ssm].sum())
 
+    def bytes_for(self, num_tokens: int, reads_ssm: bool) -> tuple[int, int, int]:
+        """(FA, conv, SSM) bytes that `read_indices(..., num_tokens)` moves: what
+        `bytes_by_section` sums over its ids, from counts alone (no per-id work), since every
+        region of a group moves the same pieces."""
+        num_units = -(-num_tokens // self.fa_unit_tokens)
+        fa_unit_bytes, mamba_sizes = self._piece_bytes
+        conv_bytes = sum(mamba_sizes[:-1]) if reads_ssm else sum(mamba_sizes)
+        ssm_bytes = mamba_sizes[-1] if reads_ssm and mamba_sizes else 0
+        fa = conv = ssm = 0
+        for group, starts in zip(self.groups, self.region_starts):
+            if starts is None:
+                continue
+            regions = len(starts.local)
+            if group.kind == "attention":
+                fa += regions * num_units * fa_unit_bytes
+            else:
+                conv += regions * conv_bytes
+                ssm += regions * ssm_bytes
+        return fa, conv, ssm
+
+    @cached_property
+    def _piece_bytes(self) -> tuple[int, tuple[int, ...]]:
+        """Bytes of one FA unit's pieces, and each Mamba piece's size (the first region's first
+        unit and block: every region and block repeats them)."""
+        fa_part = self.local_geometry.fa_part
+        fa_unit = int(self.local[: self.fa_pieces, 1].sum()) if fa_part else 0
+        mamba = self.local[fa_part : fa_part + self.mamba_pieces, 1]
+        return fa_unit, tuple(int(x) for x in mamba)
+
     def mamba_piece_of(self, local_ids: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.integer[Any]]:
         """Piece index (conv sections read from this source, then SSM) of local ids in the Mamba
         part (ids >= `local_geometry.fa_part`)."""
