@@ -232,11 +232,13 @@ def _breakdown(trace: StepTrace, phases: dict[str, Any], hop_ms: float) -> dict[
     wait = next(s["median"] for s in steps if s["step"] == NOTIFICATION_WAIT_STEP) or 0.0
     floors = {
         "echo_ms": echo,  # the job and its manifest cross the Session stream once each way
-        "thread_hop_ms": json_number(hop_ms),  # paid twice: compute thread, agent owner thread
+        # Paid once: the compute thread. A READ this small is posted on the event loop itself
+        # (transport/agent.py, INLINE_MAX_BYTES), so the agent's owner thread is not in its path.
+        "thread_hop_ms": json_number(hop_ms),
         "raw_read_ms": raw,
         "notification_wait_ms": wait,
     }
-    floor = echo + 2 * hop_ms + raw + wait
+    floor = echo + hop_ms + raw + wait
     return {"steps": trace.summaries_ms(), "floors": floors, "design_floor_ms": json_number(floor)}
 
 
@@ -278,7 +280,7 @@ def _format_breakdown(b: dict[str, Any]) -> list[str]:
     f = b["floors"]
     lines += [
         "",
-        f"floor of this design here: echo {_f(f['echo_ms'])} + 2 x thread hop {_f(f['thread_hop_ms'])} "
+        f"floor of this design here: echo {_f(f['echo_ms'])} + thread hop {_f(f['thread_hop_ms'])} "
         f"+ raw READ {_f(f['raw_read_ms'])} + notification wait {_f(f['notification_wait_ms'])} "
         f"= {_f(b['design_floor_ms'])} ms",
     ]

@@ -8,8 +8,8 @@ because each mark costs a few microseconds.
 
 The floors measured beside it (`measure_floors`) are what no implementation of this design can
 avoid on this machine: a Session stream round trip (echo), a hop from the event loop to a
-worker thread and back (twice per request: the compute thread, the agent's owner thread), the
-raw READ, and prefill's wait for the notification (the owner thread pumps the agent every 1 ms
+worker thread and back (the compute thread; a READ this small is posted on the event loop
+itself, without the hop to the agent's owner thread), the raw READ, and prefill's wait for the notification (the owner thread pumps the agent every 1 ms
 while notifications are awaited, so a READ's notification waits for the next pump; taken from
 the traced pass).
 """
@@ -41,7 +41,7 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("manifest over the Session stream (prefill -> decode)", "p.manifest_built", "d.manifest_received"),
     ("decode: manifest checks + descriptor ids", "d.read_start", "d.ids"),
     ("decode: bytes by section", "d.ids", "d.bytes"),
-    ("decode: hop to the agent's owner thread", "d.bytes", "o.post_start"),
+    ("decode: to the post (inline on the loop when small)", "d.bytes", "o.post_start"),
     ("decode: make_prepped_xfer + transfer (the copy)", "o.post_start", "o.post_end"),
     ("decode: READ done -> back on the event loop", "o.post_end", "d.read_end"),
     (NOTIFICATION_WAIT_STEP, "o.post_end", "o.notif_fetched"),

@@ -72,4 +72,5 @@ class IdBufferPool:
             return
         self._idle.append(arrays)
         if len(self._idle) > self.max_idle:  # keep the largest: they serve every smaller request
-            self._idle.remove(min(self._idle, key=lambda pair: len(pair[0])))
+            # By position: list.remove would compare arrays element by element.
+            del self._idle[min(range(len(self._idle)), key=lambda i: len(self._idle[i][0]))]

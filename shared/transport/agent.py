@@ -2,9 +2,16 @@
 
 NIXL agents are not thread-safe in their default mode (two threads on one agent
 crashed), and on DRAM a READ copies inside `transfer()` / `check_xfer_state()`
-(256 MiB is tens of ms). So every NIXL call of an agent runs on its own single
+(256 MiB is tens of ms). So the NIXL calls of an agent run on its own single
 worker thread, and the asyncio side awaits that thread: the event loop never
-blocks on a copy and never races the agent.
+blocks on a long copy and never races the agent.
+
+One exception, for latency: a READ of at most INLINE_MAX_BYTES (1 MiB, ~0.1 ms of copy) is
+posted on the caller's thread when the owner thread is idle, saving the two thread hops
+(~0.1 ms each here) that dominate a small READ. The owner thread holds a lock around each
+call and pump, the inline post takes it only when free (never waits), and the agent runs in
+NIXL's STRICT sync mode (one mutex around every agent call), so the agent is still used by one
+thread at a time.
 
 The agent runs without NIXL's progress thread (it would spin a whole core); UCX
 progresses only when this agent calls into NIXL. Once a CompletionPoller attaches,
@@ -37,6 +44,7 @@ from shared.transport.owner_thread import OwnerThread
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+INLINE_MAX_BYTES = 1 << 20  # READs up to this size may be posted on the caller's thread
 XferState = Literal["DONE", "PROC"]
 Settle = Callable[["XferState | TransportError"], None]
 """Called on the owner thread when a tracked READ ends: "DONE" or the error."""
@@ -76,6 +84,10 @@ class PreppedList:
     place: MemoryPlace
     lengths: npt.NDArray[np.int64]
     released: bool = False
+    max_length: int = 0  # of any descriptor: bounds a READ's bytes from its descriptor count
+
+    def __post_init__(self) -> None:
+        self.max_length = int(self.lengths.max()) if len(self.lengths) else 0
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -202,13 +214,25 @@ class RankAgent:
     ) -> asyncio.Future[Xfer]:
         """ONE prepared READ of remote[remote_idx[i]] into local[local_idx[i]], then post it.
 
-        Handed to the owner thread at once (not when first awaited): the copy starts without
-        waiting for another event-loop turn. Await the returned future for the Xfer.
+        A READ of at most INLINE_MAX_BYTES is posted right here when the owner thread is idle
+        (the returned future is then already done); otherwise it is handed to the owner thread
+        at once (not when first awaited). Await the returned future for the Xfer.
         On DRAM the copy usually happens inside this call (state "DONE", notification already
         sent, handle released right after, before this agent's next call); otherwise the state is "PROC" and someone
         must poll it to the end (the CompletionPoller, or `state()`): the notification
         only leaves from that polling.
         """
+        if not self._closed and np.size(local_idx) * local.max_length <= INLINE_MAX_BYTES:
+            posted: asyncio.Future[Xfer] = asyncio.get_running_loop().create_future()
+            try:
+                ran, xfer = self._owner.try_inline(self._post_read, local, local_idx, remote, remote_idx, notif, True)
+            except Exception as exc:  # delivered through the future, as from the owner thread
+                posted.set_exception(exc)
+                return posted
+            if ran:
+                assert xfer is not None
+                posted.set_result(xfer)
+                return posted
         return self._call_now(self._post_read, local, local_idx, remote, remote_idx, notif)
 
     async def state(self, xfer: Xfer) -> XferState:
@@ -292,8 +316,11 @@ class RankAgent:
         return self._owner.submit(fn, *args)
 
     def _create(self, num_threads: int) -> Any:
+        # STRICT: NIXL's own mutex around every agent call, as small READs are posted from the
+        # event-loop thread (one thread at a time, see the module docstring).
+        strict = self._api.module.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         config = self._api.nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"], num_threads=num_threads
+            enable_prog_thread=False, backends=["UCX"], num_threads=num_threads, sync_mode=strict
         )
         agent = self._api.nixl_agent(self.name, config)
         if "UCX" not in agent.backends:
@@ -384,6 +411,7 @@ class RankAgent:
         remote: PreppedList,
         remote_idx: npt.ArrayLike,
         notif: bytes,
+        inline: bool = False,
     ) -> Xfer:
         if local.peer or not remote.peer:
             raise ValueError("post_read takes a local prepared list, then a remote one")
@@ -428,9 +456,12 @@ class RankAgent:
             raise TransferFailed(f"READ from peer {remote.peer!r} failed when posted", peer=remote.peer)
         if state == "DONE":
             xfer.state = "DONE"
-            # Released right after the caller has the result (before this agent's next call):
-            # releasing a large request's handle takes ~0.1 ms the caller need not wait for.
-            self._owner.after_job(self._release_xfer, xfer)
+            if inline:  # small: releasing costs little, and the caller holds the agent now
+                self._release_xfer(xfer)
+            else:
+                # Released right after the caller has the result (before this agent's next
+                # call): releasing a large request's handle takes ~0.1 ms the caller need not wait for.
+                self._owner.after_job(self._release_xfer, xfer)
         return xfer
 
     def _poll_one(self, xfer: Xfer) -> XferState | TransportError:

@@ -38,13 +38,14 @@ def test_small_requests_and_too_small_arrays_get_fresh_ones() -> None:
 
 def test_picks_the_smallest_fit_and_keeps_the_largest_when_full() -> None:
     pool = IdBufferPool(max_idle=2)
-    sizes = [MIN_POOLED_IDS * k for k in (1, 3, 2)]
+    sizes = [MIN_POOLED_IDS * k for k in (3, 1, 2)]  # the smallest is not the first given back
     claims = [pool.claim() for _ in sizes]
     arrays = [c(n) for c, n in zip(claims, sizes)]
     for c in claims:
         c.release()
     assert pool.idle == 2  # the 1x pair was dropped: the larger ones serve it too
     assert pool.claim()(MIN_POOLED_IDS)[0] is arrays[2][0]  # 2x, the smallest that fits
+    assert pool.claim()(MIN_POOLED_IDS)[0] is arrays[0][0]  # then 3x
 
 
 def test_one_claim_serves_one_call_and_bad_arguments_are_refused() -> None:

@@ -121,3 +121,49 @@ async def test_all_nixl_calls_run_on_the_owner_thread(pair: Any, monkeypatch: py
     monkeypatch.setattr(nixl, "get_new_notifs", spy)
     await asyncio.gather(*(pair.reader.get_new_notifs() for _ in range(8)))
     assert len(threads) == 1 and threads.pop().startswith(f"nixl-{pair.reader.name}")
+
+
+@pytest.mark.asyncio
+async def test_small_reads_post_inline_when_the_owner_thread_is_idle_and_queue_otherwise(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared.transport import agent as agent_module
+
+    threads: list[str] = []
+    nixl = pair.reader._agent
+    original = nixl.make_prepped_xfer
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(nixl, "make_prepped_xfer", spy)
+    owner = f"nixl-{pair.reader.name}"
+
+    async def read(local_ids: list[int], remote_ids: list[int], notif: bytes) -> Any:
+        posted = pair.reader.post_read(pair.local, np.array(local_ids), pair.remote, np.array(remote_ids), notif)
+        inline_done = posted.done()
+        xfer = await posted
+        while await pair.reader.state(xfer) == "PROC":  # the first READ may wait for the wire-up
+            await pair.source.get_new_notifs()
+        got, want = pair.reader_cache.blocks(0), pair.source_cache.blocks(0)
+        assert torch.equal(got[local_ids], want[remote_ids])
+        return inline_done
+
+    # 2 blocks of 4 KiB, owner idle: posted on this (event-loop) thread, done on return.
+    assert await read([1, 2], [30, 31], b"a") is True
+    assert threads[-1] == threading.current_thread().name
+    # Owner thread busy with a call: the READ is queued behind it, not run beside it.
+    release = threading.Event()
+    blocker = pair.reader._owner.submit(release.wait)
+    posted = pair.reader.post_read(pair.local, np.array([3]), pair.remote, np.array([32]), b"b")
+    assert not posted.done()
+    release.set()
+    await asyncio.wrap_future(blocker)
+    await posted
+    assert threads[-1] == owner
+    # Above the inline limit: the owner thread copies, the loop stays free.
+    monkeypatch.setattr(agent_module, "INLINE_MAX_BYTES", 4096)
+    assert await read([4, 5], [33, 34], b"c") is False
+    assert threads[-1] == owner
+    assert pair.reader.live_xfers == 0
