@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from shared.config import ServiceSettings, parse_settings
-from shared.rpc.engine_host import engine_factory_for
+from shared.runtime.engine_host import engine_factory_for
 from shared.rpc.process import run_service
 from decode_svc.app import DecodeApp
 

@@ -13,7 +13,7 @@ import logging
 from shared.config import ServiceSettings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.rpc.engine_host import EngineFactory, EngineHost
+from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers

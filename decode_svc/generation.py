@@ -35,7 +35,7 @@ from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.proto_time import duration, seconds
 from shared.telemetry import Telemetry
 from decode_svc import tokenizer

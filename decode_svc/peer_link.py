@@ -24,7 +24,7 @@ from shared.layout.plan import TransferPlan
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import check_pair
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import PreppedList
 from shared.transport.errors import PeerAlreadyKnown, TransportError
 from shared.transport.memory import MemoryPlace

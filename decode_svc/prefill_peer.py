@@ -23,7 +23,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.channel import HANDSHAKE_TIMEOUT_SECONDS, build_channel
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.status import describe
 from decode_svc.peer_link import PeerLink
 from decode_svc.session_client import SessionClient

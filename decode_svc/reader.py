@@ -25,7 +25,7 @@ from shared.errors import DeadlineExceeded, Internal, Unavailable
 from shared.layout.read_lists import read_indices
 from shared.layout.spec import LayoutError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import RankAgent
 from shared.transport.errors import TransferTimedOut, TransportError
 from shared.transport.poller import ReadResult

@@ -11,7 +11,7 @@ from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
 from decode_svc.generation import Generation

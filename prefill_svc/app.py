@@ -8,7 +8,7 @@ import logging
 from shared.config import ServiceSettings
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.rpc.engine_host import EngineFactory, EngineHost
+from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from prefill_svc.pins import PinTable

@@ -15,7 +15,7 @@ from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.proto_time import duration
 from prefill_svc.pins import PinTable
 

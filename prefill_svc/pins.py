@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from shared.errors import InvalidArgument, ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.compat import check_pair
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
 from prefill_svc.jobs import JobRunner

@@ -29,7 +29,7 @@ from typing import AsyncIterator
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
-from shared.rpc.engine_host import EngineHost
+from shared.runtime.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.proto_time import duration, seconds
 from shared.rpc.status import code_number

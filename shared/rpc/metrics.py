@@ -21,7 +21,7 @@ from prometheus_client import Counter, Gauge, ProcessCollector, start_http_serve
 from shared.telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from shared.rpc.engine_host import EngineHost
+    from shared.runtime.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
 

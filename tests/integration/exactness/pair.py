@@ -14,7 +14,7 @@ from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.rpc.engine_host import EngineFactory, engine_factory_for
+from shared.runtime.engine_host import EngineFactory, engine_factory_for
 
 
 @dataclass

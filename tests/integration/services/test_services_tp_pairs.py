@@ -11,7 +11,7 @@ import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
-from shared.rpc.engine_host import engine_factory_for
+from shared.runtime.engine_host import engine_factory_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 

@@ -1,0 +1,1 @@
+"""What a service process runs: its engine host (layout, caches, agents, poller, allocator, engine)."""
