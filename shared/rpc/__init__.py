@@ -1,8 +1,4 @@
 """gRPC plumbing shared by both services: server and channel builders, error mapping,
 health, reflection, drain, and the handshake's layout compatibility rules."""
 
-import os
-
-# grpc-core logs INFO lines (e.g. on every GOAWAY) unless told otherwise; must be set before
-# grpc is imported. setdefault: a user's own setting wins.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# GRPC_VERBOSITY is set in shared/__init__.py, before anything imports grpc.
