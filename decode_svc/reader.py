@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from shared.cache.id_buffers import IdArray, IdBuffers
+from shared.cache.id_buffers import IdBuffers
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
-from shared.layout.read_lists import read_indices
+from shared.layout.read_lists import IdArray, read_indices
 from shared.layout.spec import LayoutError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost

@@ -25,10 +25,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shared.layout.read_lists import IdArray
 from shared.transport.nixl_env import load_nixl
 
 IntArray = npt.NDArray[np.int64]
-IdArray = npt.NDArray[np.int32]  # descriptor ids, as read_indices returns them
 START_TIMEOUT_SECONDS = 60.0
 
 

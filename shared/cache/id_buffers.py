@@ -14,9 +14,8 @@ Single-threaded: used from the event loop only.
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
-IdArray = npt.NDArray[np.int32]
+from shared.layout.read_lists import IdArray
 MIN_POOLED_IDS = 1 << 16  # below this, fresh arrays are as cheap
 DEFAULT_MAX_IDLE = 4  # pairs kept between requests (each as large as the largest request so far)
 

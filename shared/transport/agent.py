@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -84,7 +84,7 @@ class PreppedList:
     place: MemoryPlace
     lengths: npt.NDArray[np.int64]
     released: bool = False
-    max_length: int = 0  # of any descriptor: bounds a READ's bytes from its descriptor count
+    max_length: int = field(init=False)  # of any descriptor: bounds a READ's bytes by its count
 
     def __post_init__(self) -> None:
         self.max_length = int(self.lengths.max()) if len(self.lengths) else 0
@@ -459,8 +459,8 @@ class RankAgent:
             if inline:  # small: releasing costs little, and the caller holds the agent now
                 self._release_xfer(xfer)
             else:
-                # Released right after the caller has the result (before this agent's next
-                # call): releasing a large request's handle takes ~0.1 ms the caller need not wait for.
+                # Released by the owner thread right after the caller has the result: releasing a
+                # large request's handle takes ~0.1 ms the caller need not wait for.
                 self._owner.after_job(self._release_xfer, xfer)
         return xfer
 
