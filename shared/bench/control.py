@@ -17,6 +17,12 @@ driven through the decode service's own pieces:
 Also the whole Generate RPC (max_tokens 1) through the decode service's gRPC API, as a client
 sees it (its critical path does not wait for prefill's free).
 
+With `--separate-processes` the prefill service runs in a process of its own
+(control_prefill.py), as in a deployment: the two services no longer share a GIL. `notified`
+is then read from prefill's clock (the same monotonic clock in every process): from the moment
+decode saw the READ done to the moment prefill freed the blocks, 0 when prefill was first.
+`--breakdown` needs both services in this process.
+
 Baselines from the same run: `echo`, one round trip over a bare grpc.aio bidirectional stream in
 this process (the floor of `manifest`); `raw_read`, the same READ (identical descriptors, with
 a notification) between plain NIXL agents (the floor of `read`; raw_nixl.py).
@@ -30,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from shared.bench.client import generate
+from shared.bench.control_prefill import PrefillProcess
 from shared.bench.control_trace import NOTIFICATION_WAIT_STEP, StepTrace, thread_hop_seconds, traced
 from shared.bench.echo import echo_round_trips
 from shared.bench.no_compute import NoComputeEngine
@@ -45,6 +53,7 @@ from shared.bench.sizing import prefill_tokens, request_blocks
 from shared.bench.stats import Summary, json_number, ratio
 from shared.config import parse_settings
 from shared.layout.read_lists import read_indices
+from shared.runtime.engine_host import layout_for
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.control/v1"
@@ -63,6 +72,11 @@ class ControlConfig:
     requests: int = 200
     warmup: int = 20
     breakdown: bool = False  # one more pass of `requests`, timed step by step (control_trace.py)
+    separate_processes: bool = False  # prefill in a process of its own (control_prefill.py)
+
+    def __post_init__(self) -> None:
+        if self.breakdown and self.separate_processes:
+            raise ValueError("--breakdown times both services step by step in this process: drop --separate-processes")
 
 
 async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
@@ -71,17 +85,24 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
     from prefill_svc.app import PrefillApp
 
     base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(NUM_BLOCKS), "--log-level", "WARNING"]
-    prefill_settings = parse_settings(
-        "prefill", [*base, "--tp", str(cfg.prefill_tp), "--engine-id", "bench-control-prefill"], environ={}
-    )
-    prefill_app = await PrefillApp.start(prefill_settings, NoComputeEngine)
+    prefill_flags = [*base, "--tp", str(cfg.prefill_tp), "--engine-id", "bench-control-prefill"]
+    prefill_settings = parse_settings("prefill", prefill_flags, environ={})
+    prefill_app: Any = None
+    prefill_proc: PrefillProcess | None = None
+    if cfg.separate_processes:
+        prefill_layout = layout_for(prefill_settings)  # bad flags fail here, in one line, before the start
+        prefill_proc = await PrefillProcess.start(prefill_flags)
+        prefill_port = prefill_proc.port
+    else:
+        prefill_app = await PrefillApp.start(prefill_settings, NoComputeEngine)
+        prefill_port, prefill_layout = prefill_app.port, prefill_app.host.layout
     decode_app: Any = None
     raw_target: RawTarget | None = None
     raw_reader: RawReader | None = None
     try:
         decode_settings = parse_settings(
             "decode",
-            [*base, "--tp", str(cfg.decode_tp), "--engine-id", "bench-control-decode", "--prefill", f"127.0.0.1:{prefill_app.port}"],
+            [*base, "--tp", str(cfg.decode_tp), "--engine-id", "bench-control-decode", "--prefill", f"127.0.0.1:{prefill_port}"],
             environ={},
         )
         decode_app = await DecodeApp.start(decode_settings, NoComputeEngine)
@@ -89,12 +110,12 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         host = decode_app.host
         peer = decode_app.peers.pick()
         session, link = peer.session, peer.link
-        owner = _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
+        owner = "" if prefill_app is None else _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
         prompt = list(range(1, cfg.prompt_tokens + 1))
         samples: dict[str, list[float]] = {p: [] for p in (*PHASES, *BASELINES)}
         trace = StepTrace()
         hops: list[float] = []  # bare thread hops, measured with --breakdown
-        raw_target = RawTarget(cfg.prefill_tp, prefill_app.host.layout.num_regions, prefill_app.host.layout.region_bytes(NUM_BLOCKS))
+        raw_target = RawTarget(cfg.prefill_tp, prefill_layout.num_regions, prefill_layout.region_bytes(NUM_BLOCKS))
         raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(NUM_BLOCKS))
         tokens = prefill_tokens(host.spec, cfg.prompt_tokens)
         raw_reads = [
@@ -108,20 +129,33 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                     remote_num_blocks=NUM_BLOCKS,
                 ),
                 request_blocks(host.layout, cfg.prompt_tokens + 1),
-                request_blocks(prefill_app.host.layout, tokens),
+                request_blocks(prefill_layout, tokens),
                 tokens,
             )
         ]
         total_rounds = cfg.warmup + cfg.requests
+
+        def pin_end(rid: str) -> Callable[[], Awaitable[float]]:
+            """After the manifest: an awaitable of the moment prefill ended the request's pin."""
+            if prefill_proc is not None:
+                return lambda: prefill_proc.pin_ended_at(rid)
+            pin = prefill_app.pins.lookup(owner, rid)
+            if pin is None or pin.outcome is None:
+                raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
+            outcome = pin.outcome
+
+            async def ended() -> float:
+                await asyncio.shield(outcome)
+                return time.perf_counter()
+
+            return ended
 
         async def one_request(rid: str) -> tuple[dict[str, float], ReadStats]:
             """One request through decode's pieces: seconds per phase."""
             t0 = time.perf_counter()
             manifest = await session.submit(rid, prompt, 30.0)
             t1 = time.perf_counter()
-            pin = prefill_app.pins.lookup(owner, rid)
-            if pin is None or pin.outcome is None:
-                raise RuntimeError(f"prefill holds no pin for {rid} (owner {owner}): cannot time its free")
+            pin_ended = pin_end(rid)
             a0 = time.perf_counter()
             local = host.allocate(rid, len(prompt) + 1)
             t2 = time.perf_counter()
@@ -130,10 +164,11 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             trace.mark("d.read_end")
             t3 = time.perf_counter()
             session.done_reading(rid)
-            await asyncio.shield(pin.outcome)
-            t4 = time.perf_counter()
+            # Prefill, in its own process, may free the blocks before decode's loop saw DONE.
+            notified = max(0.0, await pin_ended() - t3)
+            f0 = time.perf_counter()
             host.free(rid)
-            t5 = time.perf_counter()
+            f1 = time.perf_counter()
             remote = manifest_blocks(link, manifest)
             i0 = time.perf_counter()
             for pair in link.pairs:
@@ -144,9 +179,9 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                 "allocate": t2 - a0,
                 "read": t3 - t2,
                 "ids": i1 - i0,
-                "notified": t4 - t3,
-                "free": t5 - t4,
-                "total": (t1 - t0) + (t2 - a0) + (t5 - t2),
+                "notified": notified,
+                "free": f1 - f0,
+                "total": (t1 - t0) + (t2 - a0) + (t3 - t2) + notified + (f1 - f0),
             }
             return phases, stats
 
@@ -179,7 +214,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                         samples["generate_rpc"].append(timed.done - timed.sent)
                     progress.advance()
             samples["echo"] = (await echo_round_trips(total_rounds))[cfg.warmup :]
-        leftover = prefill_app.host.allocator.num_used, host.allocator.num_used
+        leftover = await _blocks_left(prefill_app, prefill_proc), host.allocator.num_used
     finally:
         if raw_reader is not None:
             raw_reader.close()
@@ -187,9 +222,12 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             raw_target.close()
         if decode_app is not None:
             await decode_app.stop()
-        await prefill_app.stop()
-    phases = {name: Summary.of(values).scaled(1e3).as_dict() for name, values in samples.items()}
-    total_median = phases["total"]["median"]
+        if prefill_app is not None:
+            await prefill_app.stop()
+        if prefill_proc is not None:
+            await prefill_proc.stop()
+    ms = {name: Summary.of(values).scaled(1e3).as_dict() for name, values in samples.items()}
+    total_median = ms["total"]["median"]
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "command": command,
@@ -201,15 +239,15 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             "requests": cfg.requests,
             "warmup": cfg.warmup,
             "engine": "no-compute",
-            "in_process": True,
+            "in_process": not cfg.separate_processes,
             "breakdown": cfg.breakdown,
         },
-        "ms": phases,
+        "ms": ms,
         "median_ms": total_median,
-        "p99_ms": phases["total"]["p99"],
+        "p99_ms": ms["total"]["p99"],
         "ratios": {
-            "manifest_vs_echo": json_number(ratio(phases["manifest"]["median"] or 0.0, phases["echo"]["median"] or 0.0)),
-            "read_vs_raw_read": json_number(ratio(phases["read"]["median"] or 0.0, phases["raw_read"]["median"] or 0.0)),
+            "manifest_vs_echo": json_number(ratio(ms["manifest"]["median"] or 0.0, ms["echo"]["median"] or 0.0)),
+            "read_vs_raw_read": json_number(ratio(ms["read"]["median"] or 0.0, ms["raw_read"]["median"] or 0.0)),
         },
         "target_median_ms": TARGET_MEDIAN_MS,
         "met": total_median is not None and total_median <= TARGET_MEDIAN_MS,
@@ -219,7 +257,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         "reads_per_request": stats.read_count,
     }
     if cfg.breakdown:
-        result["breakdown"] = _breakdown(trace, phases, Summary.of(hops).scaled(1e3).median)
+        result["breakdown"] = _breakdown(trace, ms, Summary.of(hops).scaled(1e3).median)
     return result
 
 
@@ -242,6 +280,17 @@ def _breakdown(trace: StepTrace, phases: dict[str, Any], hop_ms: float) -> dict[
     return {"steps": steps, "floors": floors, "design_floor_ms": json_number(floor)}
 
 
+async def _blocks_left(prefill_app: Any, prefill_proc: PrefillProcess | None, wait: float = 5.0) -> int:
+    """Prefill's blocks in use at the end. The last Generate's pin ends when prefill's pump
+    fetches its notification, so wait a little for that before counting what is left."""
+    end = time.monotonic() + wait
+    while True:
+        used = int(prefill_app.host.allocator.num_used) if prefill_proc is None else await prefill_proc.blocks_in_use()
+        if used == 0 or time.monotonic() > end:
+            return used
+        await asyncio.sleep(0.01)
+
+
 def _owner_key(prefill_app: Any, engine_id: str, incarnation: int) -> str:
     """How the prefill service keys the pins of this decode engine (its handshaken incarnation)."""
     peer = prefill_app.servicer.peers.get(engine_id, incarnation)
@@ -252,7 +301,8 @@ def format_control(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [
         f"bench control: {c['model']}, prefill TP {c['prefill_tp']} -> decode TP {c['decode_tp']}, "
-        f"prompt {c['prompt_tokens']} tokens, {c['requests']} requests (+{c['warmup']} warm-up), services in this process",
+        f"prompt {c['prompt_tokens']} tokens, {c['requests']} requests (+{c['warmup']} warm-up), "
+        + ("services in this process" if c["in_process"] else "prefill in a process of its own"),
         "",
         f"{'phase':<14} {'median ms':>10} {'p99 ms':>9} {'min ms':>9}",
     ]

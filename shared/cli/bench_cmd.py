@@ -155,7 +155,7 @@ def _transfer(args: argparse.Namespace) -> int:
 
 # ---- control ----
 
-CONTROL_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "breakdown")
+CONTROL_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "breakdown", "separate-processes")
 
 
 def _control(args: argparse.Namespace) -> int:
@@ -169,6 +169,7 @@ def _control(args: argparse.Namespace) -> int:
         requests=args.requests,
         warmup=args.warmup,
         breakdown=args.breakdown,
+        separate_processes=args.separate_processes,
     )
     result = _run_async(run_control(cfg, command=_command("control", args, CONTROL_FLAGS), show_progress=not args.no_progress))
     return _finish(args, result, format_control(result), None)
@@ -258,9 +259,13 @@ def register(subparsers: Any) -> None:
     _add(c, "prompt-tokens", 8, "prompt length", type=_positive, metavar="N")
     _add(c, "requests", 200, "measured requests", type=_positive, metavar="K")
     _add(c, "warmup", 20, "unmeasured requests first", type=_non_negative, metavar="N")
-    c.add_argument("--breakdown", action="store_true",
-                   help="also time a separate pass step by step (stream, allocation, thread hops, post, notification) "
-                        "and print the floor of the design measured in the same run")
+    where = c.add_mutually_exclusive_group()
+    where.add_argument("--breakdown", action="store_true",
+                       help="also time a separate pass step by step (stream, allocation, thread hops, post, notification) "
+                            "and print the floor of the design measured in the same run")
+    where.add_argument("--separate-processes", action="store_true",
+                       help="run the prefill service in a process of its own, as deployed (default: both in this "
+                            "process, which lets --breakdown time them step by step)")
     _common(c, plot=False)
     c.set_defaults(func=_guarded(_control))
 

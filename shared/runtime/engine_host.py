@@ -46,6 +46,22 @@ def new_incarnation() -> int:
     return secrets.randbits(63) | 1
 
 
+def layout_for(settings: ServiceSettings) -> EngineLayout:
+    """The layout `settings` give (model, TP, block sizes, dtypes); bad values name their flag."""
+    try:
+        spec = load_model(
+            settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
+        )
+    except LayoutError as e:
+        raise InvalidArgument(str(e), field="--model") from e
+    try:
+        return build_engine_layout(
+            spec, settings.tp, block_size=settings.block_size, kernel_block_size=settings.kernel_block_size
+        )
+    except LayoutError as e:
+        raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
+
+
 def cache_blocks(layout: EngineLayout, num_blocks: int | None, memory_budget: int | None) -> int:
     """Logical blocks per engine: given, or as many as the per-rank budget holds."""
     if num_blocks is not None:
@@ -88,18 +104,8 @@ class EngineHost:
     ) -> EngineHost:
         """Layout, caches, agents (memory registered once), a loopback self-READ per rank, poller
         and engine for `settings`. `on_unknown_notif` sees notifications nobody waits for."""
-        try:
-            spec = load_model(
-                settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
-            )
-        except LayoutError as e:
-            raise InvalidArgument(str(e), field="--model") from e
-        try:
-            layout = build_engine_layout(
-                spec, settings.tp, block_size=settings.block_size, kernel_block_size=settings.kernel_block_size
-            )
-        except LayoutError as e:
-            raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
+        layout = layout_for(settings)
+        spec = layout.spec
         if layout.block_size_raised:
             log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
         num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget)

@@ -41,7 +41,15 @@ def test_env_gives_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert p.parse_args(["bench", "e2e"]).concurrency == (2, 8)
 
 
-@pytest.mark.parametrize("bad", [["e2e", "--concurrency", "0,2"], ["e2e", "--concurrency", "2,2"], ["transfer", "--requests", "0"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["e2e", "--concurrency", "0,2"],
+        ["e2e", "--concurrency", "2,2"],
+        ["transfer", "--requests", "0"],
+        ["control", "--breakdown", "--separate-processes"],  # the breakdown needs both in one process
+    ],
+)
 def test_invalid_values_exit_2(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parser().parse_args(["bench", *bad])

@@ -27,6 +27,24 @@ def test_control_runs_and_frees_everything() -> None:
     assert result["reads_per_request"] == 1 and result["bytes_per_request"] > 0
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_control_with_prefill_in_its_own_process_times_its_free_from_there() -> None:
+    cfg = ControlConfig(requests=5, warmup=1, separate_processes=True)
+    result = asyncio.run(run_control(cfg, command="test", show_progress=False))
+    assert result["config"]["in_process"] is False
+    for phase in PHASES:
+        assert result["ms"][phase]["count"] == 5
+    assert result["ms"]["notified"]["min"] >= 0
+    # Asked of the prefill process itself, after its last pin ended.
+    assert result["blocks_in_use_after"] == {"prefill": 0, "decode": 0}
+
+
+def test_control_refuses_a_breakdown_across_processes() -> None:
+    with pytest.raises(ValueError, match="--breakdown"):
+        ControlConfig(breakdown=True, separate_processes=True)
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(300)
