@@ -67,6 +67,7 @@ class ServiceSettings:
     conv_dtype: str | None = None
     ssm_dtype: str | None = None
     check_state: bool = False  # decode only: verify transferred state after every READ
+    huge_pages: bool = True  # DRAM caches on transparent huge pages (shared/cache/host_memory.py)
 
     @property
     def listen_address(self) -> str:
@@ -186,6 +187,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tp", positive_int, "tensor-parallel size: ranks in this engine, each with its own NIXL agent and cache", 1),
     Flag("device", choice("cpu", "cuda"), "where cache memory lives: cpu (DRAM) or cuda (rank r on cuda:r)", "cpu"),
     Flag(
+        "huge-pages",
+        boolean,
+        "DRAM caches: ask the kernel for transparent huge pages (2 MiB aligned regions, MADV_HUGEPAGE); a READ "
+        "between processes then walks 512x fewer pages (measured ~1.3x faster); off: plain 4 KiB pages",
+        True,
+        metavar="on|off",
+    ),
+    Flag(
         "engine",
         choice("synthetic", "reference"),
         "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model",
@@ -281,6 +290,8 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
         default = DEFAULT_PORTS[role] if flag.name == "port" else flag.default
         options = getattr(flag.parse, "options", None)
         metavar = flag.metavar or ("{" + ",".join(options) + "}" if options else _METAVARS.get(flag.parse))
+        if isinstance(default, bool) and not flag.switch:
+            default = "on" if default else "off"
         shown = f"; default {default}" if default is not None else ""
         help_text = f"{flag.help} (env {flag.env}{shown})"
         if flag.switch:
@@ -414,6 +425,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         log_level=_req(values, "log_level", str),
         prefill=prefill,
         check_state=bool(values.get("check_state", False)),
+        huge_pages=bool(values.get("huge_pages", True)),
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

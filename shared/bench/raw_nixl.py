@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shared.cache.host_memory import host_buffer
 from shared.layout.read_lists import IdArray
 from shared.transport.nixl_env import load_nixl
 
@@ -61,10 +62,13 @@ class TargetRank:
 class RawTarget:
     """The raw_target process: P plain agents with R regions of `region_bytes` each."""
 
-    def __init__(self, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-target") -> None:
+    def __init__(
+        self, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-target", *, huge_pages: bool = True
+    ) -> None:
         cmd = [
             sys.executable, "-m", "shared.bench.raw_target",
             "--ranks", str(ranks), "--regions", str(regions), "--region-bytes", str(region_bytes), "--name", name,
+            "--huge-pages", "on" if huge_pages else "off",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -114,7 +118,16 @@ class PreparedRead:
 class RawReader:
     """One plain agent per decode rank, each with R registered regions of `region_bytes`."""
 
-    def __init__(self, target: RawTarget, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-reader") -> None:
+    def __init__(
+        self,
+        target: RawTarget,
+        ranks: int,
+        regions: int,
+        region_bytes: int,
+        name: str = "bench-raw-reader",
+        *,
+        huge_pages: bool = True,
+    ) -> None:
         api = load_nixl()
         self.agents: list[Any] = []
         self.tensors: list[list[torch.Tensor]] = []
@@ -123,7 +136,8 @@ class RawReader:
         self.remote_names: list[dict[int, str]] = []
         for rank in range(ranks):
             agent = api.nixl_agent(f"{name}-r{rank}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-            tensors = [torch.empty(region_bytes, dtype=torch.uint8).zero_() for _ in range(regions)]
+            # The same memory as the services' caches (shared/cache/host_memory.py).
+            tensors = [host_buffer(region_bytes, huge_pages=huge_pages) for _ in range(regions)]
             self._registrations.append(agent.register_memory(tensors))
             self.agents.append(agent)
             self.tensors.append(tensors)

@@ -2,7 +2,7 @@
 
 `python -m shared.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
 NIXL agents (no progress thread, as the services run them), registers R pre-faulted regions of
-B bytes with each, prints one JSON line (`ranks`: name, metadata as hex, region base
+B bytes with each (the services' kind of memory: on huge pages unless `--huge-pages off`), prints one JSON line (`ranks`: name, metadata as hex, region base
 addresses), then pumps every agent's notifications about every millisecond (the target side
 of a READ must progress UCX: wire-up answers, notifications) until its stdin closes.
 
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shared.cache.host_memory import host_buffer
 from shared.transport.nixl_env import load_nixl
 
 PUMP_SECONDS = 0.001
@@ -33,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--regions", type=int, required=True)
     parser.add_argument("--region-bytes", type=int, required=True)
     parser.add_argument("--name", default="bench-raw-target")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     args = parser.parse_args(argv)
     api = load_nixl()
     agents: list[Any] = []
@@ -41,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rank in range(args.ranks):
         agent = api.nixl_agent(f"{args.name}-r{rank}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         # Written, not just allocated: a READ of never-touched pages would copy the zero page.
-        tensors = [torch.empty(args.region_bytes, dtype=torch.uint8).fill_(rank + 1) for _ in range(args.regions)]
+        tensors = [
+            host_buffer(args.region_bytes, huge_pages=args.huge_pages == "on").fill_(rank + 1) for _ in range(args.regions)
+        ]
         registrations.append(agent.register_memory(tensors))
         agents.append(agent)
         regions.append(tensors)

@@ -63,6 +63,7 @@ class TransferConfig:
     kernel_block_size: int = 16
     check_state: bool = False
     seed: int = 0
+    huge_pages: bool = True  # the services' caches and every baseline's buffers alike
 
 
 async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
@@ -73,7 +74,10 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
     tokens = prefill_tokens(spec, cfg.prompt_tokens)
     p_blocks = blocks_needed(prefill, tokens)
     d_blocks = blocks_needed(decode, cfg.prompt_tokens + MAX_TOKENS)
-    common = ["--model", cfg.model, "--engine", "synthetic", "--kernel-block-size", str(cfg.kernel_block_size), "--log-level", "WARNING"]
+    common = [
+        "--model", cfg.model, "--engine", "synthetic", "--kernel-block-size", str(cfg.kernel_block_size),
+        "--log-level", "WARNING", "--huge-pages", "on" if cfg.huge_pages else "off",
+    ]  # fmt: skip
     prefill_args = [*common, "--tp", str(cfg.prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", "bench-prefill"]
     decode_args = [*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks), "--engine-id", "bench-decode"]
     if cfg.check_state:
@@ -85,8 +89,8 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
     target: RawTarget | None = None
     reader: RawReader | None = None
     try:
-        target = RawTarget(cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks))
-        reader = RawReader(target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks))
+        target = RawTarget(cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages)
+        reader = RawReader(target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks), huge_pages=cfg.huge_pages)
         pairs = pair_lists(
             plan,
             local_bases=[reader.bases(d) for d in range(cfg.decode_tp)],
@@ -103,7 +107,7 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
         ]
         coalesced = [_coalesced(reader, target, r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.local_idx) for r in reads]
         sections = total_sections(reads)
-        copy = CopyBaseline(sections.total)
+        copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages)
         progress.advance(1, "measuring")
         samples, service, matches = await _rounds(cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress)
     finally:

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shared.cache.host_memory import host_buffer
 from shared.transport.memory import MemoryPlace
 
 if TYPE_CHECKING:
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 class RankCache:
     """`num_regions` regions of `num_blocks * page_bytes` bytes on `device` (cpu or cuda:N)."""
 
-    def __init__(self, num_regions: int, num_blocks: int, page_bytes: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, num_regions: int, num_blocks: int, page_bytes: int, device: str | torch.device = "cpu", *, huge_pages: bool = True
+    ) -> None:
         if num_regions < 1 or num_blocks < 1 or page_bytes < 1:
             raise ValueError(
                 f"need at least one region, block and byte: got {num_regions} regions, "
@@ -35,9 +38,11 @@ class RankCache:
         self.page_bytes = page_bytes
         self.device = torch.device(device)
         # Zero-filling touches every page now: copying into never-touched pages ran ~5x
-        # slower, and a READ must not pay for page faults.
+        # slower, and a READ must not pay for page faults. On the host, huge pages (host_memory.py).
         self.regions: list[torch.Tensor] = [
-            torch.empty(num_blocks * page_bytes, dtype=torch.uint8, device=self.device).zero_()
+            host_buffer(num_blocks * page_bytes, huge_pages=huge_pages)
+            if self.device.type == "cpu"
+            else torch.empty(num_blocks * page_bytes, dtype=torch.uint8, device=self.device).zero_()
             for _ in range(num_regions)
         ]
         self.place = MemoryPlace.of_tensors(self.regions)

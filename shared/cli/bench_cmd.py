@@ -125,7 +125,9 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 # ---- transfer ----
 
-TRANSFER_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "kernel-block-size", "check-state")
+TRANSFER_FLAGS = (
+    "model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "kernel-block-size", "check-state", "huge-pages",
+)  # fmt: skip
 
 
 def _transfer(args: argparse.Namespace) -> int:
@@ -142,6 +144,7 @@ def _transfer(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         kernel_block_size=args.kernel_block_size,
         check_state=args.check_state,
+        huge_pages=args.huge_pages == "on",
     )
     result = _run_async(run_transfer(cfg, command=_command("transfer", args, TRANSFER_FLAGS), show_progress=not args.no_progress))
 
@@ -249,6 +252,8 @@ def register(subparsers: Any) -> None:
     _add(t, "kernel-block-size", 16, "attention kernel block size, both sides", type=_positive, metavar="TOKENS")
     t.add_argument("--check-state", action="store_true",
                    help="decode verifies every transferred byte (slower requests; READ time unchanged)")
+    _add(t, "huge-pages", "on", "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
+         choices=("on", "off"))
     _common(t)
     t.set_defaults(func=_guarded(_transfer))
 

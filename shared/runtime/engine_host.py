@@ -112,7 +112,10 @@ class EngineHost:
         incarnation = new_incarnation()
         devices = [f"cuda:{r}" if settings.device == "cuda" else "cpu" for r in range(settings.tp)]
         caches = await asyncio.to_thread(
-            lambda: [RankCache(layout.num_regions, num_blocks, layout.page_bytes, d) for d in devices]
+            lambda: [
+                RankCache(layout.num_regions, num_blocks, layout.page_bytes, d, huge_pages=settings.huge_pages)
+                for d in devices
+            ]
         )
         agents: list[RankAgent] = []
         poller = CompletionPoller(on_unknown_notif=on_unknown_notif)

@@ -54,6 +54,22 @@ async def test_generate_moves_state_and_streams_tokens(start_prefill: Any, start
     assert prefill.pins.ended["read"] == 1
 
 
+async def test_caches_on_huge_pages_and_on_plain_pages_exchange_state(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    """The memory kind is each side's own business: a READ between the two kinds is exact."""
+    size = ("--num-blocks", "1024")  # regions of several MiB, so huge pages apply
+    prefill = await start_prefill("--huge-pages", "off", *size)
+    decode = await start_decode(prefill.port, "--check-state", *size)
+    big = [r for r in decode.host.caches[0].regions if r.numel() >= 2 << 20]
+    assert big and all(r.data_ptr() % (2 << 20) == 0 for r in big)
+    assert any(r.data_ptr() % (2 << 20) for r in prefill.host.caches[0].regions)  # plain pages: 4 KiB aligned
+    prompt = list(range(1, 40))
+    ids, _, summary = await generate(channel_to(decode.port), prompt_token_ids=prompt, max_tokens=3)
+    assert ids == stamp.expected_tokens(prompt, 3, decode.host.spec.vocab_size)
+    assert summary is not None and summary.state_verified
+
+
 async def test_state_check_fails_on_wrong_bytes(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     """Negative control: decode's check must see it when the bytes are not prefill's."""
 

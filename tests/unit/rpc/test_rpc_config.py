@@ -57,6 +57,15 @@ def test_bad_values_name_flag_and_source(
     assert needle in capsys.readouterr().err
 
 
+def test_huge_pages_default_on_and_turn_off_by_flag_or_env(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_settings("prefill", [], environ={}).huge_pages is True
+    assert parse_settings("prefill", ["--huge-pages", "off"], environ={}).huge_pages is False
+    assert parse_settings("decode", ["--prefill", "a:1"], environ={"HYBRID_PD_HUGE_PAGES": "off"}).huge_pages is False
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", ["--huge-pages", "maybe"], environ={})
+    assert "--huge-pages (--huge-pages) = 'maybe'" in capsys.readouterr().err
+
+
 def test_cache_size_flag_overrides_the_other_from_env() -> None:
     s = parse_settings("prefill", ["--num-blocks", "12"], environ={"HYBRID_PD_MEMORY_BUDGET": "1GiB"})
     assert (s.num_blocks, s.memory_budget) == (12, None)
