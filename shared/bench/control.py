@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -53,8 +53,8 @@ from shared.bench.sizing import prefill_tokens, request_blocks
 from shared.bench.stats import Summary, json_number, ratio
 from shared.config import parse_settings
 from shared.layout.read_lists import read_indices
-from shared.runtime.engine_host import layout_for
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from shared.runtime.engine_host import layout_for
 
 SCHEMA = "hybrid-pd.bench.control/v1"
 TARGET_MEDIAN_MS = 1.0
