@@ -3,7 +3,9 @@ really backed by huge pages where the kernel grants them (checked in /proc/self/
 
 from __future__ import annotations
 
+import errno
 import gc
+import mmap
 import re
 from pathlib import Path
 
@@ -60,6 +62,16 @@ def test_small_buffers_and_off_are_plain_memory() -> None:
     assert plain.numel() == 4 * HUGE_PAGE_BYTES and int(plain.count_nonzero()) == 0
     with pytest.raises(ValueError, match="at least one byte"):
         host_buffer(0)
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoThp(mmap.mmap):  # a stand-in for a kernel built without THP: madvise fails with EINVAL
+        def madvise(self, *args: int) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", NoThp)
+    buffer = host_buffer(2 * HUGE_PAGE_BYTES)
+    assert buffer.numel() == 2 * HUGE_PAGE_BYTES and int(buffer.count_nonzero()) == 0
 
 
 @pytest.mark.skipif(thp_mode() in (None, "never"), reason="this kernel gives no transparent huge pages")
