@@ -6,12 +6,12 @@ with a timestamp each, then restores them. Steps are the time between two named 
 same request. The pass is separate from the untraced one whose phases `bench control` reports,
 because each mark costs a few microseconds.
 
-The floors measured beside it (`measure_floors`) are what no implementation of this design can
-avoid on this machine: a Session stream round trip (echo), a hop from the event loop to a
+The floors measured beside it (in control.py, from the same run) are what no implementation of
+this design can avoid on this machine: a Session stream round trip (echo), a hop from the event loop to a
 worker thread and back (the compute thread; a READ this small is posted on the event loop
-itself, without the hop to the agent's owner thread), the raw READ, and prefill's wait for the notification (the owner thread pumps the agent every 1 ms
-while notifications are awaited, so a READ's notification waits for the next pump; taken from
-the traced pass).
+itself, without the hop to the agent's owner thread), the raw READ, and prefill's wait for the
+notification (the owner thread pumps the agent every 1 ms while notifications are awaited, so a
+READ's notification waits for the next pump; taken from the traced pass).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from shared.bench.stats import Summary

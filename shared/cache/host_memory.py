@@ -4,8 +4,8 @@ A READ between two processes on DRAM goes through UCX's cma transport: `process_
 walks and pins the pages of both sides for every call, then copies. With 4 KiB pages that walk
 is a large part of the cost. Many kernels, these machines included, run transparent huge pages
 in "madvise" mode: only memory that asks (MADV_HUGEPAGE on a 2 MiB aligned range) gets them.
-Measured here (`hybrid-pd bench transfer`, nemotron 1 -> 1, 2k tokens, everything on huge
-pages vs on 4 KiB pages): raw NIXL 6.4 vs 4.9 GB/s, our service 5.6 vs 4.4 GB/s.
+Measured here (`hybrid-pd bench transfer --huge-pages on|off`, nemotron 1 -> 1, 2k tokens):
+raw NIXL 7.2-7.6 vs 4.8-5.1 GB/s, our service 7.0-7.25 vs 4.6-4.9 GB/s, memcpy ~9 either way.
 
 Where the kernel has no THP (mode "never", or built without it) or the buffer is under 2 MiB,
 this is plain memory.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from shared.layout.read_lists import IdArray
+
 MIN_POOLED_IDS = 1 << 16  # below this, fresh arrays are as cheap
 DEFAULT_MAX_IDLE = 4  # pairs kept between requests (each as large as the largest request so far)
 

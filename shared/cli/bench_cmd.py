@@ -22,13 +22,21 @@ import os
 import sys
 from typing import Any, Callable, Coroutine, Sequence
 
-from shared.config import ENV_PREFIX
+from shared.config import ENV_PREFIX, boolean
 
 DESCRIPTION = __doc__
 
 
 def _env(flag: str, default: Any) -> Any:
     return os.environ.get(ENV_PREFIX + flag.upper().replace("-", "_"), default)
+
+
+def _on_off(text: str) -> str:
+    """The services' --huge-pages values (on/off, true/false, 1/0, yes/no), spelled on|off."""
+    try:
+        return "on" if boolean(text) else "off"
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}, got {text!r}") from None
 
 
 def _positive(text: str) -> int:
@@ -253,7 +261,7 @@ def register(subparsers: Any) -> None:
     t.add_argument("--check-state", action="store_true",
                    help="decode verifies every transferred byte (slower requests; READ time unchanged)")
     _add(t, "huge-pages", "on", "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
-         choices=("on", "off"))
+         type=_on_off, metavar="on|off")
     _common(t)
     t.set_defaults(func=_guarded(_transfer))
 

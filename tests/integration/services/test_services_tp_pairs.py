@@ -72,6 +72,20 @@ async def test_reused_id_arrays_never_carry_another_requests_ids(
     from shared.cache import id_buffers
 
     monkeypatch.setattr(id_buffers, "MIN_POOLED_IDS", 0)
+    taken: list[int] = []
+    given: list[int] = []
+    take, give = id_buffers.IdBufferPool.take, id_buffers.IdBufferPool.give
+
+    def counted_take(self: Any, count: int) -> Any:
+        taken.append(count)
+        return take(self, count)
+
+    def counted_give(self: Any, arrays: Any) -> None:
+        given.append(len(arrays[0]))
+        give(self, arrays)
+
+    monkeypatch.setattr(id_buffers.IdBufferPool, "take", counted_take)
+    monkeypatch.setattr(id_buffers.IdBufferPool, "give", counted_give)
     synthetic = engine_factory_for("synthetic")
     prefill = await start_prefill("--model", "tiny-gdn", "--tp", "2", "--num-blocks", "256", engine=synthetic)
     decode = await start_decode(prefill.port, "--model", "tiny-gdn", "--tp", "1", "--num-blocks", "256", "--check-state", engine=synthetic)
@@ -81,6 +95,7 @@ async def test_reused_id_arrays_never_carry_another_requests_ids(
         assert all(s.state_verified for s in summaries)
     link = decode.peers.peers[0].link
     pool = link.id_buffers
-    assert 0 < pool.idle <= pool.max_idle  # every claim was given back
     claims = 2 * len(prompts) * len(link.pairs)  # one per READ: 2 rounds, one READ per pair
+    assert len(taken) == len(given) == claims  # every claim was given back, once
+    assert 0 < pool.idle <= pool.max_idle
     assert pool.created < claims  # reused, not allocated per READ

@@ -41,12 +41,23 @@ def test_env_gives_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert p.parse_args(["bench", "e2e"]).concurrency == (2, 8)
 
 
+def test_huge_pages_take_the_services_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = parser()
+    assert p.parse_args(["bench", "transfer"]).huge_pages == "on"
+    assert p.parse_args(["bench", "transfer", "--huge-pages", "false"]).huge_pages == "off"
+    monkeypatch.setenv("HYBRID_PD_HUGE_PAGES", "0")  # the services' variable, as they read it
+    assert parser().parse_args(["bench", "transfer"]).huge_pages == "off"
+    monkeypatch.setenv("HYBRID_PD_HUGE_PAGES", "true")
+    assert parser().parse_args(["bench", "transfer"]).huge_pages == "on"
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         ["e2e", "--concurrency", "0,2"],
         ["e2e", "--concurrency", "2,2"],
         ["transfer", "--requests", "0"],
+        ["transfer", "--huge-pages", "maybe"],
         ["control", "--breakdown", "--separate-processes"],  # the breakdown needs both in one process
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -92,7 +93,11 @@ def test_save_png_with_matplotlib(chart: Chart, tmp_path: Path) -> None:
 
 def test_png_differs_with_the_data(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    flat = Chart("t", "x", "y", [Series("s", [1, 2, 4], [1.0, 1.0, 1.0])])
+    # Only the y values differ: title, labels, series and legend are LINES's own.
+    flat = Chart(
+        LINES.title, LINES.x_label, LINES.y_label,
+        [Series(s.name, list(s.xs), [1.0] * len(s.xs)) for s in LINES.series], log2_x=LINES.log2_x,
+    )  # fmt: skip
     save(LINES, tmp_path / "a.png")
     save(flat, tmp_path / "b.png")
     assert (tmp_path / "a.png").read_bytes() != (tmp_path / "b.png").read_bytes()
@@ -109,6 +114,9 @@ def test_png_leaves_the_pyplot_backend_alone(tmp_path: Path) -> None:
         "assert matplotlib.rcParams._get_backend_or_none() is None, 'backend switched'\n"
     )
     root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.png")], cwd=root, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # a user's backend choice would count as "switched"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c.png")], cwd=root, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "c.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -60,18 +60,24 @@ def test_small_buffers_and_off_are_plain_memory() -> None:
     assert small.numel() == 4096 and int(small.count_nonzero()) == 0
     plain = host_buffer(4 * HUGE_PAGE_BYTES, huge_pages=False)
     assert plain.numel() == 4 * HUGE_PAGE_BYTES and int(plain.count_nonzero()) == 0
+    assert plain.data_ptr() % HUGE_PAGE_BYTES != 0  # torch's own allocation, not the aligned mapping
     with pytest.raises(ValueError, match="at least one byte"):
         host_buffer(0)
 
 
 def test_a_kernel_that_refuses_the_advice_still_gets_a_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    advised: list[tuple[int, ...]] = []
+
     class NoThp(mmap.mmap):  # a stand-in for a kernel built without THP: madvise fails with EINVAL
         def madvise(self, *args: int) -> None:
+            advised.append(args)
             raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(mmap, "mmap", NoThp)
     buffer = host_buffer(2 * HUGE_PAGE_BYTES)
+    assert advised and advised[0][0] == mmap.MADV_HUGEPAGE  # the advice was asked, and refused
     assert buffer.numel() == 2 * HUGE_PAGE_BYTES and int(buffer.count_nonzero()) == 0
+    assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0  # still the aligned mapping, on plain pages
 
 
 @pytest.mark.skipif(thp_mode() in (None, "never"), reason="this kernel gives no transparent huge pages")
@@ -88,4 +94,5 @@ def test_rank_cache_regions_follow_the_setting() -> None:
     on = RankCache(2, 4, HUGE_PAGE_BYTES)
     assert all(r.data_ptr() % HUGE_PAGE_BYTES == 0 for r in on.regions)
     off = RankCache(2, 4, HUGE_PAGE_BYTES, huge_pages=False)
+    assert all(r.data_ptr() % HUGE_PAGE_BYTES for r in off.regions)  # torch's allocation, not ours
     assert [r.numel() for r in off.regions] == [r.numel() for r in on.regions] == [4 * HUGE_PAGE_BYTES] * 2

@@ -216,7 +216,7 @@ def test_errors() -> None:
     assert [len(x) for x in read_indices(rl, blocks(plan, [], 1), blocks(plan, [], 1), 0)] == [16, 16]
 
 
-@pytest.mark.parametrize("num_blocks", [6, 2100])  # 2100 logical blocks: > 4096 FA units, the strided path
+@pytest.mark.parametrize("num_blocks", [6, 4200])  # 4200: a request of > 4096 FA units, the strided path
 def test_ids_select_the_reference_descriptors_at_any_size_and_into_given_buffers(num_blocks: int) -> None:
     spec = get_preset("tiny-mamba2")
     lay = build_engine_layout(spec, 1, kernel_block_size=16)
@@ -234,6 +234,7 @@ def test_ids_select_the_reference_descriptors_at_any_size_and_into_given_buffers
     # region-major: compared as sets of rows), the last kernel blocks past the tokens left out.
     ref = view.descs[descriptor_ids(lay, num_blocks, ids)]
     kernel_blocks = -(-tokens // lay.kernel_block_size)
+    assert (kernel_blocks > 4096) == (num_blocks > 6)  # the large case really takes the strided path
     expected = []
     at = 0
     for group in lay.groups:

@@ -160,8 +160,11 @@ async def test_small_reads_post_inline_when_the_owner_thread_is_idle_and_queue_o
     assert not posted.done()
     release.set()
     await asyncio.wrap_future(blocker)
-    await posted
+    queued = await posted
+    while await pair.reader.state(queued) == "PROC":
+        await pair.source.get_new_notifs()
     assert threads[-1] == owner
+    assert torch.equal(pair.reader_cache.blocks(0)[[3]], pair.source_cache.blocks(0)[[32]])
     # Above the inline limit: the owner thread copies, the loop stays free.
     monkeypatch.setattr(agent_module, "INLINE_MAX_BYTES", 4096)
     assert await read([4, 5], [33, 34], b"c") is False
