@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 import grpc
@@ -29,6 +28,7 @@ from shared.bench.sizing import blocks_per_group
 from shared.cache.allocator import BlockAllocator
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
+from shared.engine.compute_threads import compute_executor
 from shared.engine.factory import ENGINE_KINDS, make_engine
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.layout.hf_config import load_model
@@ -48,7 +48,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         self.layout = layout
         self.engine = engine
         self.allocator = BlockAllocator(num_blocks)
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.compute = compute_executor("engine")
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn)

@@ -22,6 +22,7 @@ import numpy as np
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
 from shared.cache.regions import RankCache
 from shared.config import ServiceSettings
+from shared.engine.compute_threads import compute_executor
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.layout.hf_config import load_model
@@ -93,8 +94,9 @@ class EngineHost:
     allocator: BlockAllocator
     engine: Engine
     message: pb.EngineLayout
-    # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop.
-    compute: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
+    # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop, with its
+    # torch thread count set before its first op (compute_threads).
+    compute: ThreadPoolExecutor = field(default_factory=lambda: compute_executor("engine"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.reference.attention import Attention, rope_table
 from shared.engine.reference.gdn import GatedDeltaNet
 from shared.engine.reference.mamba1 import Mamba1
@@ -110,7 +111,9 @@ class ReferenceModel:
         """Run token `token` at position `pos` through every layer; return its logits `[vocab]`.
 
         Reads the state after positions `0..pos-1` from `store` and leaves the state after `pos`.
+        Runs on one intra-op thread on whichever thread calls it (see compute_threads).
         """
+        pin_intra_op_threads(1)
         if not 0 <= token < self.spec.vocab_size:
             raise ValueError(f"token id {token} outside the vocabulary [0, {self.spec.vocab_size})")
         if not 0 <= pos < self.max_positions:
