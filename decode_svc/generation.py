@@ -11,9 +11,10 @@ client; each READ also has its own deadline (--read-timeout-seconds), because a 
 leaves a READ in flight forever. A cancelled or expired call cancels the job on prefill, or
 releases its READ handles and then its blocks.
 
-Every failure leaves both sides' blocks free: local blocks in `finally` (after the last model
-call of the request ended), prefill's through the READ notifications, an explicit release, or
-its lease. If the prefill session is lost while a request waits for its manifest or reads,
+Every failure leaves both sides' blocks free: local blocks in `finally`, once the last model
+call of the request ended and every READ handle of the request is released (a READ that timed
+out may still be landing until then); prefill's through the READ notifications, an explicit
+release sent once those handles are released, or its lease. If the prefill session is lost while a request waits for its manifest or reads,
 that request fails at once with UNAVAILABLE naming the peer; requests past their READ carry on.
 """
 
@@ -38,6 +39,7 @@ from shared.rpc.deadlines import wait_deadline
 from shared.runtime.engine_host import EngineHost
 from shared.rpc.proto_time import duration, seconds
 from shared.telemetry import Telemetry
+from shared.transport.read_fence import ReadFence
 from decode_svc import tokenizer
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeers
@@ -107,7 +109,8 @@ def check_fits_prefill(host: EngineHost, link: PeerLink, req: ValidRequest) -> N
 
 class ComputeGuard:
     """Model calls of one request, on the compute thread. A cancelled request's call still runs
-    to its end, so the request's blocks are freed only after the last call finished."""
+    to its end, so the request's blocks are freed only after the last call finished, and only
+    once every READ into them is released (`reads`)."""
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
@@ -118,12 +121,15 @@ class ComputeGuard:
         self._last = task  # type: ignore[assignment]
         return await asyncio.shield(task)
 
-    def free_when_idle(self, key: str) -> None:
+    def free_when_idle(self, key: str, reads: ReadFence) -> None:
+        def free() -> None:
+            reads.when_released(lambda: self.host.free(key))
+
         last = self._last
         if last is None or last.done():
-            self.host.free(key)
+            free()
         else:
-            last.add_done_callback(lambda _: self.host.free(key))
+            last.add_done_callback(lambda _: free())
 
 
 class Generation:
@@ -169,6 +175,7 @@ class Generation:
         key = req.request_id
         local = await self.host.allocate_queued(key, len(req.prompt) + req.max_tokens, wait_deadline(deadline, loop.time()))
         compute = ComputeGuard(self.host)
+        reads = ReadFence()
         try:
             if not peer.ready:  # lost while this request waited for blocks
                 peer = self.peers.pick()
@@ -179,19 +186,22 @@ class Generation:
             manifest = await session.submit(req.request_id, req.prompt, wait_deadline(deadline, loop.time()) - loop.time())
             prefill_seconds = time.monotonic() - job_sent
             try:
-                stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline))
+                stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
             except BaseException as e:
-                # READ handles are released by now: prefill may free the blocks at once.
-                session.release(req.request_id, f"read not completed: {type(e).__name__}")
+                # Prefill may reuse its blocks once no READ of ours can still be reading them.
+                reason = f"read not completed: {type(e).__name__}"
+                reads.when_released(lambda: session.release(req.request_id, reason))
                 raise
             session.done_reading(req.request_id)
             self._count_read(stats)
             async for response in self._decode(req, manifest, local, compute, link, stats, prefill_seconds, started, deadline):
                 yield response
         finally:
-            compute.free_when_idle(key)
+            compute.free_when_idle(key, reads)
 
-    async def _read(self, link: PeerLink, manifest: ppb.Manifest, local: RequestBlocks, deadline: float) -> ReadStats:
+    async def _read(
+        self, link: PeerLink, manifest: ppb.Manifest, local: RequestBlocks, deadline: float, reads: ReadFence
+    ) -> ReadStats:
         """The manifest's state into `local`: refused if the lease already ran out; one deadline
         per READ. Decode's heartbeats keep renewing the lease meanwhile."""
         lease = seconds(manifest.lease_duration)
@@ -204,7 +214,7 @@ class Generation:
         await fault_hooks.pause("before_read", manifest.request_id)
         timeout = min(self.read_timeout, deadline - asyncio.get_running_loop().time())
         async with link.reading():
-            return await read_request(self.host, link, manifest, local, timeout=timeout)
+            return await read_request(self.host, link, manifest, local, timeout=timeout, fence=reads)
 
     async def _decode(
         self,

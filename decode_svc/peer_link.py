@@ -28,6 +28,7 @@ from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import PreppedList
 from shared.transport.errors import PeerAlreadyKnown, TransportError
 from shared.transport.memory import MemoryPlace
+from shared.transport.read_fence import ReadFence
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class PeerLink:
         except Exception as e:
             log.warning("no probe READ from prefill %s: %s", self.engine_id, e)
             return
+        reads = ReadFence()
         try:
             remote_ids = [np.array([g % self.remote.num_logical_blocks]) for g in range(len(self.remote.groups))]
             for pair in self.pairs:
@@ -145,17 +147,22 @@ class PeerLink:
                 if lidx.size == 0:
                     continue
                 agent = host.agents[pair.decode_rank]
-                xfer = await agent.post_read(pair.local, lidx, pair.remote, ridx, b"")
+                post = agent.post_read(pair.local, lidx, pair.remote, ridx, b"")
+                reads.add(agent, post)
+                xfer = await asyncio.shield(post)
                 if xfer.state != "DONE":
                     await host.poller.watch(agent, xfer, timeout=timeout)
-        except TransportError as e:
-            raise Unavailable(
-                f"probe READ from prefill {self.engine_id} ({self.target}) failed: the gRPC port answers but "
-                f"the NIXL data path does not: {e}",
-                reason="PROBE_READ_FAILED",
-            ) from e
+        except BaseException as e:
+            reads.abandon()
+            if isinstance(e, TransportError):
+                raise Unavailable(
+                    f"probe READ from prefill {self.engine_id} ({self.target}) failed: the gRPC port answers but "
+                    f"the NIXL data path does not: {e}",
+                    reason="PROBE_READ_FAILED",
+                ) from e
+            raise
         finally:
-            host.free(key)
+            reads.when_released(lambda: host.free(key))  # no READ may land in blocks given away
 
     async def close(self, host: EngineHost) -> None:
         """Wait for the requests reading through the link, then release the prepared lists and

@@ -5,8 +5,10 @@ carries the FA and Mamba descriptors of every layer for its rank pair and the ma
 transfer id as notification, so the prefill rank frees the blocks once all its readers are
 done. A pair with nothing to read still notifies (send_notif), so the counts add up.
 
-Cancellation: every READ handle is released before `read_request` re-raises, so decode can
-then tell prefill to free the blocks without a READ still landing in them.
+Failure and cancellation: the other READs are cancelled and every READ is handed to the
+request's `ReadFence`, which releases their handles; decode frees its blocks and tells prefill
+to unpin only once the fence says every handle is released, so no READ can land in blocks that
+belong to another request.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import RankAgent
 from shared.transport.errors import TransferTimedOut, TransportError
 from shared.transport.poller import ReadResult
+from shared.transport.read_fence import ReadFence
 from decode_svc.peer_link import PairLists, PeerLink
 
 log = logging.getLogger(__name__)
@@ -110,31 +113,20 @@ async def _read_one(
     timeout: float,
     stats: ReadStats,
     ids: IdBuffers,
+    fence: ReadFence,
 ) -> ReadResult:
-    """One READ; on cancellation its handle is released before this returns."""
+    """One READ, handed to `fence` as soon as it is posted (the fence releases it if abandoned)."""
     post = asyncio.ensure_future(agent.post_read(pair.local, lidx, pair.remote, ridx, notif))
+    fence.add(agent, post)
     # The ids are copied by NIXL when the READ is prepared: their arrays serve the next request
     # once the post is done. `post` is only ever awaited through shield, never cancelled, so it
     # is done only when the owner thread has finished with them.
     post.add_done_callback(lambda _: ids.release())
-    try:
-        xfer = await asyncio.shield(post)
-    except asyncio.CancelledError:
-        try:
-            xfer = await post  # the post itself cannot be interrupted; wait for it, then cancel
-        except Exception:
-            raise asyncio.CancelledError() from None
-        await agent.release(xfer)
-        raise
+    xfer = await asyncio.shield(post)
     stats.post_seconds.append(xfer.post_seconds)
     if xfer.state == "DONE":
         return ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at)
-    try:
-        return await host.poller.watch(agent, xfer, timeout=timeout)
-    except asyncio.CancelledError:
-        # The poller drops the handle; releasing it here as well waits until that happened.
-        await agent.release(xfer)
-        raise
+    return await host.poller.watch(agent, xfer, timeout=timeout)  # cancelled: the poller drops it
 
 
 async def read_request(
@@ -144,8 +136,10 @@ async def read_request(
     local: RequestBlocks,
     *,
     timeout: float,
+    fence: ReadFence,
 ) -> ReadStats:
-    """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks."""
+    """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks.
+    Every READ is added to `fence`; on failure the fence is abandoned (see the module doc)."""
     remote_blocks = manifest_blocks(link, manifest)
     notif = manifest.transfer_id.encode()
     num_tokens = manifest.num_computed_tokens
@@ -154,33 +148,37 @@ async def read_request(
     stats = ReadStats()
     jobs: list[asyncio.Future[object]] = []
     try:
-        for pair in link.pairs:
-            ids = link.id_buffers.claim()
-            try:
-                lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
-            except LayoutError as e:
-                ids.release()
-                raise Internal(f"manifest from prefill {link.engine_id} does not fit the plan: {e}", field="manifest.groups") from e
-            agent = host.agents[pair.decode_rank]
-            if lidx.size == 0:
-                ids.release()
-                jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
-                continue
-            stats.add(_pair_bytes(link, pair, lidx, num_tokens))
-            jobs.append(asyncio.ensure_future(_read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids)))
-        started = time.monotonic()
-        await asyncio.gather(*jobs)
-        stats.seconds = time.monotonic() - started
-        return stats
+        try:
+            for pair in link.pairs:
+                ids = link.id_buffers.claim()
+                try:
+                    lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
+                except LayoutError as e:
+                    ids.release()
+                    raise Internal(
+                        f"manifest from prefill {link.engine_id} does not fit the plan: {e}", field="manifest.groups"
+                    ) from e
+                agent = host.agents[pair.decode_rank]
+                if lidx.size == 0:
+                    ids.release()
+                    jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
+                    continue
+                stats.add(_pair_bytes(link, pair, lidx, num_tokens))
+                read = _read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids, fence)
+                jobs.append(asyncio.ensure_future(read))
+            started = time.monotonic()
+            await asyncio.gather(*jobs)
+            stats.seconds = time.monotonic() - started
+            return stats
+        except BaseException:
+            # Stop the other READs; the fence releases every handle and then runs what waits
+            # for that (freeing the blocks here, unpinning them on prefill).
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            fence.abandon()
+            raise
     except TransferTimedOut as e:
         raise Unavailable(f"READ from prefill {link.engine_id} ({link.target}) timed out: {e}", reason="READ_TIMEOUT") from e
     except TransportError as e:
         raise Unavailable(f"READ from prefill {link.engine_id} ({link.target}) failed: {e}", reason="READ_FAILED") from e
-    finally:
-        # On any failure or cancellation, stop the other READs and wait until their handles
-        # are released: only then may prefill reuse the blocks.
-        for job in jobs:
-            job.cancel()
-        if jobs:
-            await asyncio.gather(*jobs, return_exceptions=True)
-

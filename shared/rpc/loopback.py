@@ -19,6 +19,7 @@ from shared.cache.regions import RankCache
 from shared.errors import Unavailable
 from shared.transport.agent import PreppedList, RankAgent
 from shared.transport.poller import CompletionPoller
+from shared.transport.read_fence import ReadFence
 
 LOOPBACK_BYTES = 4096
 
@@ -37,22 +38,28 @@ async def loopback_read(agent: RankAgent, cache: RankCache, poller: CompletionPo
     key = f"loopback-{secrets.token_hex(4)}".encode()
     prepped: list[PreppedList] = []
     wait = poller.expect(agent, key, 1)
+    reads = ReadFence()
     try:
         prepped.append(await agent.prep_local(np.array([[target.data_ptr(), n]], dtype=np.int64)))
         prepped.append(await agent.prep_remote(agent.name, np.array([[source.data_ptr(), n]], dtype=np.int64), cache.place))
-        xfer = await agent.post_read(prepped[0], [0], prepped[1], [0], key)
+        post = agent.post_read(prepped[0], [0], prepped[1], [0], key)
+        reads.add(agent, post)
+        xfer = await asyncio.shield(post)
         if xfer.state != "DONE":
             await poller.watch(agent, xfer, timeout=timeout)
         await asyncio.wait_for(asyncio.shield(wait), timeout)
         if not torch.equal(target, source):
             raise RuntimeError(f"{int((target != source).sum())} of {n} bytes differ after the READ")
     except Exception as e:
+        reads.abandon()
         raise Unavailable(
             f"agent {agent.name}: the loopback self-READ failed, so this service cannot move state: {e}",
             reason="LOOPBACK_FAILED",
         ) from e
     finally:
         wait.cancel()
+        # Lists are released and the bytes zeroed only once the READ cannot land any more.
+        await asyncio.wait_for(reads.wait(), timeout)
         for p in prepped:
             await agent.release_prepped(p)
         source.zero_()

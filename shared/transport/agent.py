@@ -105,6 +105,13 @@ class Xfer:
     state: XferState
     released: bool = False
     post_seconds: float = 0.0  # make_prepped_xfer + transfer() (on DRAM the copy happens inside)
+    # Set on the owner thread once NIXL has released the handle: from then on nothing this READ
+    # does can touch local memory, so its blocks may be handed to another request.
+    release_done: Future[None] = field(default_factory=Future)
+    # TEST-ONLY (see RankAgent.test_hold_seconds): until this time the READ stays in flight and
+    # cannot be released; then it lands again (a late write) before it ends.
+    held_until: float = 0.0
+    late_write: tuple[Any, ...] = ()
 
 
 class RankAgent:
@@ -139,6 +146,10 @@ class RankAgent:
         self._idle_interval: float | None = None
         self._keep_busy = False
         self.pumps = 0  # how often the owner thread pumped (read-only elsewhere)
+        # TEST-ONLY fake of a READ that cannot be cancelled for a while (a slow network or NIC):
+        # READs posted while this is > 0 stay in flight that many seconds, refuse release until
+        # then, and write their bytes again when they end. Nothing in production sets it.
+        self.test_hold_seconds = 0.0
         self._closed = False
         self._owner = OwnerThread(f"nixl-{self.name}", self._pump, self._pump_interval)
         try:
@@ -222,7 +233,8 @@ class RankAgent:
         must poll it to the end (the CompletionPoller, or `state()`): the notification
         only leaves from that polling.
         """
-        if not self._closed and np.size(local_idx) * local.max_length <= INLINE_MAX_BYTES:
+        small = np.size(local_idx) * local.max_length <= INLINE_MAX_BYTES
+        if not self._closed and small and not self.test_hold_seconds:
             posted: asyncio.Future[Xfer] = asyncio.get_running_loop().create_future()
             try:
                 ran, xfer = self._owner.try_inline(self._post_read, local, local_idx, remote, remote_idx, notif, True)
@@ -242,10 +254,11 @@ class RankAgent:
             raise result
         return result
 
-    async def release(self, xfer: Xfer) -> bool:
-        """Release a READ's handle, cancelling it if still in flight. False if the cancel
-        failed (the handle is kept and released again by later pumps or at close)."""
-        return await self._call(self._release_xfer, xfer)
+    async def release(self, xfer: Xfer) -> None:
+        """Release a READ's handle, cancelling it if still in flight, and return once NIXL has
+        released it (a cancel that fails is retried by every pump until it succeeds)."""
+        await self._call(self._release_xfer, xfer)
+        await asyncio.wrap_future(xfer.release_done)
 
     async def send_notif(self, name: str, msg: bytes) -> None:
         await self._call(self._send_notif, name, msg)
@@ -333,7 +346,7 @@ class RankAgent:
         self._idle_interval = idle_interval
 
     def _pump_interval(self) -> float | None:
-        if self._tracked or (self._keep_busy and self._sink is not None):
+        if self._tracked or self._unreleased or (self._keep_busy and self._sink is not None):
             return self._busy_interval
         return self._idle_interval if self._sink is not None else None
 
@@ -432,6 +445,7 @@ class RankAgent:
                 f"{int(remote.lengths[ridx[i]])} B"
             )
         posted_at = time.monotonic()
+        held = self.test_hold_seconds > 0  # TEST-ONLY: its notification leaves when it lands late
         handle = self._nixl(
             "prepare READ",
             remote.peer,
@@ -441,7 +455,7 @@ class RankAgent:
             lidx,
             remote.handle,
             ridx,
-            notif,
+            b"" if held else notif,
         )
         xfer = Xfer(handle, remote.peer, int(lens.sum()), notif, posted_at, "PROC")
         self._live.add(xfer)
@@ -451,6 +465,10 @@ class RankAgent:
             self._release_xfer(xfer)
             raise self._wrap(exc, "READ", remote.peer) from exc
         xfer.post_seconds = time.monotonic() - posted_at
+        if held and state != "ERR":
+            xfer.held_until = time.monotonic() + self.test_hold_seconds
+            xfer.late_write = (local.handle, lidx, remote.handle, ridx)
+            return xfer
         if state == "ERR":
             self._release_xfer(xfer)
             raise TransferFailed(f"READ from peer {remote.peer!r} failed when posted", peer=remote.peer)
@@ -465,6 +483,8 @@ class RankAgent:
         return xfer
 
     def _poll_one(self, xfer: Xfer) -> XferState | TransportError:
+        if self._held(xfer, completes=True):
+            return "PROC"
         if xfer.released:
             if xfer.state == "DONE":
                 return "DONE"
@@ -488,15 +508,44 @@ class RankAgent:
         if xfer.released:
             return True
         try:
+            if self._held(xfer, completes=False):
+                return self._keep_for_release(xfer)
             xfer.handle.release()
         except self._api.errors:
             # NIXL could not cancel the in-flight request; keep it and try again later.
-            if xfer not in self._unreleased:
-                self._unreleased.append(xfer)
-            return False
+            return self._keep_for_release(xfer)
+        self._mark_released(xfer)
+        return True
+
+    def _keep_for_release(self, xfer: Xfer) -> bool:
+        if xfer not in self._unreleased:
+            self._unreleased.append(xfer)
+        return False
+
+    def _mark_released(self, xfer: Xfer) -> None:
         xfer.released = True
         self._live.discard(xfer)
-        return True
+        if not xfer.release_done.done():
+            xfer.release_done.set_result(None)
+
+    def _held(self, xfer: Xfer, *, completes: bool) -> bool:
+        """TEST-ONLY hold (see test_hold_seconds): True while the READ must stay in flight; when
+        the hold ends, the READ writes its bytes again, as a transfer landing late would, with its
+        notification if it `completes` (a cancelled READ sends none)."""
+        if not xfer.held_until:
+            return False
+        if time.monotonic() < xfer.held_until:
+            return True
+        xfer.held_until = 0.0
+        late = self._agent.make_prepped_xfer("READ", *xfer.late_write, xfer.notif if completes else b"")
+        try:
+            state = self._agent.transfer(late)
+            while state == "PROC":
+                time.sleep(0.001)
+                state = self._agent.check_xfer_state(late)
+        finally:
+            late.release()
+        return False
 
     def _get_new_notifs(self) -> dict[str, list[bytes]]:
         notifs: dict[str, list[bytes]] = self._nixl(
@@ -514,7 +563,8 @@ class RankAgent:
         self._tracked.clear()
         self._sink = None
         for xfer in list(self._live):
-            self._release_xfer(xfer)
+            if not self._release_xfer(xfer):
+                self._mark_released(xfer)  # the agent goes away with it: nothing can land any more
         for prepped in list(self._prepped):
             self._release_prepped(prepped)
         if self._registered is not None:

@@ -133,8 +133,8 @@ class CompletionPoller:
     ) -> ReadResult:
         """Post ONE READ and wait for it, at most `timeout` seconds from now.
 
-        Raises TransferFailed (a NIXL error; names the peer) or TransferTimedOut (the
-        handle is released). Cancelling the caller cancels the READ and releases it.
+        Raises TransferFailed (a NIXL error; names the peer) or TransferTimedOut (at the
+        deadline; the handle is released after, see Xfer.release_done and ReadFence). Cancelling the caller cancels the READ and releases it.
         """
         self.attach(agent)
         loop = asyncio.get_running_loop()
@@ -218,7 +218,7 @@ class CompletionPoller:
         future.set_exception(
             TransferTimedOut(
                 f"READ of {xfer.nbytes} B from peer {xfer.peer!r} did not finish within "
-                f"{timeout:.3g} s (peer frozen or overloaded?); its handle was released",
+                f"{timeout:.3g} s (peer frozen or overloaded?); its handle is being released",
                 peer=xfer.peer,
             )
         )
