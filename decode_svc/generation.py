@@ -3,7 +3,8 @@
 validate -> pick a ready prefill peer (round-robin) -> allocate local blocks (prompt +
 max_tokens, so decoding never waits for memory; queued while the cache is full) -> job on the
 peer's Session stream -> manifest -> one READ per (decode rank, prefill rank) -> [check the
-state] -> engine decode steps off the loop -> token chunks, then a summary.
+state: digests, and the recompute with --check-state] -> engine decode steps off the loop ->
+token chunks, then a summary.
 
 Deadlines: the client's deadline (or DEFAULT_TIMEOUT_SECONDS) bounds everything and travels to
 prefill with the job; waits for capacity end a little earlier so RESOURCE_EXHAUSTED reaches the
@@ -25,12 +26,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, Literal, TypeVar
 
 
+from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, compare_digests, state_digests
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
-from shared.errors import Aborted, DataLoss, DeadlineExceeded, InvalidArgument
+from shared.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
@@ -231,6 +233,8 @@ class Generation:
         loop = asyncio.get_running_loop()
         await fault_hooks.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
+        if self.host.verify_transfer:
+            await self._verify_digests(compute, req, manifest, link, local)
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
         decoder = tokenizer.StreamDecoder()
@@ -290,6 +294,37 @@ class Generation:
             t.post_seconds.observe(seconds)
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
+    async def _verify_digests(
+        self, compute: ComputeGuard, req: ValidRequest, manifest: ppb.Manifest, link: PeerLink, local: RequestBlocks
+    ) -> None:
+        """What the READs left in our blocks must have the digests prefill took of what it wrote."""
+        if manifest.digest_algorithm != DIGEST_ALGORITHM:
+            said = f"digests of kind {manifest.digest_algorithm!r}" if manifest.digest_algorithm else "no digests"
+            raise FailedPrecondition(
+                f"prefill {link.engine_id} sent {said}; this decode engine checks {DIGEST_ALGORITHM} digests "
+                "(run both services with the same --verify-transfer)",
+                field="manifest.digest_algorithm",
+                reason="NO_DIGESTS",
+            )
+        expected = [SectionDigest(d.prefill_rank, SECTION_NAMES[d.section], d.group, d.digest) for d in manifest.digests]
+        layout, views, n = self.host.layout, self.host.views, manifest.num_computed_tokens
+        source = link.plan.prefill
+        got = await compute.run(lambda: state_digests(layout, views, local.block_ids, n, source=source))
+        bad = compare_digests(layout, expected, got)
+        if not bad:
+            return
+        if self.telemetry is not None:
+            for m in bad:
+                self.telemetry.digest_mismatches.labels(section=m.section).inc()
+        readers = {p: [r.decode_rank for r in link.plan.ranks if any(x.prefill_rank == p for x in r.reads)] for p in range(source.tp)}
+        shown = "; ".join(f"{m.describe()}, read by decode ranks {readers[m.rank]}" for m in bad[:5])
+        raise DataLoss(
+            f"request {req.request_id}: the state READ from prefill {link.engine_id} differs from what it wrote in "
+            f"{len(bad)} digests: {shown}",
+            field="manifest.digests",
+            reason="DIGEST_MISMATCH",
+        )
+
     async def _check(self, compute: ComputeGuard, prompt: list[int], num_computed: int, local: RequestBlocks) -> None:
         mismatches = await compute.run(lambda: self.host.engine.check_state(prompt, num_computed, local))
         if mismatches:
@@ -311,6 +346,13 @@ class Generation:
             return current[0]
 
         return ensure
+
+
+SECTION_NAMES: dict[int, Literal["fa", "conv", "ssm"]] = {
+    ppb.STATE_SECTION_FA: "fa",
+    ppb.STATE_SECTION_CONV: "conv",
+    ppb.STATE_SECTION_SSM: "ssm",
+}
 
 
 async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any, T]) -> T:

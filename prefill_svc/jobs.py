@@ -1,5 +1,5 @@
-"""One prefill job: validate, allocate blocks on every rank, run the engine off the loop, pin,
-and describe the result in a manifest."""
+"""One prefill job: validate, allocate blocks on every rank, run the engine off the loop, take
+the state's digests, pin, and describe the result in a manifest."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import itertools
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+import torch
 from google.protobuf import timestamp_pb2
 
+from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, state_digests
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
@@ -68,9 +71,9 @@ class JobRunner:
         tid = self.next_transfer_id()
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
-        compute = asyncio.ensure_future(self.host.run_compute(lambda: engine.prefill(prompt, blocks)))
+        compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(prompt, blocks, computed, job.request_id)))
         try:
-            await asyncio.shield(compute)
+            digests = await asyncio.shield(compute)
         except asyncio.CancelledError:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
@@ -102,4 +105,39 @@ class JobRunner:
             lease_expire_time=expire,
             lease_duration=duration(lease_left),
             prefill_duration=duration(elapsed),
+            digests=[
+                pb.StateDigest(prefill_rank=d.rank, section=SECTION_ENUM[d.section], group=d.group, digest=d.digest)
+                for d in digests
+            ],
+            digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
         )
+
+    def _compute(self, prompt: list[int], blocks: RequestBlocks, computed: int, request_id: str) -> list[SectionDigest]:
+        """On the compute thread: the engine writes the state, then its digests are taken."""
+        self.host.engine.prefill(prompt, blocks)
+        if not self.host.verify_transfer:
+            return []
+        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed)
+        section = fault_hooks.corruption_for(request_id)
+        if section is not None:
+            _flip_one_byte(self.host, blocks, section)
+        return digests
+
+
+SECTION_ENUM = {"fa": pb.STATE_SECTION_FA, "conv": pb.STATE_SECTION_CONV, "ssm": pb.STATE_SECTION_SSM}
+
+
+def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str) -> None:
+    """TEST-ONLY (HYBRID_PD_TEST_CORRUPT): flip the first byte of `section` that rank 0 holds for
+    this request in the first group of its kind, after the digests were taken."""
+    layout, views = host.layout, host.views[0]
+    kind = "attention" if section == "fa" else "mamba"
+    group = next(g for g, grp in enumerate(layout.groups) if grp.kind == kind)
+    ids = np.asarray(blocks.block_ids[group])
+    if section == "fa":
+        kernel, slot = layout.token_slots(ids, [0])
+        target: torch.Tensor = views.fa[0][int(kernel[0]), 0, 0, int(slot[0])]
+    else:
+        target = (views.conv if section == "conv" else views.ssm)[0][int(ids[0])].reshape(-1)
+    raw = target.view(torch.uint8)
+    raw[0] = raw[0] ^ 0x01

@@ -68,6 +68,7 @@ class ServiceSettings:
     ssm_dtype: str | None = None
     check_state: bool = False  # decode only: verify transferred state after every READ
     huge_pages: bool = True  # DRAM caches on transparent huge pages (shared/cache/host_memory.py)
+    verify_transfer: bool = True  # digests of the transferred state: prefill sends, decode checks
 
     @property
     def listen_address(self) -> str:
@@ -258,6 +259,14 @@ FLAGS: tuple[Flag, ...] = (
         switch=True,
     ),
     Flag(
+        "verify-transfer",
+        choice("digest", "off"),
+        "digest: prefill sends a digest of every rank's FA / conv / SSM state per layer group with the "
+        "manifest and decode checks what it READ before its first model step (a mismatch fails the "
+        "request with DATA_LOSS); off: no digests (both services should agree)",
+        "digest",
+    ),
+    Flag(
         "prefill",
         host_port,
         "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list",
@@ -426,6 +435,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         prefill=prefill,
         check_state=bool(values.get("check_state", False)),
         huge_pages=bool(values.get("huge_pages", True)),
+        verify_transfer=values.get("verify_transfer", "digest") == "digest",
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

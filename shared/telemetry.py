@@ -47,8 +47,13 @@ class Telemetry:
             "hybrid_pd_time_to_first_token_seconds", "Generate received to first token sent",
             buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.digest_mismatches = Counter(
+            "hybrid_pd_digest_mismatches", "Transferred state whose digest differs from prefill's, by section",
+            ["section"], registry=r,
+        )
         for section in SECTIONS:
             self.transferred_bytes.labels(section=section)
+            self.digest_mismatches.labels(section=section)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP; returns the bound port (0 picks a free one)."""

@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from shared.transport.read_fence import ReadFence
 from shared.bench.client import generate
 from shared.bench.control_prefill import PrefillProcess
 from shared.bench.control_trace import NOTIFICATION_WAIT_STEP, StepTrace, thread_hop_seconds, traced
@@ -160,14 +161,15 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             local = host.allocate(rid, len(prompt) + 1)
             t2 = time.perf_counter()
             trace.mark("d.read_start")  # no-ops outside the traced pass
-            stats = await read_request(host, link, manifest, local, timeout=30.0)
+            reads = ReadFence()
+            stats = await read_request(host, link, manifest, local, timeout=30.0, fence=reads)
             trace.mark("d.read_end")
             t3 = time.perf_counter()
             session.done_reading(rid)
             # Prefill, in its own process, may free the blocks before decode's loop saw DONE.
             notified = max(0.0, await pin_ended() - t3)
             f0 = time.perf_counter()
-            host.free(rid)
+            reads.when_released(lambda: host.free(rid))
             f1 = time.perf_counter()
             remote = manifest_blocks(link, manifest)
             i0 = time.perf_counter()

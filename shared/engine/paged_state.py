@@ -45,16 +45,10 @@ class PagedStateStore:
         """(region, kernel block id, slot in kernel block) of each token position."""
         lay = self.layout
         group = lay.group_of("attention", layer)
-        ids = np.asarray(self.blocks.block_ids[group], dtype=np.int64)
-        logical_index = positions // lay.block_size
-        if logical_index.size and int(logical_index.max()) >= ids.size:
-            raise IndexError(
-                f"request {self.blocks.request_id}: position {int(positions.max())} needs "
-                f"{int(logical_index.max()) + 1} blocks in group {group}, it has {ids.size}"
-            )
-        within = positions % lay.block_size
-        kernel = ids[logical_index] * lay.physical_per_logical + within // lay.kernel_block_size
-        slot = within % lay.kernel_block_size
+        try:
+            kernel, slot = lay.token_slots(self.blocks.block_ids[group], positions)
+        except IndexError as e:
+            raise IndexError(f"request {self.blocks.request_id}, group {group}: {e}") from None
         return lay.region_of("attention", layer), torch.from_numpy(kernel), torch.from_numpy(slot)
 
     def write_kv_range(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:

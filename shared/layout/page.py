@@ -141,6 +141,17 @@ class EngineLayout:
     def num_kernel_blocks(self, num_logical_blocks: int) -> int:
         return num_logical_blocks * self.physical_per_logical
 
+    def token_slots(self, block_ids: npt.ArrayLike, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
+        """(kernel block id, slot in that kernel block) of each token position of a request whose
+        attention group holds logical blocks `block_ids`. IndexError when a position has no block."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64)
+        logical = pos // self.block_size
+        if logical.size and int(logical.max()) >= ids.size:
+            raise IndexError(f"position {int(pos.max())} needs {int(logical.max()) + 1} blocks, the request has {ids.size}")
+        within = pos % self.block_size
+        return ids[logical] * self.physical_per_logical + within // self.kernel_block_size, within % self.kernel_block_size
+
     def kernel_block_ids(self, logical_ids: npt.ArrayLike) -> IntArray:
         """Logical ids -> the kernel block ids they cover, in order (FA groups only)."""
         ids = np.asarray(logical_ids, dtype=np.int64).reshape(-1)

@@ -10,6 +10,10 @@ starts with `victim-`. Steps:
 - `after_read` (decode): the state is read, decoding has not started.
 Each pause logs `TEST PAUSE <step> <request id> <seconds>s` at WARNING (stderr), so a test that
 watches the output knows when to strike.
+
+`HYBRID_PD_TEST_CORRUPT` (TEST-ONLY too): `SECTION[:REQUEST_ID_PREFIX]` with SECTION one of fa,
+conv, ssm: prefill flips one byte of that section in a request's blocks right after taking its
+digests, as memory corrupted between the write and the READ would be.
 """
 
 from __future__ import annotations
@@ -45,10 +49,25 @@ def parse(text: str) -> list[Pause]:
 
 
 _PAUSES: list[Pause] = parse(os.environ.get(ENV_VAR, ""))
+CORRUPT_ENV_VAR = "HYBRID_PD_TEST_CORRUPT"
+CORRUPTIBLE = ("fa", "conv", "ssm")
+
+
+def corruption_for(request_id: str, spec: str | None = None) -> str | None:
+    """The section to corrupt for this request after its digests (None: leave it alone)."""
+    text = os.environ.get(CORRUPT_ENV_VAR, "") if spec is None else spec
+    if not text:
+        return None
+    section, _, prefix = text.partition(":")
+    if section not in CORRUPTIBLE:
+        raise ValueError(f"{CORRUPT_ENV_VAR}: {text!r} is not SECTION[:PREFIX] with SECTION one of {', '.join(CORRUPTIBLE)}")
+    return section if request_id.startswith(prefix) else None
 
 
 def warn_if_active() -> None:
     """Say loudly at start-up that this process runs with test pauses."""
+    if os.environ.get(CORRUPT_ENV_VAR):
+        log.warning("%s is set: TEST-ONLY corruption of %r after digests", CORRUPT_ENV_VAR, os.environ[CORRUPT_ENV_VAR])
     if _PAUSES:
         log.warning("%s is set: TEST-ONLY pauses %s", ENV_VAR, ", ".join(f"{p.step} {p.seconds:g}s {p.request_prefix!r}" for p in _PAUSES))
 

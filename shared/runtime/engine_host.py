@@ -20,6 +20,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
+from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.config import ServiceSettings
 from shared.engine.compute_threads import compute_executor
@@ -94,11 +95,16 @@ class EngineHost:
     allocator: BlockAllocator
     engine: Engine
     message: pb.EngineLayout
+    verify_transfer: bool = True  # --verify-transfer digest: prefill takes digests, decode checks them
     # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop, with its
     # torch thread count set before its first op (compute_threads).
     compute: ThreadPoolExecutor = field(default_factory=lambda: compute_executor("engine"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
+
+    def __post_init__(self) -> None:
+        self.views = [RankViews(self.layout, cache) for cache in self.caches]
 
     @classmethod
     async def start(
@@ -167,6 +173,7 @@ class EngineHost:
             allocator=BlockAllocator(num_blocks),
             engine=engine,
             message=message,
+            verify_transfer=settings.verify_transfer,
         )
 
     # ---- blocks ----
@@ -255,7 +262,6 @@ class EngineHost:
 
 def engine_factory_for(kind: str) -> EngineFactory:
     """The model engine behind `--engine` (synthetic or reference), over typed views of each rank's cache."""
-    from shared.cache.model_views import RankViews
     from shared.engine.factory import make_engine
 
     def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:

@@ -29,10 +29,11 @@ class RunningPair:
     decode: DecodeApp
     stub: pb_grpc.DecodeServiceStub
 
-    async def generate(self, prompt_ids: Sequence[int], max_tokens: int) -> Generated:
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str = "") -> Generated:
         tokens: list[int] = []
         summary = pb.GenerateSummary()
-        call = self.stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids), max_tokens=max_tokens), timeout=120)
+        request = pb.GenerateRequest(prompt_token_ids=list(prompt_ids), max_tokens=max_tokens, request_id=request_id)
+        call = self.stub.Generate(request, timeout=120)
         async for reply in call:
             if reply.HasField("chunk"):
                 tokens.extend(reply.chunk.token_ids)

@@ -11,6 +11,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
 import builtins as _builtins
 import sys
@@ -22,6 +23,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _StateSection:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StateSectionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateSection.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STATE_SECTION_UNSPECIFIED: _StateSection.ValueType  # 0
+    STATE_SECTION_FA: _StateSection.ValueType  # 1
+    """Attention K/V of the request's tokens."""
+    STATE_SECTION_CONV: _StateSection.ValueType  # 2
+    """Mamba / GDN conv state."""
+    STATE_SECTION_SSM: _StateSection.ValueType  # 3
+    """Mamba / GDN recurrent (SSM) state."""
+
+class StateSection(_StateSection, metaclass=_StateSectionEnumTypeWrapper):
+    """Which part of a layer group's state a digest covers."""
+
+STATE_SECTION_UNSPECIFIED: StateSection.ValueType  # 0
+STATE_SECTION_FA: StateSection.ValueType  # 1
+"""Attention K/V of the request's tokens."""
+STATE_SECTION_CONV: StateSection.ValueType  # 2
+"""Mamba / GDN conv state."""
+STATE_SECTION_SSM: StateSection.ValueType  # 3
+"""Mamba / GDN recurrent (SSM) state."""
+Global___StateSection: _TypeAlias = StateSection  # noqa: Y015
 
 @_typing.final
 class HandshakeRequest(_message.Message):
@@ -366,6 +393,8 @@ class Manifest(_message.Message):
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     LEASE_DURATION_FIELD_NUMBER: _builtins.int
     PREFILL_DURATION_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
+    DIGEST_ALGORITHM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -375,6 +404,8 @@ class Manifest(_message.Message):
     state cannot be rolled back and must not see that token twice.
     """
     prompt_token_count: _builtins.int
+    digest_algorithm: _builtins.str
+    """How `digests` were computed, e.g. "xxh3-128"."""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
         """One entry per group of the prefill layout, in group order."""
@@ -391,6 +422,13 @@ class Manifest(_message.Message):
     def prefill_duration(self) -> _duration_pb2.Duration:
         """Time prefill spent computing the state."""
 
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateDigest]:
+        """Digests of the state prefill wrote, one per (prefill rank, section, layer group), taken right
+        after it was written; decode checks what it READ against them before its first model step.
+        Empty when prefill runs with --verify-transfer off.
+        """
+
     def __init__(
         self,
         *,
@@ -402,14 +440,50 @@ class Manifest(_message.Message):
         lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
         lease_duration: _duration_pb2.Duration | None = ...,
         prefill_duration: _duration_pb2.Duration | None = ...,
+        digests: _abc.Iterable[Global___StateDigest] | None = ...,
+        digest_algorithm: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algorithm", b"digest_algorithm", "digests", b"digests", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class StateDigest(_message.Message):
+    """The digest of what one prefill rank holds of one section of one layer group, in the model's
+    order (see the digest definition in the project docs): independent of either side's TP and
+    block size.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    SECTION_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    prefill_rank: _builtins.int
+    section: Global___StateSection.ValueType
+    group: _builtins.int
+    """Index of the KV-cache group in the layout's group order."""
+    digest: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        prefill_rank: _builtins.int = ...,
+        section: Global___StateSection.ValueType = ...,
+        group: _builtins.int = ...,
+        digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "group", b"group", "prefill_rank", b"prefill_rank", "section", b"section"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateDigest: _TypeAlias = StateDigest  # noqa: Y015
 
 @_typing.final
 class JobFailure(_message.Message):

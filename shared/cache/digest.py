@@ -1,0 +1,148 @@
+"""Digests of a request's transferred state: one per (prefill rank, section, layer group).
+
+Prefill takes them right after it wrote the state; decode recomputes them from what its READs
+left in its own blocks and compares before its first model step. They prove that decode holds
+exactly the bytes prefill wrote, across hosts and hardware, without recomputing anything.
+
+The digested bytes are defined by the model, not by either side's memory: for prefill rank p,
+section `fa` of an attention group is, layer by layer, K and V of the request's tokens for the
+KV heads p holds, as `[token, K|V, head, head_dim]`; `conv` and `ssm` of a Mamba group are the
+conv channels and SSM rows p holds, layer by layer. Who holds what comes from the layout's index
+functions, so a decode engine of another TP size or block size gathers the same bytes from its
+own ranks (each global index from the lowest local rank holding it) and gets the same digest.
+Padding and bytes outside the request are never digested.
+
+xxh3-128 (the `xxhash` package): not cryptographic, which integrity against corruption does not
+need, and several times faster than BLAKE3 or SHA-2 on one core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import xxhash
+from torch import Tensor
+
+from shared.cache.model_views import RankViews
+from shared.layout.page import EngineLayout
+from shared.layout.shapes import conv_channel_index, kv_head_index, ssm_row_index
+
+DIGEST_ALGORITHM = "xxh3-128"
+Section = Literal["fa", "conv", "ssm"]
+SECTIONS: tuple[Section, ...] = ("fa", "conv", "ssm")
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SectionDigest:
+    rank: int  # the prefill rank whose bytes these are
+    section: Section
+    group: int  # KV-cache group (index into the layout's groups)
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class DigestMismatch:
+    rank: int
+    section: Section
+    group: int
+    layers: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"prefill rank {self.rank}, {self.section} of layer group {self.group} (layers {list(self.layers)})"
+
+
+class _Owners:
+    """For global indices of one kind (KV heads, conv channels, SSM rows): which local rank and
+    local position serve each, the lowest rank holding it winning."""
+
+    def __init__(self, per_rank: Sequence[IntArray]) -> None:
+        size = max((int(ids.max()) + 1 for ids in per_rank if ids.size), default=0)
+        self.rank = np.full(size, -1, dtype=np.int64)
+        self.position = np.zeros(size, dtype=np.int64)
+        for r in reversed(range(len(per_rank))):
+            self.rank[per_rank[r]] = r
+            self.position[per_rank[r]] = np.arange(per_rank[r].size)
+
+    def split(self, wanted: IntArray) -> list[tuple[int, Tensor, Tensor]]:
+        """(local rank, positions in `wanted`, local positions) for every rank that serves some."""
+        ranks = self.rank[wanted]
+        if (ranks < 0).any():
+            raise ValueError("the local engine holds none of some indices the source rank holds")
+        out = []
+        for r in np.unique(ranks):
+            at = np.flatnonzero(ranks == r)
+            out.append((int(r), torch.from_numpy(at), torch.from_numpy(self.position[wanted[at]])))
+        return out
+
+
+def _bytes(t: Tensor) -> memoryview:
+    return t.contiguous().view(torch.uint8).cpu().numpy().data
+
+
+def state_digests(
+    layout: EngineLayout,
+    ranks: Sequence[RankViews],
+    block_ids: Sequence[npt.ArrayLike],
+    num_tokens: int,
+    *,
+    source: EngineLayout | None = None,
+) -> list[SectionDigest]:
+    """Digests of one request's state in `ranks` (this engine's, in rank order) for `num_tokens`
+    tokens, as the ranks of `source` hold it. `source=None`: this engine is the source, and each
+    rank digests its own bytes (prefill); else the bytes are gathered from the local ranks (decode)."""
+    spec = layout.spec
+    src = source if source is not None else layout
+    own = source is None
+    local_tp = layout.tp
+    heads = _Owners([kv_head_index(spec, local_tp, r) for r in range(local_tp)])
+    channels = _Owners([conv_channel_index(spec, local_tp, r) for r in range(local_tp)])
+    rows = _Owners([ssm_row_index(spec, local_tp, r) for r in range(local_tp)])
+    positions = np.arange(num_tokens)
+    out: list[SectionDigest] = []
+    for p in range(src.tp):
+        wanted_heads = kv_head_index(spec, src.tp, p)
+        wanted_channels = conv_channel_index(spec, src.tp, p)
+        wanted_rows = ssm_row_index(spec, src.tp, p)
+        for g, group in enumerate(layout.groups):
+            if group.kind == "attention":
+                h = xxhash.xxh3_128()
+                kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(block_ids[g], positions))
+                for region in range(len(group.layers)):
+                    if own:
+                        h.update(_bytes(ranks[p].fa[region][kernel, :, :, slot, :]))
+                        continue
+                    shape = (num_tokens, 2, wanted_heads.size, spec.attention.head_dim)
+                    kv = torch.empty(shape, dtype=ranks[0].fa[region].dtype)
+                    for r, at, local in heads.split(wanted_heads):
+                        kv[:, :, at] = ranks[r].fa[region][kernel, :, :, slot, :][:, :, local]
+                    h.update(_bytes(kv))
+                out.append(SectionDigest(p, "fa", g, h.digest()))
+                continue
+            block = int(np.asarray(block_ids[g]).reshape(-1)[0])
+            for section, owners, wanted in (("conv", channels, wanted_channels), ("ssm", rows, wanted_rows)):
+                h = xxhash.xxh3_128()
+                for region in range(len(group.layers)):
+                    views = [(rv.conv if section == "conv" else rv.ssm)[region][block] for rv in ranks]
+                    if own:
+                        h.update(_bytes(views[p]))
+                        continue
+                    state = torch.empty((wanted.size, *views[0].shape[1:]), dtype=views[0].dtype)
+                    for r, at, local in owners.split(wanted):
+                        state[at] = views[r][local]
+                    h.update(_bytes(state))
+                out.append(SectionDigest(p, section, g, h.digest()))  # type: ignore[arg-type]
+    return out
+
+
+def compare_digests(layout: EngineLayout, expected: Sequence[SectionDigest], got: Sequence[SectionDigest]) -> list[DigestMismatch]:
+    """Every (rank, section, group) whose digests differ, or that only one side has."""
+    want = {(d.rank, d.section, d.group): d.digest for d in expected}
+    have = {(d.rank, d.section, d.group): d.digest for d in got}
+    bad = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    return [DigestMismatch(r, s, g, layout.groups[g].layers) for r, s, g in bad]
