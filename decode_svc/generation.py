@@ -233,8 +233,11 @@ class Generation:
         loop = asyncio.get_running_loop()
         await fault_hooks.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
+        digest_check_seconds = 0.0
         if self.host.verify_transfer:
+            checking = time.monotonic()
             await self._verify_digests(compute, req, manifest, link, local)
+            digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
         decoder = tokenizer.StreamDecoder()
@@ -279,6 +282,9 @@ class Generation:
                 time_to_first_token=duration((first_token_at or time.monotonic()) - started),
                 total_duration=duration(time.monotonic() - started),
                 state_verified=self.check_state,
+                digests_verified=self.host.verify_transfer,
+                digest_check_duration=duration(digest_check_seconds),
+                prefill_digest_duration=manifest.digest_duration,
             )
         )
 

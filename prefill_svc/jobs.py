@@ -73,7 +73,7 @@ class JobRunner:
         started = time.monotonic()
         compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(prompt, blocks, computed, job.request_id)))
         try:
-            digests = await asyncio.shield(compute)
+            digests, digest_seconds = await asyncio.shield(compute)
         except asyncio.CancelledError:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
@@ -110,18 +110,24 @@ class JobRunner:
                 for d in digests
             ],
             digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
+            digest_duration=duration(digest_seconds),
         )
 
-    def _compute(self, prompt: list[int], blocks: RequestBlocks, computed: int, request_id: str) -> list[SectionDigest]:
-        """On the compute thread: the engine writes the state, then its digests are taken."""
+    def _compute(
+        self, prompt: list[int], blocks: RequestBlocks, computed: int, request_id: str
+    ) -> tuple[list[SectionDigest], float]:
+        """On the compute thread: the engine writes the state, then its digests are taken
+        (returned with the seconds they took)."""
         self.host.engine.prefill(prompt, blocks)
         if not self.host.verify_transfer:
-            return []
+            return [], 0.0
+        started = time.monotonic()
         digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed)
+        took = time.monotonic() - started
         section = fault_hooks.corruption_for(request_id)
         if section is not None:
             _flip_one_byte(self.host, blocks, section)
-        return digests
+        return digests, took
 
 
 SECTION_ENUM = {"fa": pb.STATE_SECTION_FA, "conv": pb.STATE_SECTION_CONV, "ssm": pb.STATE_SECTION_SSM}

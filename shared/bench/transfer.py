@@ -6,6 +6,10 @@ service's own measurement, GenerateSummary.read_duration (first READ posted -> l
 done, all (decode rank, prefill rank) READs of the request). Its bytes and descriptor count
 come from the same summary.
 
+Transfer digests (on, as by default): decode reports how long its check of prefill's digests
+took and prefill how long taking them took, per request; both are reported as a share of that
+request's READ time (the READ itself never includes them).
+
 Baselines, measured in rounds interleaved with the requests (so drift on a shared machine hits
 all alike): (a) and (b) from raw_nixl.py, between plain agents in this process and a raw
 target process, with memory sized like the services' and rewritten by the target before each
@@ -187,5 +191,7 @@ async def _rounds(
                 samples.memcpy.append(mem)
                 samples.ttft.append(seconds(s.time_to_first_token))
                 samples.prefill.append(seconds(s.prefill_duration))
+                samples.digest_check.append(seconds(s.digest_check_duration))
+                samples.prefill_digest.append(seconds(s.prefill_digest_duration))
             progress.advance(1, f"READ {seconds(s.read_duration) * 1e3:.1f} ms")
     return samples, service, matches

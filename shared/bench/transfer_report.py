@@ -18,6 +18,7 @@ from shared.bench.stats import Summary, gbps, json_number, median, ratio
 SCHEMA = "hybrid-pd.bench.transfer/v1"
 TARGET_VS_RAW_NIXL = 0.95
 TARGET_VS_RAW_NIXL_COALESCED = 0.85
+TARGET_DIGEST_SHARE = 0.05  # decode's digest check, as a share of the READ it follows
 
 # key in `seconds` -> row label
 METHODS: dict[str, str] = {
@@ -38,6 +39,8 @@ class TransferSamples:
     memcpy: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     prefill: list[float] = field(default_factory=list)
+    digest_check: list[float] = field(default_factory=list)  # decode, after the READ
+    prefill_digest: list[float] = field(default_factory=list)  # prefill, before the manifest
 
     def of(self, method: str) -> list[float]:
         values: list[float] = getattr(self, method)
@@ -85,13 +88,27 @@ def build_result(
         "seconds": {m: Summary.of(samples.of(m)).as_dict() for m in METHODS},
         "ttft_ms": Summary.of(samples.ttft).scaled(1e3).as_dict(),
         "prefill_ms": Summary.of(samples.prefill).scaled(1e3).as_dict(),
+        "digest_check_ms": Summary.of(samples.digest_check).scaled(1e3).as_dict(),
+        "prefill_digest_ms": Summary.of(samples.prefill_digest).scaled(1e3).as_dict(),
+        # Median over requests of (digest seconds / the same request's READ seconds).
+        "digest_check_vs_read": json_number(_share(samples.digest_check, samples.ours)),
+        "prefill_digest_vs_read": json_number(_share(samples.prefill_digest, samples.ours)),
         "samples_seconds": {m: [json_number(s, 5) for s in samples.of(m)] for m in METHODS},
     }
     result["targets"] = {
         "ratio_vs_raw_nixl": _target(result["ratio_vs_raw_nixl"], TARGET_VS_RAW_NIXL),
         "ratio_vs_raw_nixl_coalesced": _target(result["ratio_vs_raw_nixl_coalesced"], TARGET_VS_RAW_NIXL_COALESCED),
+        "digest_check_vs_read": _target_at_most(result["digest_check_vs_read"], TARGET_DIGEST_SHARE),
     }
     return result
+
+
+def _share(part: Sequence[float], whole: Sequence[float]) -> float:
+    return median([p / w for p, w in zip(part, whole) if w > 0]) if part else math.nan
+
+
+def _target_at_most(value: float | None, at_most: float) -> dict[str, Any]:
+    return {"at_most": at_most, "value": value, "met": value is not None and value <= at_most}
 
 
 def _target(value: float | None, at_least: float) -> dict[str, Any]:
@@ -145,6 +162,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"paired per round (median of baseline time / our time): ours / (a) = {_num(result['ratio_vs_raw_nixl_paired'], '.3f')}, "
         f"ours / (b) = {_num(result['ratio_vs_raw_nixl_coalesced_paired'], '.3f')}, ours / (c) = {_num(result['ratio_vs_memcpy_paired'], '.3f')}",
         f"TTFT median {_num(result['ttft_ms']['median'], '.1f')} ms, prefill median {_num(result['prefill_ms']['median'], '.1f')} ms",
+        f"digests: decode check {_num(result['digest_check_ms']['median'], '.2f')} ms = "
+        f"{_num(result['digest_check_vs_read'], '.3f')} of the READ (target <= {TARGET_DIGEST_SHARE}: "
+        f"{'met' if t['digest_check_vs_read']['met'] else 'missed'}); prefill taking them "
+        f"{_num(result['prefill_digest_ms']['median'], '.2f')} ms = {_num(result['prefill_digest_vs_read'], '.3f')} of the READ",
     ]
     if not result["descriptor_set_matches"]:
         lines.append(

@@ -57,6 +57,17 @@ class DigestMismatch:
         return f"prefill rank {self.rank}, {self.section} of layer group {self.group} (layers {list(self.layers)})"
 
 
+@dataclass(frozen=True)
+class _Run:
+    """`length` consecutive wanted indices, from `start` on, served by local rank `rank` at
+    consecutive local positions from `local`: one contiguous slice of that rank's state."""
+
+    rank: int
+    start: int
+    local: int
+    length: int
+
+
 class _Owners:
     """For global indices of one kind (KV heads, conv channels, SSM rows): which local rank and
     local position serve each, the lowest rank holding it winning."""
@@ -69,16 +80,19 @@ class _Owners:
             self.rank[per_rank[r]] = r
             self.position[per_rank[r]] = np.arange(per_rank[r].size)
 
-    def split(self, wanted: IntArray) -> list[tuple[int, Tensor, Tensor]]:
-        """(local rank, positions in `wanted`, local positions) for every rank that serves some."""
-        ranks = self.rank[wanted]
+    def runs(self, wanted: IntArray) -> list[_Run]:
+        """`wanted` in order, as slices of local ranks (few: TP splits indices into ranges)."""
+        ranks, local = self.rank[wanted], self.position[wanted]
         if (ranks < 0).any():
             raise ValueError("the local engine holds none of some indices the source rank holds")
-        out = []
-        for r in np.unique(ranks):
-            at = np.flatnonzero(ranks == r)
-            out.append((int(r), torch.from_numpy(at), torch.from_numpy(self.position[wanted[at]])))
-        return out
+        breaks = np.flatnonzero((np.diff(ranks) != 0) | (np.diff(local) != 1)) + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), int(wanted.size)]
+        return [_Run(int(ranks[a]), a, int(local[a]), b - a) for a, b in zip(starts, ends) if b > a]
+
+
+def _own_runs(per_rank: Sequence[IntArray], rank: int) -> list[_Run]:
+    return [_Run(rank, 0, 0, int(per_rank[rank].size))] if per_rank[rank].size else []
 
 
 def _bytes(t: Tensor) -> memoryview:
@@ -95,48 +109,50 @@ def state_digests(
 ) -> list[SectionDigest]:
     """Digests of one request's state in `ranks` (this engine's, in rank order) for `num_tokens`
     tokens, as the ranks of `source` hold it. `source=None`: this engine is the source, and each
-    rank digests its own bytes (prefill); else the bytes are gathered from the local ranks (decode)."""
+    rank digests its own bytes (prefill); else the bytes are gathered from the local ranks (decode).
+
+    Conv and SSM state are hashed slice by slice where they lie (no copy); K/V are gathered into
+    token order first (one copy)."""
     spec = layout.spec
     src = source if source is not None else layout
-    own = source is None
     local_tp = layout.tp
-    heads = _Owners([kv_head_index(spec, local_tp, r) for r in range(local_tp)])
-    channels = _Owners([conv_channel_index(spec, local_tp, r) for r in range(local_tp)])
-    rows = _Owners([ssm_row_index(spec, local_tp, r) for r in range(local_tp)])
+    local_index = {
+        "fa": [kv_head_index(spec, local_tp, r) for r in range(local_tp)],
+        "conv": [conv_channel_index(spec, local_tp, r) for r in range(local_tp)],
+        "ssm": [ssm_row_index(spec, local_tp, r) for r in range(local_tp)],
+    }
+    owners = {kind: _Owners(ids) for kind, ids in local_index.items()}
+    source_index = {
+        "fa": kv_head_index, "conv": conv_channel_index, "ssm": ssm_row_index,
+    }  # fmt: skip
     positions = np.arange(num_tokens)
     out: list[SectionDigest] = []
     for p in range(src.tp):
-        wanted_heads = kv_head_index(spec, src.tp, p)
-        wanted_channels = conv_channel_index(spec, src.tp, p)
-        wanted_rows = ssm_row_index(spec, src.tp, p)
+
+        def runs(kind: str) -> list[_Run]:
+            if source is None:
+                return _own_runs(local_index[kind], p)
+            return owners[kind].runs(source_index[kind](spec, src.tp, p))
+
         for g, group in enumerate(layout.groups):
             if group.kind == "attention":
                 h = xxhash.xxh3_128()
                 kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(block_ids[g], positions))
+                head_runs = runs("fa")
                 for region in range(len(group.layers)):
-                    if own:
-                        h.update(_bytes(ranks[p].fa[region][kernel, :, :, slot, :]))
-                        continue
-                    shape = (num_tokens, 2, wanted_heads.size, spec.attention.head_dim)
-                    kv = torch.empty(shape, dtype=ranks[0].fa[region].dtype)
-                    for r, at, local in heads.split(wanted_heads):
-                        kv[:, :, at] = ranks[r].fa[region][kernel, :, :, slot, :][:, :, local]
-                    h.update(_bytes(kv))
+                    pieces = [ranks[r.rank].fa[region][kernel, :, r.local : r.local + r.length, slot, :] for r in head_runs]
+                    h.update(_bytes(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)))
                 out.append(SectionDigest(p, "fa", g, h.digest()))
                 continue
             block = int(np.asarray(block_ids[g]).reshape(-1)[0])
-            for section, owners, wanted in (("conv", channels, wanted_channels), ("ssm", rows, wanted_rows)):
+            for section in ("conv", "ssm"):
                 h = xxhash.xxh3_128()
+                section_runs = runs(section)
                 for region in range(len(group.layers)):
-                    views = [(rv.conv if section == "conv" else rv.ssm)[region][block] for rv in ranks]
-                    if own:
-                        h.update(_bytes(views[p]))
-                        continue
-                    state = torch.empty((wanted.size, *views[0].shape[1:]), dtype=views[0].dtype)
-                    for r, at, local in owners.split(wanted):
-                        state[at] = views[r][local]
-                    h.update(_bytes(state))
-                out.append(SectionDigest(p, section, g, h.digest()))  # type: ignore[arg-type]
+                    for r in section_runs:
+                        state = (ranks[r.rank].conv if section == "conv" else ranks[r.rank].ssm)[region][block]
+                        h.update(_bytes(state[r.local : r.local + r.length]))
+                out.append(SectionDigest(p, section, g, h.digest()))
     return out
 
 

@@ -68,3 +68,14 @@ def test_table_names_every_method_and_warns_on_mismatch() -> None:
     assert "WARNING" in format_table(result(samples, matches=False))  # type: ignore[arg-type]
     labels, values = chart_rows(result(samples))  # type: ignore[arg-type]
     assert len(labels) == len(values) == 4
+
+
+def test_digest_shares_are_per_request_against_that_requests_read() -> None:
+    # READs 0.1, 0.2, 0.4 s; decode checks 0.004, 0.02, 0.02 s -> shares 0.04, 0.1, 0.05 -> median 0.05
+    r = result(TransferSamples(ours=[0.1, 0.2, 0.4], digest_check=[0.004, 0.02, 0.02], prefill_digest=[0.01, 0.01, 0.01]))
+    assert r["digest_check_vs_read"] == 0.05 and r["prefill_digest_vs_read"] == 0.05
+    assert r["targets"]["digest_check_vs_read"] == {"at_most": 0.05, "value": 0.05, "met": True}  # type: ignore[index]
+    worse = result(TransferSamples(ours=[0.1], digest_check=[0.05]))
+    assert worse["targets"]["digest_check_vs_read"]["met"] is False  # type: ignore[index]
+    assert "digests: decode check" in format_table(r)
+    json.dumps(result(TransferSamples(ours=[0.1])))  # no digest samples: still plain JSON

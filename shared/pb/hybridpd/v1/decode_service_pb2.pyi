@@ -200,6 +200,9 @@ class GenerateSummary(_message.Message):
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     TOTAL_DURATION_FIELD_NUMBER: _builtins.int
     STATE_VERIFIED_FIELD_NUMBER: _builtins.int
+    DIGESTS_VERIFIED_FIELD_NUMBER: _builtins.int
+    DIGEST_CHECK_DURATION_FIELD_NUMBER: _builtins.int
+    PREFILL_DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -212,6 +215,10 @@ class GenerateSummary(_message.Message):
     state_verified: _builtins.bool
     """True when decode compared the transferred state with what prefill must have written
     (decode-svc --check-state) and found it exact; a mismatch fails the request with DATA_LOSS.
+    """
+    digests_verified: _builtins.bool
+    """Decode checked the digests prefill took of the state against what its READs left
+    (--verify-transfer digest), and how long that took; and prefill's time taking them.
     """
     @_builtins.property
     def transfer(self) -> Global___TransferStats: ...
@@ -229,6 +236,10 @@ class GenerateSummary(_message.Message):
 
     @_builtins.property
     def total_duration(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def digest_check_duration(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def prefill_digest_duration(self) -> _duration_pb2.Duration: ...
     def __init__(
         self,
         *,
@@ -245,10 +256,13 @@ class GenerateSummary(_message.Message):
         time_to_first_token: _duration_pb2.Duration | None = ...,
         total_duration: _duration_pb2.Duration | None = ...,
         state_verified: _builtins.bool = ...,
+        digests_verified: _builtins.bool = ...,
+        digest_check_duration: _duration_pb2.Duration | None = ...,
+        prefill_digest_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill_duration", b"prefill_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -395,6 +395,7 @@ class Manifest(_message.Message):
     PREFILL_DURATION_FIELD_NUMBER: _builtins.int
     DIGESTS_FIELD_NUMBER: _builtins.int
     DIGEST_ALGORITHM_FIELD_NUMBER: _builtins.int
+    DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -429,6 +430,10 @@ class Manifest(_message.Message):
         Empty when prefill runs with --verify-transfer off.
         """
 
+    @_builtins.property
+    def digest_duration(self) -> _duration_pb2.Duration:
+        """Time prefill spent taking the digests (part of prefill_duration)."""
+
     def __init__(
         self,
         *,
@@ -442,10 +447,11 @@ class Manifest(_message.Message):
         prefill_duration: _duration_pb2.Duration | None = ...,
         digests: _abc.Iterable[Global___StateDigest] | None = ...,
         digest_algorithm: _builtins.str = ...,
+        digest_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_duration", b"digest_duration", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algorithm", b"digest_algorithm", "digests", b"digests", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
