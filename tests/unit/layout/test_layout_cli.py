@@ -44,6 +44,20 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per request of 1000 tokens" in out
 
 
+def test_plan_with_groups_replicated_across_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP 16 with 8 SSM groups (refused before): each group on 2 decode ranks, verified."""
+    assert run(["plan", "--model", "nemotron-3-nano-30b-a3b", "--prefill-tp", "8", "--decode-tp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "(512, 3) x:256 B:128 C:128 (B, C replicated on 2 ranks)" in out
+    assert sum(line.startswith("decode rank ") for line in out.splitlines()) == 16 and "verified" in out
+    assert run(["plan", "--model", "nemotron-3-nano-30b-a3b", "--prefill-tp", "16", "--decode-tp", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] and doc["prefill"]["section_dims"] == [256, 128, 128]
+    assert [r["mamba_sources"] for r in doc["ranks"]][:2] == [[0, 1], [2, 3]]
+    second = doc["ranks"][0]["reads"][1]
+    assert second["conv"][1:] == [None, None]  # B and C come whole from the first source only
+
+
 def test_plan_json_from_a_config_file(capsys: pytest.CaptureFixture[str]) -> None:
     code = run(["plan", "--model", str(DATA / "granitemoehybrid.json"), "--prefill-tp", "4", "--decode-tp", "2",
                 "--kv-dtype", "fp8", "--decode-kernel-block-size", "16", "--json"])
@@ -81,7 +95,8 @@ def test_plan_violations_exit_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 def test_plan_sweep_lists_invalid_pairs(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["plan", "--all"]) == 0
     out = capsys.readouterr().out
-    assert "nemotron-3-nano-30b-a3b  16/16" in out
+    assert "nemotron-3-nano-30b-a3b  25/25" in out  # TP 16 included: 8 groups, each on 2 ranks
+    assert "tiny-mamba2-g2           16/25" in out
     assert "jamba-reasoning-3b: TP 8 is invalid: query heads 20" in out
     assert "falcon-h1-7b: TP 8 is invalid: query heads 12" in out
 

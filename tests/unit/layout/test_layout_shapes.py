@@ -134,7 +134,8 @@ def test_invalid_tp_rules_for_each_dimension() -> None:
     cases = [
         (dataclasses.replace(base, attention=dataclasses.replace(base.attention, num_kv_heads=3, num_heads=24)), 2, "KV heads 3"),
         (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=4, d_state=10)), 8, "SSM heads 12"),
-        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=16, head_dim=6, n_groups=2, d_state=10)), 4, "SSM groups 2"),
+        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=6, d_state=10)), 4, "SSM groups 6"),
+        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=3, d_state=10)), 2, "SSM groups 3"),
         (dataclasses.replace(base, attention=att16, ssm=GDNDims(4, 16, 12, 10)), 8, "GDN key heads 4"),
         (dataclasses.replace(base, attention=att16, ssm=GDNDims(8, 12, 12, 10)), 8, "GDN value heads 12"),
         (dataclasses.replace(base, ssm=Mamba1Dims(d_inner=100, d_state=8, dt_rank=8)), 8, "Mamba1 channels 100"),
