@@ -261,6 +261,17 @@ def test_simulated_transfer_real_models(name: str, p: int, d: int, kernels: tupl
     assert simulate_transfer(plan, num_tokens=33, spare_blocks=1) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_simulated_transfer_every_preset_pair_up_to_tp16(name: str) -> None:
+    """The long sweep behind `plan --all`: real bytes through every valid pair in {1..16}^2."""
+    spec = PRESETS[name]
+    for p, d in itertools.product(TPS_16, TPS_16):
+        if valid_tp(spec, p) and valid_tp(spec, d):
+            assert simulate_transfer(plan_for(spec, p, d), num_tokens=33, spare_blocks=1) == [], (p, d)
+
+
 # --- JSON --------------------------------------------------------------------------------------
 
 
