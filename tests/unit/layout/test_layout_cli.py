@@ -32,7 +32,10 @@ def test_models_lists_every_preset_with_valid_tp(capsys: pytest.CaptureFixture[s
     assert "mamba1" in line and "20q/1kv x128" in line and line.endswith("1,2,4")
     assert run(["models", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["name"]: r["valid_tp"] for r in rows}["granite-4.0-h-tiny"] == [1, 2, 4]
+    valid = {r["name"]: r["valid_tp"] for r in rows}
+    assert valid["granite-4.0-h-tiny"] == [1, 2, 4]
+    assert valid["nemotron-3-nano-30b-a3b"] == [1, 2, 4, 8, 16]  # 8 groups, each on 2 ranks at 16
+    assert valid["tiny-mamba2-g2"] == [1, 2, 4, 8]
 
 
 def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
