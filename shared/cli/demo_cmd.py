@@ -182,7 +182,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", action="append", metavar="PRESET",
-                   help="model preset; repeat for several (default: the four tiny reference models)")
+                   help="model preset; repeat for several (default: every tiny reference model)")
     p.add_argument("--engine", choices=("reference", "synthetic"), default="reference",
                    help="reference: tiny seeded model, tokens compared with a colocated run (default); "
                         "synthetic: verifiable patterns at real-model sizes")

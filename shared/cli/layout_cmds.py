@@ -2,7 +2,7 @@
 
 `plan` exits 0 when the verifier finds nothing, 1 when it finds violations (printed), 2 for
 invalid input (one line on stderr). `plan --all` sweeps every preset over (P_TP, D_TP) in
-{1, 2, 4, 8}^2 and says which pairs are invalid and why.
+{1, 2, 4, 8, 16}^2 and says which pairs are invalid and why.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from shared.layout.shapes import valid_tp
 from shared.layout.spec import DTYPES, GDNDims, LayoutError, Mamba1Dims, Mamba2Dims, ModelSpec
 from shared.layout.verify import verify_plan
 
-TP_SIZES = (1, 2, 4, 8)
+TP_SIZES = (1, 2, 4, 8, 16)
 EXIT_OK, EXIT_VIOLATIONS, EXIT_INVALID = 0, 1, 2
 
 
@@ -107,7 +107,7 @@ def register(subparsers: Any) -> None:
         dest="all",
         action="store_true",
         default=_env_flag("all"),
-        help="verify every preset at every (prefill, decode) TP in {1,2,4,8}^2 and list the invalid pairs",
+        help="verify every preset at every (prefill, decode) TP in {1,2,4,8,16}^2 and list the invalid pairs",
     )
     plan.set_defaults(func=run_plan)
 
@@ -221,7 +221,11 @@ def _side_rows(plan: TransferPlan) -> list[list[str]]:
 
     def sections(lay: EngineLayout) -> str:
         s = lay.shapes
-        return " ".join(f"{n}:{dim}" for n, dim in zip(s.section_names, s.section_dims))
+        text = " ".join(f"{n}:{dim}" for n, dim in zip(s.section_names, s.section_dims))
+        shared = [(n, r) for n, r in zip(s.section_names, s.section_replicas) if r > 1]
+        if shared:
+            text += f" ({', '.join(n for n, _ in shared)} replicated on {shared[0][1]} ranks)"
+        return text
 
     rows: list[tuple[str, Callable[[EngineLayout], str]]] = [
         ("TP", lambda lay: str(lay.tp)),

@@ -2,8 +2,8 @@
 
 Engines compute on GLOBAL (unsharded) tensors; this store scatters them into every rank's
 shard on write and gathers them back on read, with the layout's index functions as the only
-definition of who holds what. Replicated pieces (KV heads when TP > KV heads, Mamba2 B/C with
-n_groups == 1) are written to every holder and read from the lowest rank holding them;
+definition of who holds what. Replicated pieces (KV heads when TP > KV heads, Mamba2 B/C groups
+when TP > n_groups) are written to every holder and read from the lowest rank holding them;
 `replica_mismatches` says whether the copies agree.
 
 Implements the reference engine's `StateStore` protocol, plus range writes for engines that

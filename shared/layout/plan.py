@@ -8,8 +8,9 @@ candidate source rank that stores it, where the candidates are vLLM's handshake 
 (`[d // ratio]` for ratio > 0, `[d·a, d·a + a)` for ratio = -a). Consecutive elements form one
 contiguous byte range on both sides, so this yields exactly vLLM's 3-read offsets for sections
 that shrink with TP (`B_s + ℓ·z_s`, and local split destinations when P_TP > D_TP), the
-relative head offset for replicated KV heads, and reads Mamba2 B/C with n_groups == 1
-(replicated on every rank) whole from one source, where vLLM's proportional offsets misread.
+relative head offset for replicated KV heads, and reads Mamba2 B/C groups replicated across
+ranks (TP a multiple of n_groups, n_groups == 1 included) whole from one source per group, at
+that group's place in the source's section, where vLLM's proportional offsets misread.
 
 Offsets: FA offsets are inside the K half of an FA unit of `fa_unit_tokens` tokens (the same
 offsets apply to the V half). The unit is the gcd of the two kernel block sizes, so every

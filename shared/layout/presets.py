@@ -48,6 +48,8 @@ def _tiny(name: str, ssm: Mamba2Dims | GDNDims | Mamba1Dims) -> ModelSpec:
 TINY_PRESETS: dict[str, ModelSpec] = {
     "tiny-mamba2": _tiny("tiny-mamba2", Mamba2Dims(num_heads=16, head_dim=6, n_groups=8, d_state=10)),
     "tiny-mamba2-g1": _tiny("tiny-mamba2-g1", Mamba2Dims(num_heads=16, head_dim=6, n_groups=1, d_state=10)),
+    # Two groups: TP 4 and 8 replicate each group's B/C on 2 and 4 ranks (Nemotron-H at TP 16).
+    "tiny-mamba2-g2": _tiny("tiny-mamba2-g2", Mamba2Dims(num_heads=16, head_dim=6, n_groups=2, d_state=10)),
     "tiny-gdn": _tiny("tiny-gdn", GDNDims(num_k_heads=8, num_v_heads=16, head_k_dim=12, head_v_dim=10)),
     "tiny-mamba1": _tiny("tiny-mamba1", Mamba1Dims(d_inner=96, d_state=8, dt_rank=8)),
 }

@@ -35,7 +35,8 @@ sizes one piece per half covers every head read from p (F = 1, one descriptor pe
 kernel block, as vLLM). With different kernel block sizes heads are not adjacent any more in
 both layouts, so there is one piece per head (F = heads read): more, smaller descriptors.
 Only pieces that move bytes are listed: a source that holds no needed KV head has no FA part,
-and a replicated B/C section read from another source has no Mamba piece here.
+and a replicated B/C section (groups replicated across ranks) read from another source has no
+Mamba piece here.
 
 Mamba descriptors cover the real state bytes only, never the page padding. Local descriptors
 already point at the split destination when P_TP > D_TP (each source fills its own slice of

@@ -6,9 +6,14 @@ shard/unshard with `index_select`/`index_copy`) derives from them:
 
 - `conv_channel_index(spec, tp, r)`: global conv channel of each local conv row. The conv state
   is stored DS, `(conv_dim, conv_rows)`, with its sections (`[x|B|C]`, `[q|k|v]`, `[x]`) each
-  cut into `tp` contiguous pieces; rank r holds piece r of every section, concatenated. Mamba2
-  with `n_groups == 1` and `tp > 1` keeps B and C whole on every rank (vLLM's
-  `extra_groups_for_head_shards`).
+  cut into contiguous pieces; rank r holds its piece of every section, concatenated. A section
+  cut into `k` pieces gives rank r piece `r * k // tp`: `k == tp` shards it, `k < tp` replicates
+  each piece on `tp / k` adjacent ranks. Only Mamba2 B and C have `k < tp`: they are cut into
+  `min(n_groups, tp)` pieces of whole groups, so with `tp` a multiple of `n_groups` each group is
+  replicated on the `tp / n_groups` ranks whose heads use it, and `n_groups == 1` keeps B and C
+  whole on every rank. This is vLLM's convention (`extra_groups_for_head_shards` widens the
+  groups to `tp`, and the weight loader gives rank r group `r // (tp / n_groups)`), so a rank
+  stores `[x_r | B_g | C_g]`, `I/tp + 2N` channels.
 - `ssm_row_index(spec, tp, r)`: global index along the SSM state's first axis (Mamba2 heads,
   GDN value heads, Mamba1 channels); a contiguous slice per rank.
 - `kv_head_index(spec, tp, r)`: KV heads held; sharded when `tp <= KV`, otherwise rank r holds
@@ -34,7 +39,11 @@ class ConvSection:
     name: str
     start: int  # first global channel
     size: int  # global channels
-    sharded: bool  # False: every rank holds the whole section (Mamba2 B/C with n_groups == 1)
+    pieces: int  # distinct contiguous pieces across ranks: tp (sharded) or fewer (replicated)
+
+    def piece_of(self, tp: int, rank: int) -> int:
+        """The piece rank `rank` of `tp` holds (adjacent ranks share a replicated piece)."""
+        return rank * self.pieces // tp
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,8 @@ class RankShapes:
     conv_dim: int  # local conv channels (rows of the DS conv state)
     section_names: tuple[str, ...]
     section_dims: tuple[int, ...]  # local channels per section
-    section_sharded: tuple[bool, ...]
+    section_sharded: tuple[bool, ...]  # False: the section is replicated on several ranks
+    section_replicas: tuple[int, ...]  # ranks holding each piece of the section (1: sharded)
     section_bytes: tuple[int, ...]
     section_offsets: tuple[int, ...]  # byte offset of each section inside the conv state
     conv_bytes: int
@@ -84,21 +94,21 @@ def conv_sections(spec: ModelSpec, tp: int = 1) -> tuple[ConvSection, ...]:
     ssm = spec.ssm
     if isinstance(ssm, Mamba2Dims):
         bc = ssm.n_groups * ssm.d_state
-        replicated = ssm.n_groups % tp != 0  # only legal with n_groups == 1 (checked in check_tp)
+        groups = min(ssm.n_groups, tp)  # pieces of whole groups (check_tp: one divides the other)
         return (
-            ConvSection("x", 0, ssm.intermediate, True),
-            ConvSection("B", ssm.intermediate, bc, not replicated),
-            ConvSection("C", ssm.intermediate + bc, bc, not replicated),
+            ConvSection("x", 0, ssm.intermediate, tp),
+            ConvSection("B", ssm.intermediate, bc, groups),
+            ConvSection("C", ssm.intermediate + bc, bc, groups),
         )
     if isinstance(ssm, GDNDims):
         key = ssm.num_k_heads * ssm.head_k_dim
         value = ssm.num_v_heads * ssm.head_v_dim
         return (
-            ConvSection("q", 0, key, True),
-            ConvSection("k", key, key, True),
-            ConvSection("v", 2 * key, value, True),
+            ConvSection("q", 0, key, tp),
+            ConvSection("k", key, key, tp),
+            ConvSection("v", 2 * key, value, tp),
         )
-    return (ConvSection("x", 0, ssm.d_inner, True),)
+    return (ConvSection("x", 0, ssm.d_inner, tp),)
 
 
 def global_conv_dim(spec: ModelSpec) -> int:
@@ -136,8 +146,9 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
         rules += [
             (ssm.num_heads % tp == 0, f"SSM heads {ssm.num_heads} % tp {tp} != 0"),
             (
-                ssm.n_groups % tp == 0 or ssm.n_groups == 1,
-                f"SSM groups {ssm.n_groups}: need n_groups % tp == 0 or n_groups == 1, tp {tp}",
+                ssm.n_groups % tp == 0 or tp % ssm.n_groups == 0,
+                f"SSM groups {ssm.n_groups}: need n_groups % tp == 0 (sharded) or tp % n_groups == 0 "
+                f"(each group replicated on tp / n_groups ranks), tp {tp}",
             ),
         ]
     elif isinstance(ssm, GDNDims):
@@ -167,7 +178,7 @@ def rank_shapes(spec: ModelSpec, tp: int) -> RankShapes:
     sections = conv_sections(spec, tp)
     rows = conv_rows(spec)
     conv_b, ssm_b, kv_b = DTYPE_BYTES[spec.conv_dtype], DTYPE_BYTES[spec.ssm_dtype], DTYPE_BYTES[spec.kv_dtype]
-    dims = tuple(s.size // tp if s.sharded else s.size for s in sections)
+    dims = tuple(s.size // s.pieces for s in sections)
     section_bytes = tuple(d * rows * conv_b for d in dims)
     offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(section_bytes)[:-1]]))
     gshape = global_ssm_shape(spec)
@@ -185,7 +196,8 @@ def rank_shapes(spec: ModelSpec, tp: int) -> RankShapes:
         conv_dim=sum(dims),
         section_names=tuple(s.name for s in sections),
         section_dims=dims,
-        section_sharded=tuple(s.sharded for s in sections),
+        section_sharded=tuple(s.pieces == tp for s in sections),
+        section_replicas=tuple(tp // s.pieces for s in sections),
         section_bytes=section_bytes,
         section_offsets=offsets,
         conv_bytes=sum(section_bytes),
@@ -206,11 +218,8 @@ def conv_channel_index(spec: ModelSpec, tp: int, rank: int) -> IntArray:
     _check_rank(spec, tp, rank)
     parts = []
     for s in conv_sections(spec, tp):
-        if s.sharded:
-            n = s.size // tp
-            parts.append(np.arange(s.start + rank * n, s.start + (rank + 1) * n, dtype=np.int64))
-        else:
-            parts.append(np.arange(s.start, s.start + s.size, dtype=np.int64))
+        n, piece = s.size // s.pieces, s.piece_of(tp, rank)
+        parts.append(np.arange(s.start + piece * n, s.start + (piece + 1) * n, dtype=np.int64))
     return np.concatenate(parts)
 
 

@@ -14,6 +14,7 @@ import torch
 from shared.engine.reference.boundary import decode_part, prefill_part
 from shared.engine.reference.model import ReferenceModel
 from shared.engine.reference.state_store import StateStore, conv_sections
+from shared.layout.spec import Mamba2Dims
 
 Corruption = Callable[[ReferenceModel, StateStore, Sequence[int]], None]
 
@@ -44,6 +45,22 @@ def swap_conv_sections(model: ReferenceModel, store: StateStore, prompt: Sequenc
         store.write_ssm(layer, swapped, ssm)
 
 
+def swap_groups(model: ReferenceModel, store: StateStore, prompt: Sequence[int]) -> None:
+    """Mamba2 groups 0 and 1 exchanged in B and C, as reading the replica of the wrong group
+    would do. Needs a Mamba2 model with n_groups >= 2 (ValueError otherwise)."""
+    ssm = model.spec.ssm
+    if not isinstance(ssm, Mamba2Dims) or ssm.n_groups < 2:
+        raise ValueError(f"{model.spec.name}: needs Mamba2 with two or more groups")
+    n, i, bc = ssm.d_state, ssm.intermediate, ssm.n_groups * ssm.d_state
+    for layer in model.spec.ssm_layers:
+        conv, state = store.read_ssm(layer)
+        swapped = conv.clone()
+        for start in (i, i + bc):  # B, then C
+            swapped[start : start + n] = conv[start + n : start + 2 * n]
+            swapped[start + n : start + 2 * n] = conv[start : start + n]
+        store.write_ssm(layer, swapped, state)
+
+
 def shift_conv_window(model: ReferenceModel, store: StateStore, prompt: Sequence[int]) -> None:
     """The conv window one token stale: time slots move one towards the newest end (index K-2),
     the newest input is lost and the oldest slot becomes zero."""
@@ -69,6 +86,7 @@ def replay_last_prompt_token(model: ReferenceModel, store: StateStore, prompt: S
 NEGATIVE_CONTROLS: dict[str, Corruption] = {
     "zero_ssm_state": zero_ssm_state,
     "swap_conv_sections": swap_conv_sections,
+    "swap_groups": swap_groups,
     "shift_conv_window": shift_conv_window,
     "shift_conv_rows": shift_conv_rows,
     "replay_last_prompt_token": replay_last_prompt_token,
@@ -80,6 +98,9 @@ def applicable_controls(model: ReferenceModel) -> dict[str, Corruption]:
     names = set(NEGATIVE_CONTROLS)
     if len(conv_sections(model.spec)) < 3:
         names.discard("swap_conv_sections")
+    ssm = model.spec.ssm
+    if not isinstance(ssm, Mamba2Dims) or ssm.n_groups < 2:
+        names.discard("swap_groups")
     return {name: fn for name, fn in NEGATIVE_CONTROLS.items() if name in names}
 
 

@@ -1,4 +1,5 @@
-"""Disaggregated tokens == colocated tokens, bit for bit, for every family and TP pair.
+"""Disaggregated tokens == colocated tokens, bit for bit, for every tiny preset and TP pair
+(including two SSM groups replicated across ranks at TP 4 and 8).
 
 Each (family, prefill TP, decode TP) runs a real prefill and decode service in this process
 (grpc.aio on port 0, NIXL READs over UCX on DRAM) with the reference engine and sends prompts of
@@ -11,10 +12,12 @@ corrupt the state the decode engine reads after the transfer and must change the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from functools import lru_cache
 from typing import Sequence
 
+import grpc
 import pytest
 
 from shared.cache.model_views import RankViews
@@ -24,7 +27,9 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import colocated_generate
 from shared.engine.reference.negative_controls import NEGATIVE_CONTROLS, Corruption
 from shared.engine.reference_engine import ReferenceEngine
+from shared.rpc import compat
 from shared.layout.page import EngineLayout, build_engine_layout
+from shared.layout.plan import ByteRead, TransferPlan, build_plan
 from shared.layout.presets import TINY_PRESETS
 from tests.integration.exactness.pair import service_pair
 
@@ -52,6 +57,21 @@ def matrix_lengths(model: str, prefill_tp: int) -> list[int]:
 @pytest.mark.parametrize("prefill_tp,decode_tp", TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
 @pytest.mark.parametrize("model", sorted(TINY_PRESETS))
 async def test_disaggregated_tokens_equal_colocated(model: str, prefill_tp: int, decode_tp: int) -> None:
+    await assert_tokens_equal_colocated(model, prefill_tp, decode_tp)
+
+
+# Two SSM groups at TP 8: each group's B/C on 4 decode (or prefill) ranks; the matrix above
+# covers TP 4, where each group is on 2 ranks.
+GROUP_PAIRS = [(4, 8), (8, 2)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prefill_tp,decode_tp", GROUP_PAIRS, ids=[f"P{p}-D{d}" for p, d in GROUP_PAIRS])
+async def test_groups_replicated_at_tp8_equal_colocated(prefill_tp: int, decode_tp: int) -> None:
+    await assert_tokens_equal_colocated("tiny-mamba2-g2", prefill_tp, decode_tp)
+
+
+async def assert_tokens_equal_colocated(model: str, prefill_tp: int, decode_tp: int) -> None:
     max_tokens = build_engine_layout(TINY_PRESETS[model], decode_tp).block_size + 2
     lengths = matrix_lengths(model, prefill_tp)
     async with service_pair(model, prefill_tp, decode_tp, extra_decode=["--check-state"]) as pair:
@@ -88,3 +108,55 @@ async def test_negative_controls_change_disaggregated_tokens(control: str) -> No
     async with service_pair(model, 2, 4, decode_factory=factory) as pair:
         got = await pair.generate(prompt_of(length), max_tokens)
     assert tuple(got.token_ids) != expected(model, length, max_tokens), f"{control} did not change the tokens"
+
+
+def other_group_plan(plan: TransferPlan) -> TransferPlan:
+    """Test-only wrong plan for tiny-mamba2-g2 from prefill TP 1 (whose B and C each hold both
+    groups): every decode rank reads the other group's B/C rows. No real plan reads this way,
+    so it is injected where the services build their plan."""
+    ps, n = plan.prefill.shapes, plan.decode.shapes.section_bytes[1]  # one group of B (or C)
+
+    def other(c: ByteRead | None, s: int) -> ByteRead | None:
+        if c is None or s == 0:
+            return c
+        start = ps.section_offsets[s]
+        return dataclasses.replace(c, remote_offset=start + n - (c.remote_offset - start))
+
+    ranks = [
+        dataclasses.replace(rank, reads=tuple(
+            dataclasses.replace(read, conv=tuple(other(c, s) for s, c in enumerate(read.conv))) for read in rank.reads
+        ))
+        for rank in plan.ranks
+    ]
+    return dataclasses.replace(plan, ranks=tuple(ranks))
+
+
+@pytest.mark.asyncio
+async def test_a_plan_reading_the_wrong_group_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control with real READs: the same request as the matrix's P1-D4 case, but the
+    plan reads the other group's B/C; the tokens change, and decode's state check refuses it."""
+    model, length, max_tokens = "tiny-mamba2-g2", 20, 12
+    monkeypatch.setattr(compat, "build_plan", lambda p, d: other_group_plan(build_plan(p, d)))
+    async with service_pair(model, 1, 4) as pair:
+        got = await pair.generate(prompt_of(length), max_tokens)
+    assert tuple(got.token_ids) != expected(model, length, max_tokens), "the wrong group did not change the tokens"
+    async with service_pair(model, 1, 4, extra_decode=["--check-state"]) as pair:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(prompt_of(length), max_tokens)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "conv state differs" in str(err.value.details())
+
+
+@pytest.mark.asyncio
+async def test_wrong_group_changes_disaggregated_tokens() -> None:
+    """Negative control where every prefill rank holds one group (P2-D4): decode holding the
+    other group's B/C (as reading the wrong source would) must change the tokens; the clean
+    run is in the matrix."""
+    prefill_tp, decode_tp = 2, 4
+    model, length, max_tokens = "tiny-mamba2-g2", 20, 12
+
+    def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> CorruptingEngine:
+        return CorruptingEngine(layout, [RankViews(layout, c) for c in caches], NEGATIVE_CONTROLS["swap_groups"])
+
+    async with service_pair(model, prefill_tp, decode_tp, decode_factory=factory) as pair:
+        got = await pair.generate(prompt_of(length), max_tokens)
+    assert tuple(got.token_ids) != expected(model, length, max_tokens), "swapped groups did not change the tokens"

@@ -31,7 +31,7 @@ async def run_batch(channel: grpc.aio.Channel, prompts: list[list[int]], max_tok
 
 
 ISSUE_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
-FAMILIES = ["tiny-mamba2", "tiny-mamba2-g1", "tiny-gdn", "tiny-mamba1"]
+FAMILIES = ["tiny-mamba2", "tiny-mamba2-g1", "tiny-mamba2-g2", "tiny-gdn", "tiny-mamba1"]
 # Every family at every pair; (1, 1) and (2, 2) also with a decode block size different from
 # prefill's, so equal TP does not mean equal block sizes.
 CASES = [(m, p, d, ("--block-size", "64") if p == d else ()) for m in FAMILIES for p, d in ISSUE_PAIRS]
@@ -61,6 +61,34 @@ async def test_pair_moves_every_byte(
             await asyncio.sleep(0.01)
     assert decode.host.allocator.num_used == 0
     assert prefill.pins.ended["read"] == len(prompts)
+
+
+# The issue's pair always; the other directions with the slow sweeps (24 and 20 NIXL agents).
+GROUP_PAIRS = [
+    pytest.param(8, 16, id="P8-D16"),
+    pytest.param(16, 8, id="P16-D8", marks=pytest.mark.slow),
+    pytest.param(4, 16, id="P4-D16", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("p_tp", "d_tp"), GROUP_PAIRS)
+async def test_nano_at_tp16_moves_every_byte(start_prefill: Any, start_decode: Any, channel_to: Any, p_tp: int, d_tp: int) -> None:
+    """Nemotron-3-Nano's 8 SSM groups at TP 16 (each group on 2 ranks), real-model state sizes."""
+    synthetic = engine_factory_for("synthetic")
+    model = "nemotron-3-nano-30b-a3b"
+    prefill = await start_prefill("--model", model, "--tp", str(p_tp), "--num-blocks", "12", engine=synthetic)
+    decode = await start_decode(prefill.port, "--model", model, "--tp", str(d_tp), "--num-blocks", "12", "--check-state", engine=synthetic)
+    prompts = [[(3 * i + j) % 256 for j in range(n)] for i, n in enumerate([2, 300, 700])]
+    summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=2)
+    link = decode.peers.peers[0].link
+    assert len(link.pairs) == max(p_tp, d_tp)
+    for summary in summaries:
+        assert summary.state_verified and summary.transfer.read_count == len(link.pairs)
+    # Per SSM layer every decode rank reads x and its group's whole B and C: with TP 16 on the
+    # decode side B/C move twice (one copy per replica), against the 8-rank total otherwise.
+    per_layer = (256 + 2 * 128) * 3 * 2 * 16 if d_tp == 16 else (512 + 2 * 128) * 3 * 2 * 8
+    assert {s.transfer.conv_bytes for s in summaries} == {per_layer * 23}
 
 
 async def test_reused_id_arrays_never_carry_another_requests_ids(

@@ -13,7 +13,7 @@ from shared.engine.reference import (
     generate_with_corruption,
     read_global_state,
 )
-from shared.engine.reference.negative_controls import replay_last_prompt_token, swap_conv_sections
+from shared.engine.reference.negative_controls import replay_last_prompt_token, swap_conv_sections, swap_groups
 from shared.layout.presets import TINY_PRESETS
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +26,10 @@ MAX_TOKENS = 16
 def test_every_control_changes_the_tokens(name: str) -> None:
     model = cached_model(TINY_PRESETS[name])
     controls = applicable_controls(model)
-    expected = set(NEGATIVE_CONTROLS) - ({"swap_conv_sections"} if name == "tiny-mamba1" else set())
+    not_here = {"swap_conv_sections"} if name == "tiny-mamba1" else set()
+    if name not in ("tiny-mamba2", "tiny-mamba2-g2"):  # the Mamba2 presets with several groups
+        not_here.add("swap_groups")
+    expected = set(NEGATIVE_CONTROLS) - not_here
     assert set(controls) == expected
     for text in TYPICAL_PROMPTS:
         prompt = encode(text)
@@ -55,6 +58,13 @@ def test_replaying_the_last_token_shows_even_for_one_token_prompts(name: str) ->
     for prompt in (encode("A"), encode("Hi")):
         clean = model.generate(prompt, MAX_TOKENS)
         assert generate_with_corruption(model, prompt, MAX_TOKENS, replay_last_prompt_token) != clean
+
+
+def test_swapping_groups_needs_two_groups() -> None:
+    for name in ("tiny-mamba2-g1", "tiny-gdn"):
+        model = cached_model(TINY_PRESETS[name])
+        with pytest.raises(ValueError, match="two or more groups"):
+            swap_groups(model, model.new_store(), encode("x"))
 
 
 def test_swapping_sections_needs_two_equal_sections() -> None:

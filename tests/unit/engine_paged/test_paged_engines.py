@@ -72,9 +72,18 @@ def test_reference_engine_decodes_colocated_tokens_and_its_check_catches_one_fli
     assert any("SSM state differs" in p for p in engine.check_state(PROMPT, n, blocks))
 
 
-def test_replicated_copies_that_disagree_are_reported() -> None:
-    spec = TINY_PRESETS["tiny-mamba2-g1"]  # B/C replicated on every rank
-    layout = build_engine_layout(spec, 2)
+@pytest.mark.parametrize(
+    ("name", "tp", "rank"),
+    [
+        ("tiny-mamba2-g1", 2, 1),  # B/C replicated on every rank
+        ("tiny-mamba2-g2", 4, 1),  # group 0 on ranks 0 and 1
+        ("tiny-mamba2-g2", 4, 3),  # group 1 on ranks 2 and 3
+        ("tiny-mamba2-g2", 8, 2),  # group 0 on ranks 0..3
+    ],
+)
+def test_replicated_copies_that_disagree_are_reported(name: str, tp: int, rank: int) -> None:
+    spec = TINY_PRESETS[name]
+    layout = build_engine_layout(spec, tp)
     ranks = make_ranks(layout)
     engine = SyntheticEngine(layout, ranks)
     blocks = request_blocks(layout, len(PROMPT))
@@ -85,9 +94,9 @@ def test_replicated_copies_that_disagree_are_reported() -> None:
     region = layout.region_of("mamba", layer)
     block = int(blocks.block_ids[layout.group_of("mamba", layer)][0])
     b_row = layout.shapes.section_dims[0]  # first row of the B section on this rank
-    ranks[1].conv[region][block][b_row, 0] += 1.0
+    ranks[rank].conv[region][block][b_row, 0] += 1.0
     problems = engine.check_state(PROMPT, n, blocks)
-    assert any("differs on rank 1" in p for p in problems)
+    assert any(f"differs on rank {rank}" in p for p in problems)
 
 
 @pytest.mark.parametrize("name", ["nemotron-h-8b", "qwen3.5-0.8b", "jamba-mini-1.7", "falcon-h1-1.5b"])

@@ -32,7 +32,10 @@ def test_models_lists_every_preset_with_valid_tp(capsys: pytest.CaptureFixture[s
     assert "mamba1" in line and "20q/1kv x128" in line and line.endswith("1,2,4")
     assert run(["models", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["name"]: r["valid_tp"] for r in rows}["granite-4.0-h-tiny"] == [1, 2, 4]
+    valid = {r["name"]: r["valid_tp"] for r in rows}
+    assert valid["granite-4.0-h-tiny"] == [1, 2, 4]
+    assert valid["nemotron-3-nano-30b-a3b"] == [1, 2, 4, 8, 16]  # 8 groups, each on 2 ranks at 16
+    assert valid["tiny-mamba2-g2"] == [1, 2, 4, 8]
 
 
 def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,6 +45,20 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "2096 (requested 16, raised to the minimum)" in out and "1056 (requested 16" in out
     assert sum(line.startswith("decode rank ") for line in out.splitlines()) == 4 and "verified" in out
     assert "per request of 1000 tokens" in out
+
+
+def test_plan_with_groups_replicated_across_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP 16 with 8 SSM groups (refused before): each group on 2 decode ranks, verified."""
+    assert run(["plan", "--model", "nemotron-3-nano-30b-a3b", "--prefill-tp", "8", "--decode-tp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "(512, 3) x:256 B:128 C:128 (B, C replicated on 2 ranks)" in out
+    assert sum(line.startswith("decode rank ") for line in out.splitlines()) == 16 and "verified" in out
+    assert run(["plan", "--model", "nemotron-3-nano-30b-a3b", "--prefill-tp", "16", "--decode-tp", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] and doc["prefill"]["section_dims"] == [256, 128, 128]
+    assert [r["mamba_sources"] for r in doc["ranks"]][:2] == [[0, 1], [2, 3]]
+    second = doc["ranks"][0]["reads"][1]
+    assert second["conv"][1:] == [None, None]  # B and C come whole from the first source only
 
 
 def test_plan_json_from_a_config_file(capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,7 +98,8 @@ def test_plan_violations_exit_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 def test_plan_sweep_lists_invalid_pairs(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["plan", "--all"]) == 0
     out = capsys.readouterr().out
-    assert "nemotron-3-nano-30b-a3b  16/16" in out
+    assert "nemotron-3-nano-30b-a3b  25/25" in out  # TP 16 included: 8 groups, each on 2 ranks
+    assert "tiny-mamba2-g2           16/25" in out
     assert "jamba-reasoning-3b: TP 8 is invalid: query heads 20" in out
     assert "falcon-h1-7b: TP 8 is invalid: query heads 12" in out
 

@@ -98,7 +98,7 @@ def test_presets_are_parsed_from_their_configs_and_tiny_presets_unchanged() -> N
     for name, cfg in REAL_CONFIGS.items():
         assert parse_config(cfg, name=name) == PRESETS[name]
     assert set(PRESETS) == set(TINY_PRESETS) | set(REAL_CONFIGS)
-    assert len(PRESETS) == 14
+    assert len(PRESETS) == 15
     tiny = TINY_PRESETS["tiny-mamba2"]
     assert tiny.layer_kinds == ("ssm", "attention", "ssm", "ssm", "attention", "ssm")
     assert tiny.ssm == Mamba2Dims(num_heads=16, head_dim=6, n_groups=8, d_state=10)

@@ -165,6 +165,91 @@ def test_single_group_bc_read_whole_from_one_source_p_gt_d() -> None:
         assert second.conv[0] == ByteRead(0, 24 * row, 24 * row)  # local split destination
 
 
+# --- groups replicated across ranks (TP a multiple of n_groups > 1) ------------------------------
+
+
+def groups_of(ssm: Mamba2Dims, tp: int, rank: int) -> list[int]:
+    """The B/C groups a rank's heads use (head h uses group h·G/H), from the model math."""
+    per = ssm.num_heads // tp
+    return sorted({h * ssm.n_groups // ssm.num_heads for h in range(rank * per, (rank + 1) * per)})
+
+
+def expected_mamba2(plan: TransferPlan, d: int) -> dict[int, list[ByteRead | None]]:
+    """x, B, C, SSM reads per source rank written out for any TP pair: x and SSM rows shrink
+    with TP (vLLM's 4.4 offsets inside x and SSM), B and C are whole groups, each read from the
+    first candidate holding it, at that group's place inside both sides' sections."""
+    ssm = plan.decode.spec.ssm
+    assert isinstance(ssm, Mamba2Dims)
+    ps, ds = plan.prefill.shapes, plan.decode.shapes
+    row = ds.conv_row_bytes
+    n = ssm.d_state * row  # one group of B (or C) in bytes
+    mine = groups_of(ssm, plan.decode.tp, d)
+    out: dict[int, list[ByteRead | None]] = {}
+    ratio = plan.tp_ratio
+    for idx, p in enumerate(candidate_ranks(plan.prefill.tp, plan.decode.tp, d)):
+        if ratio > 0:
+            ell = d % ratio
+            x = ByteRead(ell * ds.section_bytes[0], 0, ds.section_bytes[0])
+            state = ByteRead(ps.conv_bytes + ell * ds.ssm_bytes, ds.conv_bytes, ds.ssm_bytes)
+        else:
+            x = ByteRead(0, idx * ps.section_bytes[0], ps.section_bytes[0])
+            state = ByteRead(ps.conv_bytes, ds.conv_bytes + idx * ps.ssm_bytes, ps.ssm_bytes)
+        theirs = groups_of(ssm, plan.prefill.tp, p)
+        before = candidate_ranks(plan.prefill.tp, plan.decode.tp, d)[:idx]
+        earlier = {g for q in before for g in groups_of(ssm, plan.prefill.tp, q)}
+        take = [g for g in mine if g in theirs and g not in earlier]
+        bc: list[ByteRead | None] = [None, None]
+        if take:
+            for s in (1, 2):
+                remote = ps.section_offsets[s] + (take[0] - theirs[0]) * n
+                local = ds.section_offsets[s] + (take[0] - mine[0]) * n
+                bc[s - 1] = ByteRead(remote, local, len(take) * n)
+        out[p] = [x, *bc, state]
+    return out
+
+
+REPLICATED = [
+    ("tiny-mamba2-g2", (1, 2, 4, 8)),
+    ("tiny-mamba2-g1", (1, 2, 4, 8)),
+    ("nemotron-3-nano-30b-a3b", (1, 2, 4, 8, 16)),
+    ("nemotron-h-8b", (2, 4, 8, 16)),
+]
+
+
+@pytest.mark.parametrize(("name", "tps"), REPLICATED, ids=[n for n, _ in REPLICATED])
+def test_replicated_groups_read_whole_from_one_source(name: str, tps: tuple[int, ...]) -> None:
+    spec = get_preset(name)
+    replicated = 0
+    for p, d in itertools.product(tps, tps):
+        plan = plan_for(spec, p, d, kernel_block_size=16)
+        for rank in range(d):
+            got = {r.prefill_rank: [*r.conv, r.ssm] for r in plan.ranks[rank].reads}
+            assert got == expected_mamba2(plan, rank), (p, d, rank)
+            fa, _ = ours(plan, rank)
+            assert fa == vllm_fa(plan, rank)
+        replicated += not proportional(spec, p, d)
+    assert replicated > 0
+
+
+def test_two_groups_p2_to_d4_and_back() -> None:
+    """tiny-mamba2-g2 (I = 96, N = 10): decode TP 4 holds group d // 2 on ranks 2 apart."""
+    row = 3 * 4
+    plan = plan_for(get_preset("tiny-mamba2-g2"), 2, 4)
+    for d in range(4):
+        (read,) = plan.ranks[d].reads
+        assert read.prefill_rank == d // 2  # holds exactly group d // 2: B at 48, C at 58 rows
+        assert read.conv[1] == ByteRead(48 * row, 24 * row, 10 * row)
+        assert read.conv[2] == ByteRead(58 * row, 34 * row, 10 * row)
+    # vLLM's proportional rule puts odd decode ranks' B on the source's C.
+    assert vllm_mamba(plan, 1)[0][1].remote_offset == 58 * row
+    plan = plan_for(get_preset("tiny-mamba2-g2"), 4, 2)
+    for d in range(2):
+        first, second = plan.ranks[d].reads  # prefill ranks 2d and 2d + 1 both hold group d
+        assert first.conv[1] == ByteRead(24 * row, 48 * row, 10 * row) and second.conv[1:] == (None, None)
+    plan = plan_for(get_preset("tiny-mamba2-g2"), 1, 4)
+    assert [plan.ranks[d].reads[0].conv[1].remote_offset for d in range(4)] == [r * row for r in (96, 96, 106, 106)]  # type: ignore[union-attr]
+
+
 def test_sources_replicated_kv_heads() -> None:
     spec = get_preset("tiny-mamba2")  # 2 KV heads
     plan = plan_for(spec, 8, 2)

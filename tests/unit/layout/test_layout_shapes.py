@@ -71,6 +71,41 @@ def test_documented_qwen35_larger_gdn_shapes(hv: int, tp: int, conv: int, ssm: t
     assert (s.conv_dim, s.ssm_shape, s.section_dims) == (conv, ssm, dims)
 
 
+@pytest.mark.parametrize(
+    ("model", "conv", "ssm", "dims"),
+    [
+        ("nemotron-3-nano-30b-a3b", (512, 3), (4, 64, 128), (256, 128, 128)),
+        ("nemotron-h-8b", (768, 3), (8, 64, 128), (512, 128, 128)),
+    ],
+)
+def test_tp16_with_eight_groups_keeps_one_group_per_rank(
+    model: str, conv: tuple[int, int], ssm: tuple[int, ...], dims: tuple[int, ...]
+) -> None:
+    """TP a multiple of n_groups: one whole group's B and C per rank, on tp / n_groups ranks each."""
+    s = rank_shapes(get_preset(model), 16)
+    assert ((s.conv_dim, s.conv_rows), s.ssm_shape, s.section_dims) == (conv, ssm, dims)
+    assert s.section_sharded == (True, False, False) and s.section_replicas == (1, 2, 2)
+
+
+def vllm_mamba2_conv_dim(ssm: Mamba2Dims, tp: int) -> int:
+    """layout-spec 5.1, written out: conv_dim / TP with the groups widened by
+    `extra_groups_for_head_shards` (0 when TP divides n_groups, else TP - n_groups)."""
+    extra = 0 if ssm.n_groups % tp == 0 else tp - ssm.n_groups
+    return (ssm.intermediate + 2 * (ssm.n_groups + extra) * ssm.d_state) // tp
+
+
+def test_mamba2_conv_dims_follow_vllm_group_widening() -> None:
+    checked = 0
+    for name, spec in PRESETS.items():
+        if not isinstance(spec.ssm, Mamba2Dims):
+            continue
+        for tp in (1, 2, 4, 8, 16, 32):
+            if valid_tp(spec, tp):
+                assert rank_shapes(spec, tp).conv_dim == vllm_mamba2_conv_dim(spec.ssm, tp), (name, tp)
+                checked += spec.ssm.n_groups not in (1, tp) and tp % spec.ssm.n_groups == 0
+    assert checked >= 5  # tiny-mamba2-g2 at TP 4 and 8, both Nemotrons at TP 16, ...
+
+
 def test_documented_nano_state_bytes() -> None:
     nano = get_preset("nemotron-3-nano-30b-a3b")
     got = [(rank_shapes(nano, tp).conv_bytes, rank_shapes(nano, tp).ssm_bytes) for tp in (1, 2, 4)]
@@ -82,6 +117,7 @@ def test_documented_nano_state_bytes() -> None:
     [
         ("tiny-mamba2", (256, 128, 64, 32), ((96, 80, 80), (48, 40, 40), (24, 20, 20), (12, 10, 10)), (16, 8, 4, 2), (6912, 3456, 1728, 864)),
         ("tiny-mamba2-g1", (116, 68, 44, 32), ((96, 10, 10), (48, 10, 10), (24, 10, 10), (12, 10, 10)), (16, 8, 4, 2), (5232, 2736, 1488, 864)),
+        ("tiny-mamba2-g2", (136, 68, 44, 32), ((96, 20, 20), (48, 10, 10), (24, 10, 10), (12, 10, 10)), (16, 8, 4, 2), (5472, 2736, 1488, 864)),
         ("tiny-gdn", (352, 176, 88, 44), ((96, 96, 160), (48, 48, 80), (24, 24, 40), (12, 12, 20)), (16, 8, 4, 2), (11904, 5952, 2976, 1488)),
         ("tiny-mamba1", (96, 48, 24, 12), ((96,), (48,), (24,), (12,)), (96, 48, 24, 12), (4224, 2112, 1056, 528)),
     ],
@@ -134,7 +170,8 @@ def test_invalid_tp_rules_for_each_dimension() -> None:
     cases = [
         (dataclasses.replace(base, attention=dataclasses.replace(base.attention, num_kv_heads=3, num_heads=24)), 2, "KV heads 3"),
         (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=4, d_state=10)), 8, "SSM heads 12"),
-        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=16, head_dim=6, n_groups=2, d_state=10)), 4, "SSM groups 2"),
+        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=6, d_state=10)), 4, "SSM groups 6"),
+        (dataclasses.replace(base, ssm=Mamba2Dims(num_heads=12, head_dim=6, n_groups=3, d_state=10)), 2, "SSM groups 3"),
         (dataclasses.replace(base, attention=att16, ssm=GDNDims(4, 16, 12, 10)), 8, "GDN key heads 4"),
         (dataclasses.replace(base, attention=att16, ssm=GDNDims(8, 12, 12, 10)), 8, "GDN value heads 12"),
         (dataclasses.replace(base, ssm=Mamba1Dims(d_inner=100, d_state=8, dt_rank=8)), 8, "Mamba1 channels 100"),
@@ -200,7 +237,7 @@ def specs(draw: st.DrawFn) -> ModelSpec:
 
 
 @LAYOUT_SETTINGS
-@given(spec=specs(), tp=st.sampled_from([1, 2, 4, 8]))
+@given(spec=specs(), tp=st.sampled_from([1, 2, 4, 8, 16]))
 def test_index_functions_match_what_each_rank_needs(spec: ModelSpec, tp: int) -> None:
     assume(valid_tp(spec, tp))
     s = rank_shapes(spec, tp)
@@ -215,7 +252,7 @@ def test_index_functions_match_what_each_rank_needs(spec: ModelSpec, tp: int) ->
 
 
 @LAYOUT_SETTINGS
-@given(spec=specs(), tp=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**32 - 1))
+@given(spec=specs(), tp=st.sampled_from([1, 2, 4, 8, 16]), seed=st.integers(0, 2**32 - 1))
 def test_shard_then_unshard_is_the_identity(spec: ModelSpec, tp: int, seed: int) -> None:
     assume(valid_tp(spec, tp))
     rng = np.random.default_rng(seed)
@@ -254,9 +291,27 @@ def test_mamba2_single_group_keeps_b_and_c_whole() -> None:
     assert rank_shapes(spec, 1).section_sharded == (True, True, True)
 
 
+def test_mamba2_groups_replicated_on_adjacent_ranks() -> None:
+    """Two groups at TP 4 / 8: rank r holds group r // (tp / 2), as vLLM's weight loader gives it."""
+    spec = get_preset("tiny-mamba2-g2")  # I = 96, N = 10: B at 96..115, C at 116..135
+    for tp in (4, 8):
+        s = rank_shapes(spec, tp)
+        assert s.section_sharded == (True, False, False) and s.section_replicas == (1, tp // 2, tp // 2)
+        for r in range(tp):
+            group = r // (tp // 2)
+            chans = conv_channel_index(spec, tp, r).tolist()
+            assert chans[-20:-10] == list(range(96 + 10 * group, 106 + 10 * group))
+            assert chans[-10:] == list(range(116 + 10 * group, 126 + 10 * group))
+    assert rank_shapes(spec, 2).section_replicas == (1, 1, 1)
+    # Negative control: interleaving the groups (rank r -> group r % 2) would give rank 1 the
+    # group its heads do not use; the needs-derived reference tells the two apart.
+    assert conv_channel_index(spec, 4, 1).tolist() == needed_conv_channels(spec, 4, 1)
+    assert needed_conv_channels(spec, 4, 1)[-20] == 96  # group 0, not group 1 at 106
+
+
 def test_every_preset_has_consistent_shapes() -> None:
     for name, spec in PRESETS.items():
-        for tp in (1, 2, 4, 8):
+        for tp in (1, 2, 4, 8, 16):
             if not valid_tp(spec, tp):
                 continue
             s = rank_shapes(spec, tp)

@@ -1,6 +1,6 @@
 """The verifier and the byte-level simulator: every plan we build passes both; wrong plans
-(vLLM's proportional B/C offsets with n_groups = 1, shifted offsets, missing or doubled reads)
-fail both."""
+(vLLM's proportional B/C offsets with n_groups = 1 or with groups replicated across ranks,
+the wrong group's replica, shifted offsets, missing or doubled reads) fail both."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from shared.layout.verify import simulate_transfer, verify_plan
 pytestmark = pytest.mark.timeout(180)
 LAYOUT_SETTINGS = settings(deadline=None, max_examples=40)
 TPS = (1, 2, 4, 8)
+TPS_16 = (1, 2, 4, 8, 16)
 
 
 def plan_for(spec: ModelSpec, p: int, d: int, **kw: int) -> TransferPlan:
@@ -31,7 +32,7 @@ def plan_for(spec: ModelSpec, p: int, d: int, **kw: int) -> TransferPlan:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_pair_verifies(name: str) -> None:
     spec = PRESETS[name]
-    for p, d in itertools.product(TPS, TPS):
+    for p, d in itertools.product(TPS_16, TPS_16):
         if valid_tp(spec, p) and valid_tp(spec, d):
             assert verify_plan(plan_for(spec, p, d)) == [], (p, d)
             assert verify_plan(plan_for(spec, p, d, kernel_block_size=16)) == [], (p, d)
@@ -79,6 +80,67 @@ def test_simulator_catches_proportional_bc_offsets(p: int, d: int) -> None:
     assert simulate_transfer(plan, num_tokens=20) == []
     mismatches = simulate_transfer(proportional_bc_plan(plan), num_tokens=20)
     assert any("conv state differs" in m for m in mismatches)
+
+
+GROUP_CASES = [
+    ("tiny-mamba2-g2", 2, 4), ("tiny-mamba2-g2", 1, 4), ("tiny-mamba2-g2", 4, 2), ("tiny-mamba2-g2", 8, 4),
+    ("tiny-mamba2-g2", 2, 8), ("nemotron-3-nano-30b-a3b", 8, 16), ("nemotron-3-nano-30b-a3b", 16, 8),
+    ("nemotron-3-nano-30b-a3b", 4, 16), ("nemotron-h-8b", 16, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "p", "d"), GROUP_CASES)
+def test_proportional_bc_offsets_with_replicated_groups_are_caught(name: str, p: int, d: int) -> None:
+    plan = plan_for(PRESETS[name], p, d)
+    assert verify_plan(plan) == []
+    violations = verify_plan(proportional_bc_plan(plan))
+    assert any("conv section" in v for v in violations), "the verifier missed proportional B/C offsets"
+
+
+def other_group_plan(plan: TransferPlan) -> TransferPlan:
+    """Every B/C read moved by one group (d_state rows) inside the source's section, wrapping
+    around: the neighbouring group instead of the one the decode rank's heads use. It changes
+    the plan only where a source holds more than one group (prefill TP < n_groups)."""
+    ssm = plan.decode.spec.ssm
+    assert isinstance(ssm, Mamba2Dims)
+    ps, ds = plan.prefill.shapes, plan.decode.shapes
+    group = ssm.d_state * ds.conv_row_bytes
+    ranks = []
+    for rank in plan.ranks:
+        reads = []
+        for read in rank.reads:
+            conv = list(read.conv)
+            for s in (1, 2):
+                c = conv[s]
+                if c is not None:
+                    lo, size = ps.section_offsets[s], ps.section_bytes[s]
+                    moved = lo + (c.remote_offset - lo + group) % size
+                    if moved + c.size > lo + size:
+                        moved = lo  # keep it inside the section: a wrong group, not an overrun
+                    conv[s] = dataclasses.replace(c, remote_offset=moved)
+            reads.append(dataclasses.replace(read, conv=tuple(conv)))
+        ranks.append(dataclasses.replace(rank, reads=tuple(reads)))
+    return dataclasses.replace(plan, ranks=tuple(ranks))
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "d"),
+    [("tiny-mamba2-g2", 1, 4), ("tiny-mamba2-g2", 1, 8), ("nemotron-3-nano-30b-a3b", 4, 16), ("nemotron-h-8b", 2, 16)],
+)
+def test_the_wrong_group_is_caught(name: str, p: int, d: int) -> None:
+    plan = plan_for(PRESETS[name], p, d)
+    bad = other_group_plan(plan)
+    assert bad != plan
+    assert any("conv section" in v and "reads elements" in v for v in verify_plan(bad))
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 4), (4, 2), (1, 4), (8, 2), (2, 8)])
+def test_simulator_with_replicated_groups(p: int, d: int) -> None:
+    plan = plan_for(get_preset("tiny-mamba2-g2"), p, d)
+    assert simulate_transfer(plan, num_tokens=20) == []
+    assert any("conv state differs" in m for m in simulate_transfer(proportional_bc_plan(plan), num_tokens=20))
+    if p < 2:  # a source holding both groups: the wrong one can be read
+        assert any("conv state differs" in m for m in simulate_transfer(other_group_plan(plan), num_tokens=20))
 
 
 def test_proportional_offsets_are_right_when_groups_shard() -> None:
@@ -189,12 +251,25 @@ def test_simulated_transfer_round_trips(
         ("qwen3.5-0.8b", 4, 1, (None, 32)),
         ("jamba-reasoning-3b", 4, 1, (16, None)),
         ("granite-4.0-h-tiny", 1, 4, (None, None)),
+        ("nemotron-3-nano-30b-a3b", 8, 16, (None, None)),
+        ("nemotron-3-nano-30b-a3b", 16, 4, (16, None)),
     ],
 )
 def test_simulated_transfer_real_models(name: str, p: int, d: int, kernels: tuple[int | None, int | None]) -> None:
     spec = PRESETS[name]
     plan = build_plan(build_engine_layout(spec, p, kernel_block_size=kernels[0]), build_engine_layout(spec, d, kernel_block_size=kernels[1]))
     assert simulate_transfer(plan, num_tokens=33, spare_blocks=1) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_simulated_transfer_every_preset_pair_up_to_tp16(name: str) -> None:
+    """The long sweep behind `plan --all`: real bytes through every valid pair in {1..16}^2."""
+    spec = PRESETS[name]
+    for p, d in itertools.product(TPS_16, TPS_16):
+        if valid_tp(spec, p) and valid_tp(spec, d):
+            assert simulate_transfer(plan_for(spec, p, d), num_tokens=33, spare_blocks=1) == [], (p, d)
 
 
 # --- JSON --------------------------------------------------------------------------------------
