@@ -147,11 +147,7 @@ class PeerLink:
                 if lidx.size == 0:
                     continue
                 agent = host.agents[pair.decode_rank]
-                post = agent.post_read(pair.local, lidx, pair.remote, ridx, b"")
-                reads.add(agent, post)
-                xfer = await asyncio.shield(post)
-                if xfer.state != "DONE":
-                    await host.poller.watch(agent, xfer, timeout=timeout)
+                await host.poller.read(agent, pair.local, lidx, pair.remote, ridx, b"", timeout=timeout, fence=reads)
         except BaseException as e:
             reads.abandon()
             if isinstance(e, TransportError):

@@ -115,18 +115,14 @@ async def _read_one(
     ids: IdBuffers,
     fence: ReadFence,
 ) -> ReadResult:
-    """One READ, handed to `fence` as soon as it is posted (the fence releases it if abandoned)."""
-    post = asyncio.ensure_future(agent.post_read(pair.local, lidx, pair.remote, ridx, notif))
-    fence.add(agent, post)
-    # The ids are copied by NIXL when the READ is prepared: their arrays serve the next request
-    # once the post is done. `post` is only ever awaited through shield, never cancelled, so it
-    # is done only when the owner thread has finished with them.
-    post.add_done_callback(lambda _: ids.release())
-    xfer = await asyncio.shield(post)
-    stats.post_seconds.append(xfer.post_seconds)
-    if xfer.state == "DONE":
-        return ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at)
-    return await host.poller.watch(agent, xfer, timeout=timeout)  # cancelled: the poller drops it
+    """One READ, handed to `fence` as soon as it is posted (the fence releases it if abandoned).
+    NIXL copies the ids when it prepares the READ: their arrays serve the next request once the
+    post is done."""
+    result = await host.poller.read(
+        agent, pair.local, lidx, pair.remote, ridx, notif, timeout=timeout, fence=fence, on_posted=ids.release
+    )
+    stats.post_seconds.append(result.post_seconds)
+    return result
 
 
 async def read_request(

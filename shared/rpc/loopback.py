@@ -42,11 +42,7 @@ async def loopback_read(agent: RankAgent, cache: RankCache, poller: CompletionPo
     try:
         prepped.append(await agent.prep_local(np.array([[target.data_ptr(), n]], dtype=np.int64)))
         prepped.append(await agent.prep_remote(agent.name, np.array([[source.data_ptr(), n]], dtype=np.int64), cache.place))
-        post = agent.post_read(prepped[0], [0], prepped[1], [0], key)
-        reads.add(agent, post)
-        xfer = await asyncio.shield(post)
-        if xfer.state != "DONE":
-            await poller.watch(agent, xfer, timeout=timeout)
+        await poller.read(agent, prepped[0], [0], prepped[1], [0], key, timeout=timeout, fence=reads)
         await asyncio.wait_for(asyncio.shield(wait), timeout)
         if not torch.equal(target, source):
             raise RuntimeError(f"{int((target != source).sum())} of {n} bytes differ after the READ")

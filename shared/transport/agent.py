@@ -112,6 +112,7 @@ class Xfer:
     # cannot be released; then it lands again (a late write) before it ends.
     held_until: float = 0.0
     late_write: tuple[Any, ...] = ()
+    tracked: bool = False  # the owner thread polls it from its post on (post_read with settle)
 
 
 class RankAgent:
@@ -222,8 +223,11 @@ class RankAgent:
         remote: PreppedList,
         remote_idx: npt.ArrayLike,
         notif: bytes,
+        settle: Settle | None = None,
     ) -> asyncio.Future[Xfer]:
         """ONE prepared READ of remote[remote_idx[i]] into local[local_idx[i]], then post it.
+        With `settle`, a READ the owner thread posts and finds still in flight is tracked in the
+        same job (see `track`); a READ posted inline is the caller's to track.
 
         A READ of at most INLINE_MAX_BYTES is posted right here when the owner thread is idle
         (the returned future is then already done); otherwise it is handed to the owner thread
@@ -245,7 +249,7 @@ class RankAgent:
                 assert xfer is not None
                 posted.set_result(xfer)
                 return posted
-        return self._call_now(self._post_read, local, local_idx, remote, remote_idx, notif)
+        return self._call_now(self._post_read, local, local_idx, remote, remote_idx, notif, False, settle)
 
     async def state(self, xfer: Xfer) -> XferState:
         """Poll one READ; a finished or failed READ has its handle released."""
@@ -425,6 +429,7 @@ class RankAgent:
         remote_idx: npt.ArrayLike,
         notif: bytes,
         inline: bool = False,
+        settle: Settle | None = None,
     ) -> Xfer:
         if local.peer or not remote.peer:
             raise ValueError("post_read takes a local prepared list, then a remote one")
@@ -468,7 +473,7 @@ class RankAgent:
         if held and state != "ERR":
             xfer.held_until = time.monotonic() + self.test_hold_seconds
             xfer.late_write = (local.handle, lidx, remote.handle, ridx)
-            return xfer
+            state = "PROC"
         if state == "ERR":
             self._release_xfer(xfer)
             raise TransferFailed(f"READ from peer {remote.peer!r} failed when posted", peer=remote.peer)
@@ -480,6 +485,9 @@ class RankAgent:
                 # Released by the owner thread right after the caller has the result: releasing a
                 # large request's handle takes ~0.1 ms the caller need not wait for.
                 self._owner.after_job(self._release_xfer, xfer)
+        elif settle is not None:
+            self._tracked[xfer] = settle
+            xfer.tracked = True
         return xfer
 
     def _poll_one(self, xfer: Xfer) -> XferState | TransportError:

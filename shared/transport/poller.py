@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy.typing as npt
@@ -30,6 +31,7 @@ import numpy.typing as npt
 from shared.transport.agent import PreppedList, RankAgent, Xfer, XferState
 from shared.transport.errors import TransferFailed, TransferTimedOut, TransportError
 from shared.transport.notifications import NotificationRouter, UnknownHandler
+from shared.transport.read_fence import ReadFence
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class ReadResult:
     peer: str
     nbytes: int
     seconds: float  # from the post to the observed completion
+    post_seconds: float = 0.0  # make_prepped_xfer + transfer() (on DRAM the copy happens inside)
 
 
 @dataclass
@@ -130,16 +133,35 @@ class CompletionPoller:
         notif: bytes,
         *,
         timeout: float,
+        fence: ReadFence | None = None,
+        on_posted: Callable[[], None] | None = None,
     ) -> ReadResult:
-        """Post ONE READ and wait for it, at most `timeout` seconds from now.
+        """Post ONE READ and wait for it, at most `timeout` seconds from now: the one way this
+        project moves state.
 
-        Raises TransferFailed (a NIXL error; names the peer) or TransferTimedOut (at the
-        deadline; the handle is released after, see Xfer.release_done and ReadFence). Cancelling the caller cancels the READ and releases it.
+        One owner-thread job posts it and, when it is still in flight, tracks it (a small READ
+        may be posted inline instead). `on_posted` runs once the post has finished with the index
+        arrays (done or failed), so their buffers can be reused. `fence` gets the READ as soon as
+        it is posted. The result comes only once NIXL has released the handle. Raises
+        TransferFailed (a NIXL error; names the peer) or TransferTimedOut at the deadline (the
+        handle is released after: see `fence`). Cancelling the caller cancels the READ.
         """
         self.attach(agent)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        post = asyncio.ensure_future(agent.post_read(local, local_idx, remote, remote_idx, notif))
+        done: asyncio.Future[ReadResult] = loop.create_future()
+
+        def settle(result: XferState | TransportError) -> None:  # on the owner thread
+            try:
+                loop.call_soon_threadsafe(self._settle, done, post, result)
+            except RuntimeError:
+                pass  # the event loop is gone; nobody is waiting any more
+
+        post = agent.post_read(local, local_idx, remote, remote_idx, notif, settle)
+        if on_posted is not None:
+            post.add_done_callback(lambda _: on_posted())
+        if fence is not None:
+            fence.add(agent, post)
         try:
             xfer = await asyncio.shield(post)
         except asyncio.CancelledError:
@@ -150,12 +172,25 @@ class CompletionPoller:
             self._stats.reads_failed += 1
             raise
         self._stats.reads_posted += 1
-        return await self._wait(agent, xfer, deadline, timeout)
-
-    async def watch(self, agent: RankAgent, xfer: Xfer, *, timeout: float) -> ReadResult:
-        """Wait for a READ posted with `agent.post_read`, at most `timeout` seconds from now."""
-        self.attach(agent)
-        return await self._wait(agent, xfer, asyncio.get_running_loop().time() + timeout, timeout)
+        if xfer.state == "DONE":
+            self._settle(done, post, "DONE")
+        elif not xfer.tracked:
+            agent.track(xfer, settle)  # posted inline: the owner thread has not seen it yet
+        self._active[xfer] = (agent, done)
+        timer = loop.call_at(deadline, self._expire, agent, xfer, done, timeout)
+        try:
+            result = await done
+            if not xfer.release_done.done():  # a DONE READ is released right after its post
+                await asyncio.wrap_future(xfer.release_done)
+            return result
+        except asyncio.CancelledError:
+            if not done.done() or done.cancelled():
+                self._stats.reads_cancelled += 1
+                self._drop(agent, xfer)
+            raise
+        finally:
+            timer.cancel()
+            self._active.pop(xfer, None)
 
     async def aclose(self) -> None:
         """Stop pumping; READs still awaited fail and their handles are released."""
@@ -173,43 +208,19 @@ class CompletionPoller:
 
     # ---- internals ----
 
-    async def _wait(self, agent: RankAgent, xfer: Xfer, deadline: float, timeout: float) -> ReadResult:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[ReadResult] = loop.create_future()
-        if xfer.state == "DONE":
-            self._settle(future, xfer, "DONE")
-            return await future
-        self._active[xfer] = (agent, future)
-        timer = loop.call_at(deadline, self._expire, agent, xfer, future, timeout)
-
-        def settle(result: XferState | TransportError) -> None:  # on the owner thread
-            try:
-                loop.call_soon_threadsafe(self._settle, future, xfer, result)
-            except RuntimeError:
-                pass  # the event loop is gone; nobody is waiting any more
-
-        agent.track(xfer, settle)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if not future.done() or future.cancelled():
-                self._stats.reads_cancelled += 1
-                self._drop(agent, xfer)
-            raise
-        finally:
-            timer.cancel()
-            self._active.pop(xfer, None)
-
-    def _settle(self, future: asyncio.Future[ReadResult], xfer: Xfer, result: XferState | TransportError) -> None:
+    def _settle(
+        self, future: asyncio.Future[ReadResult], post: asyncio.Future[Xfer], result: XferState | TransportError
+    ) -> None:
         if future.done():
             return  # timed out, cancelled or closed meanwhile
+        xfer = post.result()  # the post finished before its READ could be settled
         if isinstance(result, TransportError):
             self._stats.reads_failed += 1
             future.set_exception(result)
         elif result == "DONE":
             self._stats.reads_done += 1
             self._stats.bytes_read += xfer.nbytes
-            future.set_result(ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at))
+            future.set_result(ReadResult(xfer.peer, xfer.nbytes, time.monotonic() - xfer.posted_at, xfer.post_seconds))
 
     def _expire(self, agent: RankAgent, xfer: Xfer, future: asyncio.Future[ReadResult], timeout: float) -> None:
         if future.done():

@@ -8,6 +8,7 @@ cancellation and closing.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -86,17 +87,24 @@ async def test_cancelling_a_read_in_flight_releases_its_handle(pair: Any) -> Non
 @pytest.mark.asyncio
 async def test_cancelling_a_read_while_it_is_posted_releases_its_handle(pair: Any) -> None:
     poller = CompletionPoller()
+    poller.attach(pair.reader)
+    release = threading.Event()
+    blocker = pair.reader._owner.submit(release.wait)  # the post queues behind this job
     try:
         reading = asyncio.ensure_future(
             poller.read(pair.reader, pair.local, [0], pair.remote, [0], b"x", timeout=30)
         )
-        await asyncio.sleep(0)  # the post is now running on the owner thread
+        await asyncio.sleep(0.05)  # the post is queued on the owner thread, not run yet
+        assert not reading.done()
         reading.cancel()
+        release.set()
         with pytest.raises(asyncio.CancelledError):
             await reading
         await eventually(lambda: pair.reader.live_xfers == 0 and not poller._drops)
         assert poller.stats.reads_cancelled == 1 and poller.stats.reads_posted == 0
     finally:
+        release.set()
+        blocker.result(timeout=5)
         await poller.aclose()
 
 
