@@ -13,10 +13,11 @@ is ever handed to another request before its lease ran out.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from shared.runtime.engine_host import EngineHost
 
@@ -73,7 +74,7 @@ class PinTable:
         # A callback, not a task gathering the waits: the last notification frees the blocks in
         # the same event-loop turn that delivered it.
         for wait in pin.waits:
-            wait.add_done_callback(lambda _, pin=pin: self._wait_done(pin))
+            wait.add_done_callback(functools.partial(self._on_wait_done, pin))
         self._ensure_sweeper()
         return pin
 
@@ -109,6 +110,9 @@ class PinTable:
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
         return True
+
+    def _on_wait_done(self, pin: Pin, _wait: asyncio.Future[list[str]]) -> None:
+        self._wait_done(pin)
 
     def _wait_done(self, pin: Pin) -> None:
         """One rank's notifications all arrived (or its wait was cancelled by a release)."""

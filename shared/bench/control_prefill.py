@@ -21,7 +21,8 @@ import json
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from shared.bench.no_compute import NoComputeEngine
 from shared.config import parse_settings
@@ -87,7 +88,7 @@ class PrefillProcess:
             proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from shared.bench.stats import Summary
 

@@ -23,8 +23,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -161,7 +162,7 @@ async def _level(
 ) -> LevelResult:
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(i: int, stub: pb_grpc.DecodeServiceStub) -> Timed:
+    async def one(i: int, stub: pb_grpc.DecodeServiceAsyncStub) -> Timed:
         async with sem:
             timed = await generate(stub, prompts[i], cfg.max_tokens)
         progress.advance(1, f"{setup} c={concurrency}")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 W, H = 720, 420

@@ -142,7 +142,7 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
 
 def _coalesced(reader: RawReader, target: RawTarget, d: int, p: int, local_descs: Any, local_idx: Any) -> PreparedRead:
     local, remote = coalesce_per_region(local_descs, local_idx, reader.bases(d), target.ranks[p].bases)
-    ids = np.arange(len(local), dtype=np.int64)
+    ids = np.arange(len(local), dtype=np.int32)  # the id dtype of our own READ path
     return reader.prepare(d, p, local, remote, ids, ids)
 
 

@@ -20,7 +20,8 @@ import asyncio
 import json
 import os
 import sys
-from typing import Any, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from shared.config import ENV_PREFIX, boolean
 

@@ -12,7 +12,8 @@ import itertools
 import json
 import os
 import sys
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from shared.layout.hf_config import load_model
 from shared.layout.page import DEFAULT_ALIGNMENT, EngineLayout, build_engine_layout

@@ -25,8 +25,8 @@ are listed (a padded short group has nothing in its last regions).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import numpy.typing as npt

@@ -11,7 +11,8 @@ Each problem names its field (`model.kv_dtype`, `ranks[1].page_bytes`) and both 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from google.protobuf.message import Message
 

@@ -8,8 +8,8 @@ ours is refused before any byte moves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec

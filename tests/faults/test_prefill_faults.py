@@ -179,7 +179,7 @@ async def test_prefill_killed_after_the_manifest_before_the_read(cluster: Cluste
 async def test_prefill_killed_after_the_read_does_not_fail_the_request(cluster: Cluster) -> None:
     c = cluster
     await c.ready()
-    outcome, seconds, old = await kill_prefill_at(c, "after-read-1", c.decode, "TEST PAUSE after_read after-read-1")
+    outcome, _seconds, old = await kill_prefill_at(c, "after-read-1", c.decode, "TEST PAUSE after_read after-read-1")
     # The state is already here: the request is not affected.
     assert outcome.status == "OK" and len(outcome.tokens) == 8, outcome
     assert outcome.summary is not None and outcome.summary.state_verified

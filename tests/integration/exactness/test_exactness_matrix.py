@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 import pytest
 
@@ -38,7 +38,7 @@ def prompt_of(length: int) -> list[int]:
     return list(TEXT[:length])
 
 
-@lru_cache(maxsize=None)
+@cache
 def expected(model: str, length: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), max_tokens))
 

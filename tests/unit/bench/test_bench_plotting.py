@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -49,7 +50,7 @@ def test_bar_and_log_charts() -> None:
 def test_nice_ticks_cover_the_range() -> None:
     ticks = nice_ticks(0.0, 37.0)
     assert ticks[0] <= 0.0 and ticks[-1] >= 37.0 and len(ticks) <= 8
-    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    steps = {round(b - a, 9) for a, b in itertools.pairwise(ticks)}
     assert len(steps) == 1
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
