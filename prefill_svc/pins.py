@@ -19,7 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared import tracing
 from shared.runtime.engine_host import EngineHost
+from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class PinTable:
         for wait in pin.waits:
             wait.add_done_callback(functools.partial(self._on_wait_done, pin))
         self._ensure_sweeper()
+        tracing.mark(Step.PINNED)
         return pin
 
     def lookup(self, owner: str, request_id: str) -> Pin | None:
@@ -109,6 +112,7 @@ class PinTable:
             pin.on_end(reason)
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
+        tracing.mark(Step.FREED)
         return True
 
     def _on_wait_done(self, pin: Pin, _wait: asyncio.Future[list[str]]) -> None:

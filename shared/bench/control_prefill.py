@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from prefill_svc.app import PrefillApp
 from shared.bench.no_compute import NoComputeEngine
 from shared.config import parse_settings
 from shared.errors import InvalidArgument, ServiceError
@@ -131,8 +132,6 @@ def watch_pins(app: Any, ends: PinEnds) -> None:
 
 
 async def serve(argv: Sequence[str]) -> None:
-    from prefill_svc.app import PrefillApp
-
     app = await PrefillApp.start(parse_settings("prefill", argv), NoComputeEngine)
     ends = PinEnds()
     watch_pins(app, ends)
