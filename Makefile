@@ -46,4 +46,4 @@ protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -33,7 +33,7 @@ from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.factory import ENGINE_KINDS, make_engine
 from shared.engine.protocol import DecodeSession, Engine, RequestBlocks
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc

@@ -1,8 +1,9 @@
 """Pure layout math for hybrid SSM + attention models (numpy only, no I/O but reading a config.json).
 
 spec        ModelSpec and the dims of each SSM family
-hf_config   config.json -> ModelSpec (`load_model`, `parse_config`)
+hf_config   config.json -> ModelSpec (`parse_config`)
 presets     named real and tiny reference models
+models      a preset name or a config.json path -> ModelSpec (`load_model`)
 shapes      per-rank shapes and the TP index functions (the single source of truth for sharding)
 page        HMA groups, regions, block sizes and the byte layout of a page (`build_engine_layout`)
 descriptors the dual descriptor view of one rank and its descriptor ids
