@@ -94,7 +94,7 @@ class Service:
         return await asyncio.to_thread(self.scrape)
 
     async def blocks_in_use(self) -> int:
-        return int((await self.metrics())["hybrid_pd_blocks_in_use{rank=0}"])
+        return int((await self.metrics())["hybrid_pd_blocks_in_use"])
 
     async def wait_metric(self, name: str, check: Callable[[float], bool], timeout: float = 10.0) -> float:
         """Poll until `check(value)`; returns the value (fails with the last one seen)."""

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.layout.descriptors import descriptor_ids, dual_view
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.presets import PRESETS, TINY_PRESETS, get_preset
 from shared.layout.shapes import valid_tp
 from shared.layout.spec import LayoutError
+from tests.unit.layout.dual_view import descriptor_ids, dual_view
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT_SETTINGS = settings(deadline=None, max_examples=30)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.layout.descriptors import descriptor_ids, dual_view
 from shared.layout.page import build_engine_layout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.presets import get_preset
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
 from shared.layout.spec import LayoutError
+from tests.unit.layout.dual_view import descriptor_ids, dual_view
 
 pytestmark = pytest.mark.timeout(60)
 
