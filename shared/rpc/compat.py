@@ -21,7 +21,8 @@ from shared.layout.page import EngineLayout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.layout_message import PROTOCOL_VERSION, rank_geometry, rebuild_layout
+from shared.rpc.layout_message import rank_geometry, rebuild_layout
+from shared.rpc.protocol_version import PROTOCOL_VERSION
 
 
 def _enum_text(enum: Callable[[Any], str], value: int) -> str:
