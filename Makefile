@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow lint protos clean
+.PHONY: setup demo test test-unit test-slow lint format protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,21 @@ demo: setup
 
 lint: setup
 	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
+
+# Rewrites the tree in place: imports sorted and fixable lint findings fixed, then formatted.
+format: setup
+	$(BIN)/python -m ruff check --fix .
+	$(BIN)/python -m ruff format .
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=10
+
+# The fast loop: tests/unit without the few tests there that start real services; no lint.
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "unit and not integration"
 
 test-slow: setup
 	HYBRID_PD_SLOW=1 $(BIN)/python -m pytest -q
@@ -35,4 +46,4 @@ protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

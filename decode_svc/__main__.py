@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from shared.config import ServiceSettings, parse_settings
-from shared.runtime.engine_host import engine_factory_for
-from shared.rpc.process import run_service
 from decode_svc.app import DecodeApp
+from shared.config import ServiceSettings, parse_settings
+from shared.rpc.process import run_service
+from shared.runtime.engine_host import engine_factory_for
 
 
 async def serve(settings: ServiceSettings) -> None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
+from decode_svc.servicer import DecodeServicer
 from shared.config import ServiceSettings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
-from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
-from decode_svc.servicer import DecodeServicer
+from shared.runtime.engine_host import EngineFactory, EngineHost
 
 log = logging.getLogger(__name__)
 

@@ -13,20 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Callable, cast
+from collections.abc import Callable
 
 import grpc
 
+from decode_svc.peer_link import PeerLink
+from decode_svc.session_client import SessionClient
 from shared.config import TlsSettings
 from shared.errors import ServiceError, Unavailable
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.channel import HANDSHAKE_TIMEOUT_SECONDS, build_channel
-from shared.runtime.engine_host import EngineHost
 from shared.rpc.status import describe
-from decode_svc.peer_link import PeerLink
-from decode_svc.session_client import SessionClient
+from shared.runtime.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PrefillPeer:
             # decides when to retry, not the channel's own reconnect backoff on top of it.
             try:
                 self._channel = build_channel(self.target, self.tls)
-                stub = cast("pb_grpc.PrefillServiceAsyncStub", pb_grpc.PrefillServiceStub(self._channel))
+                stub = pb_grpc.PrefillServiceStub(self._channel)
                 await self._connect(stub)
                 backoff = BACKOFF_INITIAL_SECONDS
                 assert self.session is not None

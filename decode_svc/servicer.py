@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
+from decode_svc.generation import Generation
+from decode_svc.prefill_peer import PrefillPeers
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.runtime.engine_host import EngineHost
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
-from decode_svc.generation import Generation
-from decode_svc.prefill_peer import PrefillPeers
+from shared.runtime.engine_host import EngineHost
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):

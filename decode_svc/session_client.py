@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 
+from shared import tracing
 from shared.errors import ServiceError, Unavailable, error_for_status
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.proto_time import duration, seconds
 from shared.rpc.status import code_name, describe
+from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class SessionClient:
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         try:
+            tracing.mark(Step.JOB_QUEUED)
             self._send(pb.SessionRequest(job=job))
             manifest = await future
         except asyncio.CancelledError:
@@ -197,6 +200,7 @@ class SessionClient:
                 self._send(pb.SessionRequest(heartbeat=pb.DecodeHeartbeat(request_ids=sorted(self._holding))))
 
     def _resolve(self, request_id: str, *, manifest: pb.Manifest | None = None, error: ServiceError | None = None) -> None:
+        tracing.mark(Step.MANIFEST_RECEIVED)
         future = self._waiting.pop(request_id, None)
         if future is None or future.done():
             if manifest is not None:

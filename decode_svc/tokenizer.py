@@ -8,7 +8,7 @@ so a character split across two chunks is emitted whole with the second one.
 from __future__ import annotations
 
 import codecs
-from typing import Sequence
+from collections.abc import Sequence
 
 BYTE_VOCAB = 256
 

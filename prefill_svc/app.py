@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from shared.config import ServiceSettings
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
-from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.runtime.engine_host import EngineFactory, EngineHost
-from shared.rpc.metrics import ServiceMetrics
-from shared.rpc.service import ServiceShell
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.session import SessionConfig
+from shared.config import ServiceSettings
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.metrics import ServiceMetrics
+from shared.rpc.service import ServiceShell
+from shared.runtime.engine_host import EngineFactory, EngineHost
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,15 @@ is ever handed to another request before its lease ran out.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from shared import tracing
 from shared.runtime.engine_host import EngineHost
+from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,9 @@ class PinTable:
         # A callback, not a task gathering the waits: the last notification frees the blocks in
         # the same event-loop turn that delivered it.
         for wait in pin.waits:
-            wait.add_done_callback(lambda _, pin=pin: self._wait_done(pin))
+            wait.add_done_callback(functools.partial(self._on_wait_done, pin))
         self._ensure_sweeper()
+        tracing.mark(Step.PINNED)
         return pin
 
     def lookup(self, owner: str, request_id: str) -> Pin | None:
@@ -108,7 +112,11 @@ class PinTable:
             pin.on_end(reason)
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
+        tracing.mark(Step.FREED)
         return True
+
+    def _on_wait_done(self, pin: Pin, _wait: asyncio.Future[list[str]]) -> None:
+        self._wait_done(pin)
 
     def _wait_done(self, pin: Pin) -> None:
         """One rank's notifications all arrived (or its wait was cancelled by a release)."""

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
-from shared.errors import InvalidArgument, ServiceError
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
-from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.rpc.compat import check_pair
-from shared.runtime.engine_host import EngineHost
-from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.metrics import ServiceMetrics
 from prefill_svc.jobs import JobRunner
 from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
 from prefill_svc.session import PrefillSession, SessionConfig
+from shared.errors import InvalidArgument, ServiceError
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.compat import check_pair
+from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.metrics import ServiceMetrics
+from shared.runtime.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,10 @@ import argparse
 import os
 import re
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Mapping, Sequence, TypeVar
+from typing import Literal, TypeVar
 
 ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]

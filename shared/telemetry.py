@@ -2,12 +2,12 @@
 
 Each service owns a `Telemetry` with its own registry (two services in one test process must
 not share counters) and serves it over HTTP on `--metrics-port`. Labels stay low-cardinality:
-sections, reasons, results, statuses and rank numbers; never request ids.
+sections, reasons, results and statuses; never request ids or ranks (block counts are per engine).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 # Transfers on DRAM take microseconds to a few hundred milliseconds; on GPUs similar.
@@ -35,8 +35,9 @@ class Telemetry:
             buckets=DESCRIPTOR_BUCKETS, registry=r,
         )
         self.failures = Counter("hybrid_pd_failures", "Failed transfers and requests, by reason", ["reason"], registry=r)
-        self.blocks_in_use = Gauge("hybrid_pd_blocks_in_use", "Cache blocks held by requests", ["rank"], registry=r)
-        self.blocks_total = Gauge("hybrid_pd_blocks_total", "Cache blocks of the engine", ["rank"], registry=r)
+        # Per engine, not per rank: one allocator serves every rank with the same block ids.
+        self.blocks_in_use = Gauge("hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=r)
+        self.blocks_total = Gauge("hybrid_pd_blocks_total", "Cache blocks of the engine (per rank)", registry=r)
         self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=r)
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=r)
         self.requests = Counter("hybrid_pd_requests", "Requests finished, by gRPC status", ["status"], registry=r)
@@ -54,11 +55,6 @@ class Telemetry:
         for section in SECTIONS:
             self.transferred_bytes.labels(section=section)
             self.digest_mismatches.labels(section=section)
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve /metrics over HTTP; returns the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 
@@ -46,7 +47,7 @@ def seconds(duration: Any) -> float:
 
 
 async def generate(
-    stub: pb_grpc.DecodeServiceStub, prompt: Sequence[int], max_tokens: int, *, request_id: str = "", timeout: float = 600.0
+    stub: pb_grpc.DecodeServiceAsyncStub, prompt: Sequence[int], max_tokens: int, *, request_id: str = "", timeout: float = 600.0
 ) -> Timed:
     result = Timed(sent=time.perf_counter())
     request = pb.GenerateRequest(prompt_token_ids=list(prompt), max_tokens=max_tokens, request_id=request_id)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -30,8 +32,8 @@ from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.compute_threads import compute_executor
 from shared.engine.factory import ENGINE_KINDS, make_engine
-from shared.engine.protocol import Engine, RequestBlocks
-from shared.layout.hf_config import load_model
+from shared.engine.protocol import DecodeSession, Engine, RequestBlocks
+from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -40,6 +42,10 @@ from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
 
 T = TypeVar("T")
+
+
+def _steps(decode: DecodeSession, n: int) -> list[int]:
+    return [decode.step() for _ in range(n)]
 MAX_TOKENS_PER_CHUNK = 16  # as the decode service
 
 
@@ -79,7 +85,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
             first_token_at: float | None = None
             while generated < request.max_tokens:
                 n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
-                ids = await self._run(lambda: [decode.step() for _ in range(n)])
+                ids = await self._run(functools.partial(_steps, decode, n))
                 generated += len(ids)
                 if first_token_at is None:
                     first_token_at = time.monotonic()

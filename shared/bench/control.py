@@ -27,8 +27,8 @@ Baselines from the same run: `echo`, one round trip over a bare grpc.aio bidirec
 this process (the floor of `manifest`); `raw_read`, the same READ (identical descriptors, with
 a notification) between plain NIXL agents (the floor of `read`; raw_nixl.py).
 
-The service packages are imported here, inside the functions, on purpose: this is a harness
-that drives them; the library proper never imports a service.
+The benchmarks sit above the services: they import them, and the library below never does
+(tests/unit/test_layering.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ from typing import Any
 
 import grpc
 
-from shared.transport.read_fence import ReadFence
+from decode_svc.app import DecodeApp
+from decode_svc.reader import ReadStats, manifest_blocks, read_request
+from prefill_svc.app import PrefillApp
+from shared import tracing
 from shared.bench.client import generate
 from shared.bench.control_prefill import PrefillProcess
 from shared.bench.control_trace import NOTIFICATION_WAIT_STEP, StepTrace, thread_hop_seconds, traced
@@ -56,6 +59,8 @@ from shared.config import parse_settings
 from shared.layout.read_lists import read_indices
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import layout_for
+from shared.tracing import Step
+from shared.transport.read_fence import ReadFence
 
 SCHEMA = "hybrid-pd.bench.control/v1"
 TARGET_MEDIAN_MS = 1.0
@@ -81,10 +86,6 @@ class ControlConfig:
 
 
 async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    from decode_svc.app import DecodeApp
-    from decode_svc.reader import ReadStats, manifest_blocks, read_request
-    from prefill_svc.app import PrefillApp
-
     base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(NUM_BLOCKS), "--log-level", "WARNING"]
     prefill_flags = [*base, "--tp", str(cfg.prefill_tp), "--engine-id", "bench-control-prefill"]
     prefill_settings = parse_settings("prefill", prefill_flags, environ={})
@@ -160,10 +161,10 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             a0 = time.perf_counter()
             local = host.allocate(rid, len(prompt) + 1)
             t2 = time.perf_counter()
-            trace.mark("d.read_start")  # no-ops outside the traced pass
+            tracing.mark(Step.READ_START)  # no-ops outside the traced pass
             reads = ReadFence()
             stats = await read_request(host, link, manifest, local, timeout=30.0, fence=reads)
-            trace.mark("d.read_end")
+            tracing.mark(Step.READ_END)
             t3 = time.perf_counter()
             session.done_reading(rid)
             # Prefill, in its own process, may free the blocks before decode's loop saw DONE.

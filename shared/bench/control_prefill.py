@@ -21,8 +21,10 @@ import json
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from prefill_svc.app import PrefillApp
 from shared.bench.no_compute import NoComputeEngine
 from shared.config import parse_settings
 from shared.errors import InvalidArgument, ServiceError
@@ -87,7 +89,7 @@ class PrefillProcess:
             proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 
@@ -130,8 +132,6 @@ def watch_pins(app: Any, ends: PinEnds) -> None:
 
 
 async def serve(argv: Sequence[str]) -> None:
-    from prefill_svc.app import PrefillApp
-
     app = await PrefillApp.start(parse_settings("prefill", argv), NoComputeEngine)
     ends = PinEnds()
     watch_pins(app, ends)

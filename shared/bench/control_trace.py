@@ -1,10 +1,9 @@
 """`bench control --breakdown`: where one request's control-plane time goes, step by step.
 
-Instrumentation, not production code: for one extra pass of requests, StepTrace wraps the
-functions a request passes through in the two in-process services (and only those instances)
-with a timestamp each, then restores them. Steps are the time between two named marks of the
-same request. The pass is separate from the untraced one whose phases `bench control` reports,
-because each mark costs a few microseconds.
+The services mark named steps through `shared.tracing` (a no-op unless a sink is installed);
+for one extra pass of requests StepTrace is installed as the sink and stamps each mark. Steps
+are the time between two named marks of the same request. The pass is separate from the
+untraced one whose phases `bench control` reports, because each stamp costs a few microseconds.
 
 The floors measured beside it (in control.py, from the same run) are what no implementation of
 this design can avoid on this machine: a Session stream round trip (echo), a hop from the event loop to a
@@ -19,34 +18,41 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
+import decode_svc.reader as reader
+from decode_svc.app import DecodeApp
+from prefill_svc.app import PrefillApp
+from prefill_svc.session import PrefillSession
+from shared import tracing
 from shared.bench.stats import Summary
+from shared.layout.read_lists import read_indices
+from shared.tracing import Step
 
 NOTIFICATION_WAIT_STEP = "prefill: READ done -> pump fetched the notification"
 
-# (label, from mark, to mark). Marks prefixed d. run on decode's loop, p. on prefill's loop,
-# o. on an agent's owner thread, c. on prefill's compute thread.
-STEPS: tuple[tuple[str, str, str], ...] = (
-    ("job over the Session stream (decode -> prefill)", "d.job_queued", "p.job_received"),
-    ("prefill: job task starts, credit taken", "p.job_received", "p.job_started"),
-    ("prefill: prompt checks + block allocation", "p.job_started", "p.allocated"),
-    ("prefill: hop to the compute thread", "p.allocated", "c.compute"),
-    ("prefill: engine call (none) + hop back", "c.compute", "p.computed"),
-    ("prefill: pin (notification waits armed)", "p.computed", "p.pinned"),
-    ("prefill: manifest built", "p.pinned", "p.manifest_built"),
-    ("manifest over the Session stream (prefill -> decode)", "p.manifest_built", "d.manifest_received"),
-    ("decode: manifest checks + descriptor ids", "d.read_start", "d.ids"),
-    ("decode: bytes by section", "d.ids", "d.bytes"),
-    ("decode: to the post (inline on the loop when small)", "d.bytes", "o.post_start"),
-    ("decode: make_prepped_xfer + transfer (the copy)", "o.post_start", "o.post_end"),
-    ("decode: READ done -> back on the event loop", "o.post_end", "d.read_end"),
-    (NOTIFICATION_WAIT_STEP, "o.post_end", "o.notif_fetched"),
-    ("prefill: notification -> event loop", "o.notif_fetched", "p.notif_dispatched"),
-    ("prefill: pin ended, blocks freed", "p.notif_dispatched", "p.freed"),
+# (label, from step, to step); the step names say on which thread each mark runs (shared/tracing.py).
+STEPS: tuple[tuple[str, Step, Step], ...] = (
+    ("job over the Session stream (decode -> prefill)", Step.JOB_QUEUED, Step.JOB_RECEIVED),
+    ("prefill: job task starts, credit taken", Step.JOB_RECEIVED, Step.JOB_STARTED),
+    ("prefill: prompt checks + block allocation", Step.JOB_STARTED, Step.ALLOCATED),
+    ("prefill: hop to the compute thread", Step.ALLOCATED, Step.COMPUTE),
+    ("prefill: engine call (none) + hop back", Step.COMPUTE, Step.COMPUTED),
+    ("prefill: pin (notification waits armed)", Step.COMPUTED, Step.PINNED),
+    ("prefill: manifest built", Step.PINNED, Step.MANIFEST_BUILT),
+    ("manifest over the Session stream (prefill -> decode)", Step.MANIFEST_BUILT, Step.MANIFEST_RECEIVED),
+    ("decode: manifest checks + descriptor ids", Step.READ_START, Step.IDS),
+    ("decode: bytes by section", Step.IDS, Step.BYTES),
+    ("decode: to the post (inline on the loop when small)", Step.BYTES, Step.POST_START),
+    ("decode: make_prepped_xfer + transfer (the copy)", Step.POST_START, Step.POST_END),
+    ("decode: READ done -> back on the event loop", Step.POST_END, Step.READ_END),
+    (NOTIFICATION_WAIT_STEP, Step.POST_END, Step.NOTIFICATION_FETCHED),
+    ("prefill: notification -> event loop", Step.NOTIFICATION_FETCHED, Step.NOTIFICATION_DISPATCHED),
+    ("prefill: pin ended, blocks freed", Step.NOTIFICATION_DISPATCHED, Step.FREED),
 )
 
 
@@ -83,85 +89,80 @@ class StepTrace:
         ]
 
 
-def _wrap_after(trace: StepTrace, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+@contextmanager
+def traced(trace: StepTrace, prefill_app: PrefillApp, decode_app: DecodeApp) -> Iterator[None]:
+    """Every mark of both services goes to `trace` until the block exits."""
+    with tracing.tracing_into(trace), _interim_marks(prefill_app, decode_app):
+        yield
+
+
+# Interim: the steps below are marked in files being reworked on the data-path branch; until
+# those files call `tracing.mark` themselves, these wrappers make the calls for them, on these
+# two service instances only, and restore everything on exit. Each entry names the step and
+# the function whose call it brackets; delete an entry once its file marks the step.
+def _mark_after(step: Step, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = fn(*args, **kwargs)
-        trace.mark(name)
+        tracing.mark(step)
         return result
 
     return wrapper
 
 
-def _wrap_before(trace: StepTrace, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _mark_before(step: Step, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        trace.mark(name)
+        tracing.mark(step)
         return fn(*args, **kwargs)
 
     return wrapper
 
 
-def _wrap_async(trace: StepTrace, before: str | None, after: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _mark_around_async(before: Step | None, after: Step | None, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if before:
-            trace.mark(before)
+        if before is not None:
+            tracing.mark(before)
         result = await fn(*args, **kwargs)
-        if after:
-            trace.mark(after)
+        if after is not None:
+            tracing.mark(after)
         return result
 
     return wrapper
 
 
 @contextmanager
-def traced(trace: StepTrace, prefill_app: Any, decode_app: Any) -> Iterator[None]:
-    """Wrap the request path of these two service instances; everything is restored on exit."""
-    import decode_svc.reader as reader
-    from decode_svc.session_client import SessionClient
-    from prefill_svc.session import PrefillSession
-
+def _interim_marks(prefill_app: PrefillApp, decode_app: DecodeApp) -> Iterator[None]:
     restore: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, old value, was an instance attribute)
 
     def patch(owner: Any, attr: str, new: Any) -> None:
         restore.append((owner, attr, getattr(owner, attr), attr in vars(owner)))
         setattr(owner, attr, new)
 
-    send, resolve, start_job = SessionClient._send, SessionClient._resolve, PrefillSession._start_job
-
-    def traced_send(self: SessionClient, msg: Any) -> None:
-        if msg.WhichOneof("payload") == "job":
-            trace.mark("d.job_queued")
-        send(self, msg)
-
-    patch(SessionClient, "_send", traced_send)
-    patch(SessionClient, "_resolve", _wrap_before(trace, "d.manifest_received", resolve))
-    patch(PrefillSession, "_start_job", _wrap_before(trace, "p.job_received", start_job))
+    patch(PrefillSession, "_start_job", _mark_before(Step.JOB_RECEIVED, PrefillSession._start_job))
     runner = prefill_app.servicer.runner
-    patch(runner, "run", _wrap_async(trace, "p.job_started", "p.manifest_built", runner.run))
+    patch(runner, "run", _mark_around_async(Step.JOB_STARTED, Step.MANIFEST_BUILT, runner.run))
     host = prefill_app.host
-    patch(host, "allocate_queued", _wrap_async(trace, None, "p.allocated", host.allocate_queued))
+    patch(host, "allocate_queued", _mark_around_async(None, Step.ALLOCATED, host.allocate_queued))
     run_compute = host.run_compute
 
     async def traced_compute(fn: Callable[[], Any]) -> Any:
-        result = await run_compute(_wrap_before(trace, "c.compute", fn))
-        trace.mark("p.computed")
+        result = await run_compute(_mark_before(Step.COMPUTE, fn))
+        tracing.mark(Step.COMPUTED)
         return result
 
     patch(host, "run_compute", traced_compute)
-    pins = prefill_app.pins
-    patch(pins, "pin", _wrap_after(trace, "p.pinned", pins.pin))
-    patch(pins, "release", _wrap_after(trace, "p.freed", pins.release))
     router = host.poller.router
-    patch(router, "dispatch", _wrap_before(trace, "p.notif_dispatched", router.dispatch))
+    patch(router, "dispatch", _mark_before(Step.NOTIFICATION_DISPATCHED, router.dispatch))
     for agent in host.agents:  # the sink the owner thread calls with fetched notifications
-        patch(agent, "_sink", _wrap_before(trace, "o.notif_fetched", agent._sink))
-    patch(reader, "read_indices", _wrap_after(trace, "d.ids", reader.read_indices))
-    patch(reader, "_pair_bytes", _wrap_after(trace, "d.bytes", reader._pair_bytes))
+        if agent._sink is not None:
+            patch(agent, "_sink", _mark_before(Step.NOTIFICATION_FETCHED, agent._sink))
+    patch(reader, "read_indices", _mark_after(Step.IDS, read_indices))  # the module-level name reader.py calls
+    patch(reader, "_pair_bytes", _mark_after(Step.BYTES, reader._pair_bytes))
     for agent in decode_app.host.agents:
         post = agent._post_read
-        patch(agent, "_post_read", _wrap_after(trace, "o.post_end", _wrap_before(trace, "o.post_start", post)))
+        patch(agent, "_post_read", _mark_after(Step.POST_END, _mark_before(Step.POST_START, post)))
     try:
         yield
     finally:

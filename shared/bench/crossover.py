@@ -9,8 +9,8 @@ bytes a real transfer moves for that (prefill TP, decode TP) pair.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from shared.bench.pairs import fake_bases, pair_lists, request_reads, total_sections
 from shared.bench.sections import SectionBytes

@@ -22,7 +22,7 @@ from shared.bench.pairs import fake_bases, pair_lists
 from shared.bench.sizing import blocks_needed, request_blocks
 from shared.bench.stats import Summary, json_number
 from shared.cache.id_buffers import IdBufferPool
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.plan import build_plan
 from shared.layout.read_lists import read_indices

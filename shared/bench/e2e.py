@@ -23,8 +23,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,12 +33,12 @@ import numpy as np
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.cpu import process_cpu_seconds
 from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
+from shared.bench.local_pair import LISTENING, LocalPair, start_pair
 from shared.bench.plotting import Chart, Series
 from shared.bench.progress import Progress
 from shared.bench.sizing import blocks_needed, prefill_tokens
 from shared.bench.stats import Summary, json_number, ratio
-from shared.cli.local_pair import LISTENING, LocalPair, start_pair
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
@@ -161,7 +162,7 @@ async def _level(
 ) -> LevelResult:
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(i: int, stub: pb_grpc.DecodeServiceStub) -> Timed:
+    async def one(i: int, stub: pb_grpc.DecodeServiceAsyncStub) -> Timed:
         async with sem:
             timed = await generate(stub, prompts[i], cfg.max_tokens)
         progress.advance(1, f"{setup} c={concurrency}")

@@ -5,7 +5,7 @@ the services), with the same server options as the services and no handler work 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 

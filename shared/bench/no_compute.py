@@ -7,7 +7,7 @@ measured alone. The bytes a READ moves are whatever the blocks held.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from shared.cache.regions import RankCache
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks

@@ -4,8 +4,8 @@ decode service does it: lists once per peer (`pair_lists`), ids per request (`re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +40,7 @@ class PairRead:
         return int(self.pair.lists.local[self.local_idx, 1].sum())
 
     def sections(self) -> SectionBytes:
-        return section_bytes(self.pair.lists, self.pair.read, self.local_idx)
+        return section_bytes(self.pair.lists, self.pair.read, self.local_idx.astype(np.int64))
 
 
 def pair_lists(

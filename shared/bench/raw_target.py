@@ -18,7 +18,8 @@ import json
 import queue
 import sys
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+
+import numpy as np
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks; nan if empty."""
+    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's
+    default method); nan if empty."""
     if not samples:
         return math.nan
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {q}")
-    ordered = sorted(samples)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
 
 
 def median(samples: Sequence[float]) -> float:

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from shared.bench.client import generate, seconds
+from shared.bench.local_pair import start_pair
 from shared.bench.memcpy import CopyBaseline
 from shared.bench.pairs import pair_lists, request_reads, total_sections
 from shared.bench.progress import Progress
@@ -38,8 +39,7 @@ from shared.bench.raw_nixl import PreparedRead, RawReader, RawTarget, coalesce_p
 from shared.bench.sections import SectionBytes
 from shared.bench.sizing import blocks_needed, prefill_tokens, request_blocks
 from shared.bench.transfer_report import TransferSamples, build_result
-from shared.cli.local_pair import start_pair
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.plan import build_plan
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -146,7 +146,7 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
 
 def _coalesced(reader: RawReader, target: RawTarget, d: int, p: int, local_descs: Any, local_idx: Any) -> PreparedRead:
     local, remote = coalesce_per_region(local_descs, local_idx, reader.bases(d), target.ranks[p].bases)
-    ids = np.arange(len(local), dtype=np.int64)
+    ids = np.arange(len(local), dtype=np.int32)  # the id dtype of our own READ path
     return reader.prepare(d, p, local, remote, ids, ids)
 
 

@@ -9,8 +9,9 @@ round: less sensitive to drift across the run than the ratio of medians.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from shared.bench.sections import SectionBytes
 from shared.bench.stats import Summary, gbps, json_number, median, ratio

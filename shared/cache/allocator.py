@@ -49,20 +49,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - self._num_free
 
-    def in_use(self) -> dict[str, int]:
-        """Blocks held per request id."""
-        return {rid: sum(int(part.size) for part in parts) for rid, parts in self._held.items()}
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._held
-
-    def blocks_of(self, request_id: str) -> BlockIds:
-        """Every block the request holds, in allocation order."""
-        parts = self._held.get(request_id)
-        if parts is None:
-            raise KeyError(f"request {request_id!r} holds no blocks")
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-
     def allocate(self, request_id: str, n: int, *, contiguous_preferred: bool = True) -> BlockIds:
         """Give `n` more blocks to the request (it may already hold some); returns their ids.
 

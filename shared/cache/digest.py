@@ -129,7 +129,7 @@ def state_digests(
     out: list[SectionDigest] = []
     for p in range(src.tp):
 
-        def runs(kind: str) -> list[_Run]:
+        def runs(kind: str, p: int = p) -> list[_Run]:
             if source is None:
                 return _own_runs(local_index[kind], p)
             return owners[kind].runs(source_index[kind](spec, src.tp, p))

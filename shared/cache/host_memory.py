@@ -13,6 +13,7 @@ this is plain memory.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -34,10 +35,9 @@ def host_buffer(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
     mapping = mmap.mmap(-1, rounded + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
     offset = -whole.data_ptr() % HUGE_PAGE_BYTES
-    try:
+    # A kernel built without THP refuses the advice (EINVAL): plain pages, still aligned.
+    with contextlib.suppress(OSError):
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, rounded)  # before the first touch: faults take huge pages
-    except OSError:
-        pass  # a kernel built without THP refuses the advice (EINVAL): plain pages, still aligned
     buffer = whole[offset : offset + nbytes]
     buffer.zero_()
     return buffer

@@ -48,13 +48,13 @@ class RankViews:
             region.view(kv_dtype).view(n_phys, 2, shapes.kv_heads_per_rank, layout.kernel_block_size, shapes.head_dim)
             for region in cache.regions
         ]
-        # Mamba: per logical block, conv DS (conv_dim, conv_rows) at offset 0, SSM after it.
+        # Mamba: per logical block, conv DS (conv_dim, conv_rows) then the SSM state (offsets: RankShapes).
         conv_dtype, ssm_dtype = torch_dtype(spec.conv_dtype), torch_dtype(spec.ssm_dtype)
-        conv_end = shapes.conv_bytes
-        ssm_end = conv_end + shapes.ssm_bytes
+        conv_span = slice(shapes.conv_offset, shapes.conv_offset + shapes.conv_bytes)
+        ssm_span = slice(shapes.ssm_offset, shapes.ssm_offset + shapes.ssm_bytes)
         self.conv = []
         self.ssm = []
         for r in range(cache.num_regions):
             pages = cache.blocks(r)  # [N_log, P] uint8
-            self.conv.append(pages[:, :conv_end].view(conv_dtype).view(n_log, shapes.conv_dim, shapes.conv_rows))
-            self.ssm.append(pages[:, conv_end:ssm_end].view(ssm_dtype).view(n_log, *shapes.ssm_shape))
+            self.conv.append(pages[:, conv_span].view(conv_dtype).view(n_log, shapes.conv_dim, shapes.conv_rows))
+            self.ssm.append(pages[:, ssm_span].view(ssm_dtype).view(n_log, *shapes.ssm_shape))

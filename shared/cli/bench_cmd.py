@@ -20,7 +20,8 @@ import asyncio
 import json
 import os
 import sys
-from typing import Any, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from shared.config import ENV_PREFIX, boolean
 
@@ -79,7 +80,7 @@ def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     if plot:
-        _add(p, "plot", None, "write a chart here (PNG needs matplotlib; otherwise an SVG is written next to it)", metavar="FILE")
+        _add(p, "plot", None, "write a chart here, PNG or SVG by the suffix (needs matplotlib: the plot extra)", metavar="FILE")
 
 
 def _command(name: str, args: argparse.Namespace, flags: Sequence[str]) -> str:
@@ -120,6 +121,12 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], table: str, chart:
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        if getattr(args, "plot", None):
+            from shared.bench.plotting import MISSING_MATPLOTLIB, available
+
+            if not available():  # refused before the run, not after it
+                print(f"hybrid-pd bench {args.bench_command}: --plot {args.plot} {MISSING_MATPLOTLIB}", file=sys.stderr)
+                return 2
         try:
             return fn(args)
         except KeyboardInterrupt:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import duration_pb2
 
-from shared.cli.local_pair import LocalPair, ServiceStartError, start_pair
+from shared.bench.local_pair import LocalPair, ServiceStartError, start_pair
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -54,7 +55,7 @@ def prompts(count: int) -> list[str]:
     return [text[: PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] + i // len(PROMPT_LENGTHS)] for i in range(count)]
 
 
-async def run_one(stub: pb_grpc.DecodeServiceStub, prompt: str, max_tokens: int, sem: asyncio.Semaphore) -> RequestResult:
+async def run_one(stub: pb_grpc.DecodeServiceAsyncStub, prompt: str, max_tokens: int, sem: asyncio.Semaphore) -> RequestResult:
     result = RequestResult(prompt)
     async with sem:
         try:
@@ -69,8 +70,8 @@ async def run_one(stub: pb_grpc.DecodeServiceStub, prompt: str, max_tokens: int,
     return result
 
 
-def _ms(duration: Any) -> float:
-    return duration.seconds * 1e3 + duration.nanos / 1e6
+def _ms(duration: duration_pb2.Duration) -> float:
+    return float(duration.seconds) * 1e3 + duration.nanos / 1e6
 
 
 def summarize(model: str, engine: str, p_tp: int, d_tp: int, results: list[RequestResult], wall: float) -> dict[str, Any]:

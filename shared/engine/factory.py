@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from shared.cache.model_views import RankViews
 from shared.engine.protocol import Engine

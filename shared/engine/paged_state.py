@@ -12,7 +12,7 @@ fill many positions at once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -10,8 +10,9 @@ Engine calls are synchronous and CPU/GPU-bound: the services run them off the ev
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -8,7 +8,7 @@ unsharded state, so tokens cannot depend on either side's TP.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ class ReferenceDecodeSession:
         self._ensure = ensure_capacity
         self._pending = list(prompt[num_computed:])  # prompt tokens decode still has to compute
         self._pos = num_computed
+        self._last: int  # the last sampled token, set by the first step
         if not self._pending:
             raise ValueError("decode needs at least the last prompt token to compute")
 

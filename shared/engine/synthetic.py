@@ -10,7 +10,7 @@ derived from a checksum of the state decode holds, so corrupted bytes change the
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

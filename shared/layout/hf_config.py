@@ -18,10 +18,9 @@ only file access in `shared.layout`.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from shared.layout.spec import (
     DTYPES,
@@ -329,27 +328,8 @@ def load_model(
     conv_dtype: str | None = None,
     ssm_dtype: str | None = None,
 ) -> ModelSpec:
-    """A preset name, a config.json path, or a directory holding config.json -> `ModelSpec`."""
-    from shared.layout.presets import PRESETS  # presets import this module
+    """Moved to `shared.layout.models.load_model` (which sits above both this module and the
+    presets); kept until its last caller, shared/runtime/engine_host.py, imports it from there."""
+    from shared.layout.models import load_model as load  # transitional: the one edge back up
 
-    if name_or_path in PRESETS:
-        spec = PRESETS[name_or_path]
-        return spec.with_dtypes(
-            kv=parse_dtype(kv_dtype, what="kv dtype") if kv_dtype else None,
-            conv=parse_dtype(conv_dtype, what="conv dtype") if conv_dtype else None,
-            ssm=parse_dtype(ssm_dtype, what="ssm dtype") if ssm_dtype else None,
-        )
-    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
-    if not os.path.isfile(path):
-        raise LayoutError(
-            f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise LayoutError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise LayoutError(f"{path}: a config.json must hold a JSON object")
-    name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return parse_config(cfg, name=str(name), kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
+    return load(name_or_path, kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)

@@ -134,10 +134,6 @@ class EngineLayout:
         """K (or V) bytes of one head for one token."""
         return self.shapes.head_dim * self.shapes.kv_dtype_bytes
 
-    def fa_offset(self, half: int, local_head: int, token_in_kernel_block: int = 0) -> int:
-        """Byte offset inside a kernel block: half 0 = K, 1 = V (HND)."""
-        return half * self.fa_half_bytes + local_head * self.fa_head_bytes + token_in_kernel_block * self.fa_token_bytes
-
     def num_kernel_blocks(self, num_logical_blocks: int) -> int:
         return num_logical_blocks * self.physical_per_logical
 
@@ -163,10 +159,6 @@ class EngineLayout:
     def section_offsets(self) -> tuple[int, ...]:
         """Page offset of each conv section."""
         return self.shapes.section_offsets
-
-    @property
-    def ssm_offset(self) -> int:
-        return self.shapes.conv_bytes
 
 
 def build_engine_layout(

@@ -25,8 +25,8 @@ side).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -201,10 +201,10 @@ def _rank_plan(prefill: EngineLayout, decode: EngineLayout, d: int, fa_unit_toke
             in_section = (local_rows >= section_bounds[s]) & (local_rows < section_bounds[s + 1]) & (chan_owner == c)
             rows = np.flatnonzero(in_section)
             what = f"decode rank {d} conv section {ds.section_names[s]} from prefill rank {p}"
-            conv.append(_run(what, rows, chan_pos[rows], ds.conv_row_bytes, 0, 0))
+            conv.append(_run(what, rows, chan_pos[rows], ds.conv_row_bytes, ds.conv_offset, ps.conv_offset))
         ssm_rows = np.flatnonzero(row_owner == c)
         what = f"decode rank {d} SSM rows from prefill rank {p}"
-        ssm = _run(what, ssm_rows, row_pos[ssm_rows], ds.ssm_row_bytes, ds.conv_bytes, ps.conv_bytes)
+        ssm = _run(what, ssm_rows, row_pos[ssm_rows], ds.ssm_row_bytes, ds.ssm_offset, ps.ssm_offset)
         if fa is not None or ssm is not None or any(x is not None for x in conv):
             reads.append(SourceRead(prefill_rank=p, fa=fa, conv=tuple(conv), ssm=ssm))
     return RankPlan(

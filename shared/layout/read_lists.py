@@ -57,9 +57,10 @@ Pieces of a padded (short) group's unused regions are never referenced: they hol
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt

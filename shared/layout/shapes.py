@@ -84,6 +84,28 @@ class RankShapes:
         """Real bytes of one SSM layer's state (conv + SSM), before HMA padding."""
         return self.conv_bytes + self.ssm_bytes
 
+    # The one home of the Mamba page's byte offsets (DS layout): the conv state first, its
+    # sections consecutive, then the SSM state, then padding up to the page size.
+    @property
+    def conv_offset(self) -> int:
+        """Page offset of the conv state."""
+        return 0
+
+    @property
+    def ssm_offset(self) -> int:
+        """Page offset of the SSM state: right after the conv state."""
+        return self.conv_offset + self.conv_bytes
+
+    @property
+    def piece_offsets(self) -> tuple[int, ...]:
+        """Page offset of every Mamba piece: each conv section, then the SSM state."""
+        return (*(self.conv_offset + o for o in self.section_offsets), self.ssm_offset)
+
+    @property
+    def piece_bytes(self) -> tuple[int, ...]:
+        """Size of every Mamba piece, in the order of `piece_offsets`."""
+        return (*self.section_bytes, self.ssm_bytes)
+
     @property
     def num_sections(self) -> int:
         return len(self.section_names)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Literal, Union
+from typing import Literal
 
 Family = Literal["mamba1", "mamba2", "gdn"]
 DType = Literal["bf16", "fp16", "fp8", "fp32"]
@@ -67,7 +67,7 @@ class Mamba1Dims:
     family: Family = field(default="mamba1", init=False)
 
 
-SSMDims = Union[Mamba2Dims, GDNDims, Mamba1Dims]
+SSMDims = Mamba2Dims | GDNDims | Mamba1Dims
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def verify_plan(plan: TransferPlan) -> list[str]:
     if pre.kernel_block_size % unit_tokens or dec.kernel_block_size % unit_tokens:
         errors.append(f"FA unit {unit_tokens} tokens does not divide both kernel block sizes")
     head_unit = unit_tokens * ds.head_dim * ds.kv_dtype_bytes
-    p_sections = list(zip(ps.section_offsets, ps.section_bytes))
+    p_sections = list(zip(ps.piece_offsets[:-1], ps.section_bytes))
     for d, rank in enumerate(plan.ranks):
         tag = f"decode rank {d}"
         if rank.decode_rank != d:
@@ -139,17 +139,17 @@ def verify_plan(plan: TransferPlan) -> list[str]:
             if read.ssm is not None:
                 what = f"{tag} SSM from prefill rank {p}"
                 ssm.append((read.ssm.local_offset, read.ssm.local_offset + read.ssm.size, p))
-                errors += _inside(what, read.ssm, ps.conv_bytes, ps.conv_bytes + ps.ssm_bytes, p)
+                errors += _inside(what, read.ssm, ps.ssm_offset, ps.ssm_offset + ps.ssm_bytes, p)
                 remote_rows = ssm_row_index(spec, pre.tp, p)
                 errors += _element_errors(
-                    what, read.ssm, ds.ssm_row_bytes, ds.conv_bytes, ps.conv_bytes, local_rows, remote_rows
+                    what, read.ssm, ds.ssm_row_bytes, ds.ssm_offset, ps.ssm_offset, local_rows, remote_rows
                 )
                 total += read.ssm.size
         errors += _cover_errors(f"{tag} FA K/V half", fa, 0, ds.kv_heads_per_rank * head_unit)
         for s in range(ds.num_sections):
-            lo = ds.section_offsets[s]
+            lo = ds.piece_offsets[s]
             errors += _cover_errors(f"{tag} conv section {ds.section_names[s]}", conv[s], lo, lo + ds.section_bytes[s])
-        errors += _cover_errors(f"{tag} SSM state", ssm, ds.conv_bytes, ds.conv_bytes + ds.ssm_bytes)
+        errors += _cover_errors(f"{tag} SSM state", ssm, ds.ssm_offset, ds.ssm_offset + ds.ssm_bytes)
         held = 2 * ds.kv_heads_per_rank * head_unit + ds.mamba_bytes
         if total != held:
             errors.append(f"{tag}: reads total {total} bytes per FA unit + Mamba page, the rank holds {held}")
@@ -260,8 +260,8 @@ def simulate_transfer(
                 else:
                     page = rank.pages(j)[p_ids[g][0]]
                     s = pre.shapes
-                    page[: s.conv_bytes] = g_conv[ssm_index[layer]][chans].reshape(-1)
-                    page[s.conv_bytes : s.conv_bytes + s.ssm_bytes] = g_ssm[ssm_index[layer]][rows].reshape(-1)
+                    page[s.conv_offset : s.conv_offset + s.conv_bytes] = g_conv[ssm_index[layer]][chans].reshape(-1)
+                    page[s.ssm_offset : s.ssm_offset + s.ssm_bytes] = g_ssm[ssm_index[layer]][rows].reshape(-1)
 
     # Decode reads: one READ per (decode rank, source rank), executed as byte copies.
     errors: list[str] = []
@@ -323,8 +323,8 @@ def simulate_transfer(
                 else:
                     page = rank.pages(j)[d_ids[g][0]]
                     conv, ssm = g_conv[ssm_index[layer]][chans], g_ssm[ssm_index[layer]][rows]
-                    if not np.array_equal(page[: s.conv_bytes], conv.reshape(-1)):
+                    if not np.array_equal(page[s.conv_offset : s.conv_offset + s.conv_bytes], conv.reshape(-1)):
                         errors.append(f"decode rank {d} layer {layer}: conv state differs from prefill")
-                    if not np.array_equal(page[s.conv_bytes : s.mamba_bytes], ssm.reshape(-1)):
+                    if not np.array_equal(page[s.ssm_offset : s.ssm_offset + s.ssm_bytes], ssm.reshape(-1)):
                         errors.append(f"decode rank {d} layer {layer}: SSM state differs from prefill")
     return errors

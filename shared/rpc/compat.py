@@ -11,7 +11,8 @@ Each problem names its field (`model.kv_dtype`, `ranks[1].page_bytes`) and both 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -20,7 +21,8 @@ from shared.layout.page import EngineLayout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.layout_message import PROTOCOL_VERSION, rank_geometry, rebuild_layout
+from shared.rpc.layout_message import rank_geometry, rebuild_layout
+from shared.rpc.protocol_version import PROTOCOL_VERSION
 
 
 def _enum_text(enum: Callable[[Any], str], value: int) -> str:

@@ -11,7 +11,8 @@ import asyncio
 import inspect
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 

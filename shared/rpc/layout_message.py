@@ -8,15 +8,13 @@ ours is refused before any byte moves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-
-# Bump when the meaning of any field or of the Session protocol changes.
-PROTOCOL_VERSION = 1
+from shared.rpc.protocol_version import PROTOCOL_VERSION
 
 DATA_TYPES: dict[str, int] = {
     "bf16": pb.DATA_TYPE_BF16,

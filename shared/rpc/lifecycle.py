@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, ProcessCollector, start_http_server
@@ -35,9 +36,6 @@ class ServiceMetrics:
             "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
             ["reason"], registry=self.registry,
         )  # fmt: skip
-        self.sessions_ended = Counter(
-            "hybrid_pd_sessions_ended", "Session streams ended, by how", ["how"], registry=self.registry
-        )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -48,10 +46,9 @@ class ServiceMetrics:
     def watch_host(self, host: EngineHost) -> None:
         """Block accounting and data-path handles of the engine host."""
         t = self.telemetry
-        for rank in range(len(host.agents)):
-            # One allocator per engine: a request's block ids are the same on every rank.
-            t.blocks_in_use.labels(rank=str(rank)).set_function(lambda: host.allocator.num_used)
-            t.blocks_total.labels(rank=str(rank)).set_function(lambda: host.num_blocks)
+        # One allocator per engine (a request's block ids are the same on every rank): one value.
+        t.blocks_in_use.set_function(lambda: host.allocator.num_used)
+        t.blocks_total.set_function(lambda: host.num_blocks)
         self.gauge(
             "hybrid_pd_open_read_handles", "NIXL READ handles not released yet (in flight, or a cancel that failed)",
             lambda: sum(agent.live_xfers for agent in host.agents),

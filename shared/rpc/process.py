@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from shared.config import ServiceSettings
 from shared.errors import InvalidArgument, ServiceError

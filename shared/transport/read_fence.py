@@ -10,6 +10,7 @@ each READ's post and runs such actions once every READ posted through it is rele
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -78,10 +79,8 @@ class ReadFence:
             agent.drop(xfer)
 
         def released(_: object) -> None:  # on the owner thread
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody waits any more
                 self._loop.call_soon_threadsafe(self._one_released)
-            except RuntimeError:
-                pass  # the event loop is gone; nobody is waiting any more
 
         xfer.release_done.add_done_callback(released)
 

@@ -15,14 +15,15 @@ import signal
 import socket
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.cli.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
+from shared.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
@@ -93,7 +94,7 @@ class Service:
         return await asyncio.to_thread(self.scrape)
 
     async def blocks_in_use(self) -> int:
-        return int((await self.metrics())["hybrid_pd_blocks_in_use{rank=0}"])
+        return int((await self.metrics())["hybrid_pd_blocks_in_use"])
 
     async def wait_metric(self, name: str, check: Callable[[float], bool], timeout: float = 10.0) -> float:
         """Poll until `check(value)`; returns the value (fails with the last one seen)."""

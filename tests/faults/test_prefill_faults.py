@@ -93,7 +93,7 @@ async def incarnation(decode: Service) -> int:
 
 async def assert_decode_clean(decode: Service) -> None:
     """No blocks, no READ handle, no remote agent of a dead prefill left on decode."""
-    await decode.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
+    await decode.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
     await decode.wait_metric("hybrid_pd_open_read_handles", lambda v: v == 0)
     await decode.wait_metric("hybrid_pd_requests_in_flight", lambda v: v == 0)
 
@@ -110,7 +110,7 @@ async def recover(c: Cluster, old_incarnation: int) -> None:
     ok = await generate(c.decode.address, f"after-restart-{new:x}")
     assert ok.status == "OK", ok
     assert ok.summary is not None and ok.summary.state_verified  # bytes of the new incarnation
-    await prefill.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
+    await prefill.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
 
 
 async def kill_prefill_at(c: Cluster, request_id: str, watched: Service, pause_line: str) -> tuple[Outcome, float, int]:
@@ -146,7 +146,7 @@ async def test_prefill_unreachable_at_start(cluster: Cluster) -> None:
     assert "UNAVAILABLE" in peer.last_error, peer
     code, err = await cli("--decode", c.decode.address, "--prompt-ids", "1,2,3", "--max-tokens", "2")
     assert code == 1 and err.startswith("UNAVAILABLE: no prefill engine is ready"), err
-    assert (await c.decode.metrics())["hybrid_pd_blocks_in_use{rank=0}"] == 0
+    assert (await c.decode.metrics())["hybrid_pd_blocks_in_use"] == 0
 
     await c.start_prefill()
     report("decode SERVING after its prefill came up", await c.decode.wait_serving())
@@ -179,7 +179,7 @@ async def test_prefill_killed_after_the_manifest_before_the_read(cluster: Cluste
 async def test_prefill_killed_after_the_read_does_not_fail_the_request(cluster: Cluster) -> None:
     c = cluster
     await c.ready()
-    outcome, seconds, old = await kill_prefill_at(c, "after-read-1", c.decode, "TEST PAUSE after_read after-read-1")
+    outcome, _seconds, old = await kill_prefill_at(c, "after-read-1", c.decode, "TEST PAUSE after_read after-read-1")
     # The state is already here: the request is not affected.
     assert outcome.status == "OK" and len(outcome.tokens) == 8, outcome
     assert outcome.summary is not None and outcome.summary.state_verified
@@ -208,7 +208,7 @@ async def test_decode_killed_with_blocks_pinned_on_prefill(cluster: Cluster) -> 
     # The broken stream alone frees nothing (a decode engine may still be reading): the lease does.
     await prefill.wait_metric("hybrid_pd_sessions", lambda v: v == 1)
     assert (await prefill.metrics())["hybrid_pd_pinned_requests"] == 1
-    await prefill.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0, timeout=BOUND_SECONDS)
+    await prefill.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0, timeout=BOUND_SECONDS)
     freed_after = time.monotonic() - killed
     report(f"decode SIGKILLed -> prefill freed its blocks at lease expiry (lease {LEASE_SECONDS:g} s)", freed_after)
     after = await prefill.metrics()
@@ -235,4 +235,4 @@ async def test_client_cli_prints_status_and_exits_nonzero(cluster: Cluster) -> N
     # The deadline-exceeded request was cancelled on both sides.
     await assert_decode_clean(c.decode)
     assert c.prefill is not None
-    await c.prefill.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
+    await c.prefill.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.cli.local_pair import DECODE_SERVICE
+from shared.bench.local_pair import DECODE_SERVICE
 from tests.faults.harness import Outcome, Service, Spec, free_port, generate, start_many
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.asyncio]
@@ -86,7 +86,7 @@ async def soak(decode: Service, count: int, seed: int) -> Counter[str]:
 async def settled(prefill: Service, decode: Service) -> tuple[dict[str, float], dict[str, float]]:
     """Metrics once every request has ended on both sides (prefill frees on notifications)."""
     for service in (prefill, decode):
-        await service.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0, timeout=20)
+        await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0, timeout=20)
         await service.wait_metric("hybrid_pd_open_read_handles", lambda v: v == 0)
         await service.wait_metric("hybrid_pd_reads_in_flight", lambda v: v == 0)
     await prefill.wait_metric("hybrid_pd_pinned_requests", lambda v: v == 0)
@@ -110,13 +110,13 @@ async def run_soak(pair: tuple[Service, Service], count: int) -> None:
         rss = after["process_resident_memory_bytes"] - before["process_resident_memory_bytes"]
         fds = after["process_open_fds"] - before["process_open_fds"]
         print(
-            f"[soak] {role}: blocks in use {after['hybrid_pd_blocks_in_use{rank=0}']:.0f}, open READ handles "
+            f"[soak] {role}: blocks in use {after['hybrid_pd_blocks_in_use']:.0f}, open READ handles "
             f"{after['hybrid_pd_open_read_handles']:.0f}, fds {before['process_open_fds']:.0f} -> "
             f"{after['process_open_fds']:.0f}, RSS {before['process_resident_memory_bytes'] / 2**20:.1f} -> "
             f"{after['process_resident_memory_bytes'] / 2**20:.1f} MiB",
             file=sys.stderr,
         )
-        assert after["hybrid_pd_blocks_in_use{rank=0}"] == 0
+        assert after["hybrid_pd_blocks_in_use"] == 0
         assert after["hybrid_pd_open_read_handles"] == 0
         assert fds <= FD_GROWTH_BOUND, (role, fds)
         assert rss <= RSS_GROWTH_BOUND, (role, rss)
@@ -163,6 +163,6 @@ async def test_sigterm_drains_under_load(pair: tuple[Service, Service]) -> None:
         file=sys.stderr,
     )
     assert code == 0
-    await prefill.wait_metric("hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
+    await prefill.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
     prefill.signal(signal.SIGTERM)
     assert await asyncio.to_thread(prefill.returncode, 30) == 0

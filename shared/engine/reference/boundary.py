@@ -7,7 +7,7 @@ A prompt of length 1 leaves prefill nothing to compute.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from shared.engine.reference.model import ReferenceModel, greedy
 from shared.engine.reference.state_store import StateStore, read_global_state, write_global_state

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 from shared.engine.reference.model import ReferenceModel
 from shared.layout.spec import ModelSpec

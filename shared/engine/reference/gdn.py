@@ -7,7 +7,7 @@ State per value head is `S [Dv, Dk]` (vLLM orientation, the transpose of HF/FLA'
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,6 @@ from shared.engine.reference.conv import causal_conv_step
 from shared.engine.reference.initializers import ParamSpec, constant, conv_weight, linear, log_uniform_a
 from shared.engine.reference.numerics import l2_norm, rms_norm
 from shared.layout.spec import GDNDims
-
 
 # A = exp(A_log) in [0.01, 1] (Qwen uses [0, 16]): with dt_bias = 1 most heads then keep memory
 # across tokens, so the transferred state matters (see initializers).

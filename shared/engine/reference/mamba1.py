@@ -5,7 +5,7 @@ Decay is per (channel, state) pair: `S[d] <- exp(Delta_d A[d]) * S[d] + Delta_d 
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,6 @@ from shared.engine.reference.initializers import (
 )
 from shared.engine.reference.numerics import rms_norm
 from shared.layout.spec import Mamba1Dims
-
 
 # As for Mamba2 (see initializers); Mamba1 has no output norm, so out_proj also gets a gain to
 # let the mixer weigh against the residual stream.

@@ -5,7 +5,7 @@ in_proj output order is `[z (I) | xBC (I+2GN) | dt (H)]`; head h uses group h //
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,6 @@ from shared.engine.reference.initializers import (
 )
 from shared.engine.reference.numerics import rms_norm
 from shared.layout.spec import Mamba2Dims
-
 
 # A in [1, 4] and a small skip D keep the recurrent state the dominant part of y (see initializers).
 A_RANGE = (1.0, 4.0)

@@ -8,8 +8,8 @@ Each request is computed on its own: no batching across requests, fp32 throughou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from shared.engine.reference.state_store import DenseStateStore, StateStore
 from shared.engine.reference.weights import generate_weights, layer_prefix, model_fingerprint
 from shared.layout.spec import GDNDims, Mamba1Dims, Mamba2Dims, ModelSpec
 
-SSMMixer = Union[Mamba2, GatedDeltaNet, Mamba1]
+SSMMixer = Mamba2 | GatedDeltaNet | Mamba1
 DEFAULT_MAX_POSITIONS = 8192
 
 

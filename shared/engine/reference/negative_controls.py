@@ -7,7 +7,7 @@ with N == 1 the prefilled state is all zeros, and only `replay_last_prompt_token
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -8,7 +8,7 @@ a tolerance (logits and final states), never by tokens. A fresh request (zero st
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

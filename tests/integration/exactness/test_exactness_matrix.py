@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 import grpc
 import pytest
@@ -27,10 +27,10 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import colocated_generate
 from shared.engine.reference.negative_controls import NEGATIVE_CONTROLS, Corruption
 from shared.engine.reference_engine import ReferenceEngine
-from shared.rpc import compat
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.plan import ByteRead, TransferPlan, build_plan
 from shared.layout.presets import TINY_PRESETS
+from shared.rpc import compat
 from tests.integration.exactness.pair import service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -43,7 +43,7 @@ def prompt_of(length: int) -> list[int]:
     return list(TEXT[:length])
 
 
-@lru_cache(maxsize=None)
+@cache
 def expected(model: str, length: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), max_tokens))
 

@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
+from shared.errors import Unavailable
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.errors import Unavailable
 from shared.rpc import fault_hooks
 from shared.rpc.status import code_number, describe
 

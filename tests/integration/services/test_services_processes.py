@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from shared.bench.local_pair import LocalPair, start_pair
 from shared.cli import generate_cmd
-from shared.cli.local_pair import LocalPair, start_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import signal
 import sys
 import time
@@ -185,8 +186,8 @@ async def test_event_loop_keeps_ticking_during_a_256_mib_read(
     await ticking
 
     during = [t for t in ticks if started <= t <= finished]
-    window = [started] + during + [finished]
-    max_gap = max(b - a for a, b in zip(window, window[1:]))
+    window = [started, *during, finished]
+    max_gap = max(b - a for a, b in itertools.pairwise(window))
     gbps = result.nbytes / (finished - started) / 1e9
     record_property("max_loop_gap_ms", round(max_gap * 1e3, 2))
     record_property("read_gb_per_s", round(gbps, 2))

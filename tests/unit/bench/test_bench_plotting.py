@@ -1,4 +1,4 @@
-"""Charts without matplotlib: well-formed SVG with the labels, and a clear fallback note."""
+"""Charts through matplotlib: PNG and SVG by suffix, and --plot refused up front without it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared.bench import plotting
-from shared.bench.plotting import Chart, Series, nice_ticks, render_svg, save, sibling
+from shared.bench.plotting import Chart, Series, save, sibling
+from shared.cli.main import main
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,46 +26,36 @@ LINES = Chart(
 )
 
 
-def texts(svg: str) -> list[str]:
-    root = ET.fromstring(svg)  # raises on malformed markup
-    return [el.text or "" for el in root.iter() if el.tag.endswith("text")]
-
-
-def test_line_chart_is_valid_svg_with_title_axes_and_legend() -> None:
-    labels = texts(render_svg(LINES))
-    for want in ("Tokens/s <per core>", "concurrency", "tokens/s", "disaggregated", "colocated", "1", "2", "4"):
-        assert want in labels
-    assert render_svg(LINES).count("<polyline") == 2  # the nan point is skipped, not drawn at 0
-
-
-def test_bar_and_log_charts() -> None:
-    bars = Chart("GB/s", "", "GB/s", [Series("GB/s", [0, 1], [3.2, 8.0])], kind="bar", categories=["ours", "memcpy"])
-    labels = texts(render_svg(bars))
-    assert "ours" in labels and "memcpy" in labels and "3.2" in labels
-    logs = Chart("bytes", "prompt tokens", "MB", [Series("K/V", [1024, 2048], [0.5, 1000.0])], log2_x=True, log10_y=True)
-    labels = texts(render_svg(logs))
-    assert "0.1" in labels and "1k" in labels  # decades on y, binary thousands on x
-
-
-def test_nice_ticks_cover_the_range() -> None:
-    ticks = nice_ticks(0.0, 37.0)
-    assert ticks[0] <= 0.0 and ticks[-1] >= 37.0 and len(ticks) <= 8
-    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
-    assert len(steps) == 1
-
-
-def test_save_svg_and_png_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_svg_by_suffix_is_well_formed_and_carries_the_labels(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     written, note = save(LINES, tmp_path / "chart.svg")
-    assert written == tmp_path / "chart.svg" and note == "" and written.read_text().startswith("<svg")
+    assert written == tmp_path / "chart.svg" and note == ""
+    root = ET.fromstring(written.read_text())  # raises on malformed markup
+    assert root.tag.endswith("svg")
+    # matplotlib draws text as glyph paths, and names each text element after its content.
+    markup = written.read_text()
+    for want in ("concurrency", "tokens/s", "disaggregated", "colocated"):
+        assert want in markup, want
 
-    def no_matplotlib(chart: Chart, path: Path) -> None:  # fake: matplotlib may be installed here
-        raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(plotting, "_matplotlib_png", no_matplotlib)
-    written, note = save(LINES, tmp_path / "chart.png")
-    assert written == tmp_path / "chart.svg"
-    assert "matplotlib is not installed" in note and str(written) in note
+def test_an_unknown_suffix_gets_a_png_and_says_so(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    written, note = save(LINES, tmp_path / "chart.gif")
+    assert written == tmp_path / "chart.gif.png" and str(written) in note
+    assert written.read_bytes().startswith(PNG_SIGNATURE)
     assert sibling(tmp_path / "out.png", "ttft") == tmp_path / "out-ttft.png"
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Fake: matplotlib is installed here, so its absence is simulated.
+    monkeypatch.setattr(plotting, "available", lambda: False)
+    target = tmp_path / "x.png"
+    # Were the refusal missing, this tiny run would go ahead, write the chart and return 0.
+    code = main(["bench", "transfer", "--model", "tiny-mamba2", "--requests", "1", "--warmup", "0", "--plot", str(target)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--plot {target} needs matplotlib" in err and "hybrid-pd[plot]" in err
+    assert not target.exists()
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

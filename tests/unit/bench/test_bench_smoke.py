@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from shared import tracing
 from shared.bench.control import PHASES, ControlConfig, run_control
 from shared.bench.control_trace import STEPS
 from shared.bench.transfer import TransferConfig, run_transfer
@@ -90,3 +91,4 @@ def test_control_breakdown_times_every_step_and_unwraps_the_services() -> None:
     # The instrumentation is gone again: the classes and the module hold their own functions.
     assert (SessionClient._send, SessionClient._resolve, PrefillSession._start_job, reader._pair_bytes) == originals
     assert reader.read_indices is read_indices
+    assert tracing._sink is None  # and nobody listens to the marks any more

@@ -11,9 +11,32 @@ from shared.cache.allocator import BlockAllocator, BlocksExhausted
 pytestmark = pytest.mark.timeout(60)
 
 
-def check_invariants(alloc: BlockAllocator) -> None:
+class Ledger:
+    """An allocator and what it handed out per request, as its callers see it (the allocator
+    itself keeps no public per-request view: nothing in the services needs one)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.alloc = BlockAllocator(num_blocks)
+        self.given: dict[str, list[np.ndarray]] = {}
+
+    def allocate(self, request_id: str, n: int, *, contiguous_preferred: bool = True) -> np.ndarray:
+        ids = self.alloc.allocate(request_id, n, contiguous_preferred=contiguous_preferred)
+        self.given.setdefault(request_id, []).append(ids)
+        return ids
+
+    def free(self, request_id: str) -> int:
+        freed = self.alloc.free(request_id)
+        assert freed == sum(int(p.size) for p in self.given.pop(request_id, [])), "freed count differs from what was given"
+        return freed
+
+    def held(self, request_id: str) -> list[int]:
+        return [int(i) for part in self.given[request_id] for i in part]
+
+
+def check_invariants(ledger: Ledger) -> None:
     """Held blocks are distinct, free and held partition all ids, counts agree."""
-    held = [alloc.blocks_of(rid) for rid in alloc.in_use()]
+    alloc = ledger.alloc
+    held = [ids for parts in ledger.given.values() for ids in parts]
     held_ids = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
     assert np.unique(held_ids).size == held_ids.size, "a block is handed out twice"
     starts, lengths = alloc.free_runs()
@@ -21,7 +44,6 @@ def check_invariants(alloc: BlockAllocator) -> None:
     assert np.intersect1d(free_ids, held_ids).size == 0, "a held block is also free"
     assert np.array_equal(np.sort(np.concatenate([free_ids, held_ids])), np.arange(alloc.num_blocks))
     assert alloc.num_free == free_ids.size and alloc.num_used == held_ids.size
-    assert sum(alloc.in_use().values()) == held_ids.size
 
 
 def runs_in(ids: np.ndarray) -> int:
@@ -42,19 +64,19 @@ def fewest_runs_possible(alloc: BlockAllocator, n: int) -> int:
 
 
 def test_accounting_of_allocate_and_free() -> None:
-    alloc = BlockAllocator(10)
-    a = alloc.allocate("a", 4)
+    ledger = Ledger(10)
+    alloc = ledger.alloc
+    a = ledger.allocate("a", 4)
     assert a.tolist() == [0, 1, 2, 3]
-    b = alloc.allocate("b", 3)
+    b = ledger.allocate("b", 3)
     assert b.tolist() == [4, 5, 6]
-    assert (alloc.num_free, alloc.num_used, alloc.in_use()) == (3, 7, {"a": 4, "b": 3})
-    more = alloc.allocate("a", 2)  # a request may grow
-    assert more.tolist() == [7, 8] and alloc.blocks_of("a").tolist() == [0, 1, 2, 3, 7, 8]
-    assert alloc.free("a") == 6 and alloc.free("a") == 0  # freeing twice is harmless
-    assert not alloc.holds("a") and alloc.num_free == 7
-    with pytest.raises(KeyError, match="'a'"):
-        alloc.blocks_of("a")
-    check_invariants(alloc)
+    assert (alloc.num_free, alloc.num_used) == (3, 7)
+    more = ledger.allocate("a", 2)  # a request may grow
+    assert more.tolist() == [7, 8] and ledger.held("a") == [0, 1, 2, 3, 7, 8]
+    check_invariants(ledger)
+    assert ledger.free("a") == 6 and ledger.free("a") == 0  # freeing twice is harmless
+    assert alloc.num_free == 7
+    check_invariants(ledger)
 
 
 def test_a_full_cache_raises_a_clear_error_and_changes_nothing() -> None:
@@ -63,10 +85,10 @@ def test_a_full_cache_raises_a_clear_error_and_changes_nothing() -> None:
     with pytest.raises(BlocksExhausted, match=r"3 blocks requested, 2 of 8 free \(6 held by 1 requests\)") as full:
         alloc.allocate("b", 3)
     assert (full.value.requested, full.value.free, full.value.total) == (3, 2, 8)
-    assert alloc.num_free == 2 and not alloc.holds("b")
+    assert alloc.num_free == 2 and alloc.free("b") == 0  # "b" got nothing
     with pytest.raises(ValueError):
         alloc.allocate("b", -1)
-    assert alloc.allocate("b", 0).size == 0 and alloc.in_use()["b"] == 0
+    assert alloc.allocate("b", 0).size == 0 and alloc.num_free == 2
 
 
 def test_contiguous_allocation_picks_the_shortest_run_that_fits() -> None:
@@ -80,30 +102,32 @@ def test_contiguous_allocation_picks_the_shortest_run_that_fits() -> None:
 
 
 def test_fragmented_cache_falls_back_to_the_fewest_runs() -> None:
-    alloc = BlockAllocator(16)
+    ledger = Ledger(16)
     for i in range(8):
-        alloc.allocate(f"r{i}", 2)
+        ledger.allocate(f"r{i}", 2)
     for i in (0, 2, 3, 6):
-        alloc.free(f"r{i}")  # free runs: 0..1, 4..7, 12..13
-    ids = alloc.allocate("x", 7)
+        ledger.free(f"r{i}")  # free runs: 0..1, 4..7, 12..13
+    ids = ledger.allocate("x", 7)
     assert ids.tolist() == [0, 4, 5, 6, 7, 12, 13] or ids.tolist() == [0, 1, 4, 5, 6, 7, 12]
     assert runs_in(ids) == 3
     scattered = BlockAllocator(4)
     assert scattered.allocate("x", 2, contiguous_preferred=False).tolist() == [0, 1]
-    check_invariants(alloc)
+    check_invariants(ledger)
 
 
 def test_the_invariant_check_catches_a_block_handed_out_twice() -> None:
     """Negative control: a corrupted allocator must fail the check."""
-    alloc = BlockAllocator(8)
-    alloc.allocate("a", 3)
+    ledger = Ledger(8)
+    alloc = ledger.alloc
+    ledger.allocate("a", 3)
+    check_invariants(ledger)
     alloc._free[1] = True  # corrupt: a held block marked free
     alloc._num_free += 1
     with pytest.raises(AssertionError):
-        check_invariants(alloc)
-    alloc.allocate("b", 6)  # now hands out block 1 again...
+        check_invariants(ledger)
+    ledger.allocate("b", 6)  # now hands out block 1 again...
     with pytest.raises(AssertionError, match="twice"):
-        check_invariants(alloc)
+        check_invariants(ledger)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -111,7 +135,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.alloc = BlockAllocator(64)
+        self.ledger = Ledger(64)
+        self.alloc = self.ledger.alloc
         self.next_id = 0
 
     @rule(n=st.integers(min_value=0, max_value=24), contiguous=st.booleans())
@@ -123,23 +148,23 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.alloc.allocate(rid, n, contiguous_preferred=contiguous)
             return
         best = fewest_runs_possible(self.alloc, n)
-        ids = self.alloc.allocate(rid, n, contiguous_preferred=contiguous)
+        ids = self.ledger.allocate(rid, n, contiguous_preferred=contiguous)
         assert ids.size == n and ids.dtype == np.int64
         if contiguous:
             assert runs_in(ids) == best
 
-    @precondition(lambda self: bool(self.alloc.in_use()))
+    @precondition(lambda self: bool(self.ledger.given))
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.alloc.in_use())))
-        held = self.alloc.in_use()[rid]
+        rid = data.draw(st.sampled_from(sorted(self.ledger.given)))
+        held = len(self.ledger.held(rid))
         before = self.alloc.num_free
-        assert self.alloc.free(rid) == held
+        assert self.ledger.free(rid) == held
         assert self.alloc.num_free == before + held
 
     @invariant()
     def consistent(self) -> None:
-        check_invariants(self.alloc)
+        check_invariants(self.ledger)
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
@@ -14,7 +13,7 @@ from shared.engine.reference.colocated import cached_model, colocated_generate
 from shared.engine.reference.state_store import read_global_state
 from shared.engine.reference_engine import ReferenceEngine
 from shared.engine.synthetic import SyntheticEngine
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.layout.descriptors import descriptor_ids, dual_view
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.presets import PRESETS, TINY_PRESETS, get_preset
 from shared.layout.shapes import valid_tp
 from shared.layout.spec import LayoutError
+from tests.unit.layout.dual_view import descriptor_ids, dual_view
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT_SETTINGS = settings(deadline=None, max_examples=30)
@@ -30,7 +30,7 @@ def reference_descs(lay: EngineLayout, bases: list[int], ids_per_group: list[lis
                             b = logical * lay.physical_per_logical + k
                             out.append((bases[j] + b * lay.kernel_page_bytes + half * lay.kernel_page_bytes // 2, lay.kernel_page_bytes // 2))
             else:
-                pieces = list(zip(s.section_offsets, s.section_bytes)) + [(s.conv_bytes, s.ssm_bytes)]
+                pieces = [*zip(s.section_offsets, s.section_bytes), (s.conv_bytes, s.ssm_bytes)]
                 for offset, size in pieces:
                     for m in ids_per_group[g]:
                         out.append((bases[j] + m * lay.page_bytes + offset, size))
@@ -84,7 +84,7 @@ def test_ids_select_exactly_the_reference_descriptors(case: tuple[EngineLayout, 
     assert [tuple(d) for d in view.descs[ids].tolist()] == reference_descs(lay, bases, ids_per_group)
 
 
-@pytest.mark.parametrize("name", sorted(TINY_PRESETS) + ["nemotron-3-nano-30b-a3b", "falcon-h1-1.5b"])
+@pytest.mark.parametrize("name", [*sorted(TINY_PRESETS), "nemotron-3-nano-30b-a3b", "falcon-h1-1.5b"])
 def test_ids_of_all_blocks_are_a_bijection_onto_the_group_range(name: str) -> None:
     lay = build_engine_layout(PRESETS[name], 2, kernel_block_size=16)
     n = 3

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.layout.hf_config import SUPPORTED_MODEL_TYPES, load_model, parse_config, parse_dtype
+from shared.layout.hf_config import SUPPORTED_MODEL_TYPES, parse_config, parse_dtype
+from shared.layout.models import load_model
 from shared.layout.presets import PRESETS, REAL_CONFIGS, TINY_PRESETS, get_preset
 from shared.layout.spec import GDNDims, LayoutError, Mamba1Dims, Mamba2Dims
 

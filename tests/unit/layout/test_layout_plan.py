@@ -74,7 +74,7 @@ def vllm_mamba(plan: TransferPlan, d: int) -> dict[int, list[ByteRead]]:
     if ratio > 0:
         p, ell = d // ratio, d % ratio
         conv = [ByteRead(ratio * o[i] + ell * z[i], o[i], z[i]) for i in range(len(z))]
-        return {p: conv + [ByteRead(ratio * s.conv_bytes + ell * s.ssm_bytes, s.conv_bytes, s.ssm_bytes)]}
+        return {p: [*conv, ByteRead(ratio * s.conv_bytes + ell * s.ssm_bytes, s.conv_bytes, s.ssm_bytes)]}
     a = -ratio
     zr = [x // a for x in z]
     starts = np.concatenate([[0], np.cumsum(zr)[:-1]]).tolist()
@@ -82,7 +82,7 @@ def vllm_mamba(plan: TransferPlan, d: int) -> dict[int, list[ByteRead]]:
     for idx, p in enumerate(range(d * a, d * a + a)):
         conv = [ByteRead(starts[i], o[i] + idx * zr[i], zr[i]) for i in range(len(z))]
         ssm = ByteRead(sum(zr), s.conv_bytes + idx * s.ssm_bytes // a, s.ssm_bytes // a)
-        out[p] = conv + [ssm]
+        out[p] = [*conv, ssm]
     return out
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.layout.descriptors import descriptor_ids, dual_view
 from shared.layout.page import build_engine_layout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.presets import get_preset
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
 from shared.layout.spec import LayoutError
+from tests.unit.layout.dual_view import descriptor_ids, dual_view
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,7 +175,7 @@ def test_not_an_fa_source_moves_mamba_only() -> None:
     assert rank.fa_sources == (0, 2) and rank.mamba_sources == (0, 1, 2, 3)
     rl = lists_for(plan, 0, 1)
     assert rl.fa_pieces == 0 and rl.local_geometry.fa_part == 0
-    li, ri = read_indices(rl, blocks(plan, [0], 1), blocks(plan, [0], 1), num_tokens=10)
+    li, _ri = read_indices(rl, blocks(plan, [0], 1), blocks(plan, [0], 1), num_tokens=10)
     assert len(li) == 2 * 2 * 4  # two Mamba groups x 2 regions x (x, B, C, SSM)
     assert np.array_equal(rl.mamba_piece_of(li), np.tile(np.arange(4), 4))
 

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shared.layout.page import build_engine_layout
-from shared.layout.plan import ByteRead, RankPlan, SourceRead, TransferPlan, build_plan
+from shared.layout.plan import ByteRead, RankPlan, TransferPlan, build_plan
 from shared.layout.plan_json import SCHEMA, plan_to_json
 from shared.layout.presets import PRESETS, get_preset
 from shared.layout.shapes import valid_tp

@@ -87,7 +87,7 @@ async def test_malformed_reads_are_refused_before_nixl(pair: Any) -> None:
 async def test_nixl_errors_become_transport_errors_that_say_what_failed(pair: Any) -> None:
     with pytest.raises(TransportError, match="nixlMismatchError"):
         await pair.reader.add_remote(b"not metadata")
-    with pytest.raises(TransportError, match="'nobody'.*nixlNotFoundError"):
+    with pytest.raises(TransportError, match=r"'nobody'.*nixlNotFoundError"):
         await pair.reader.prep_remote("nobody", np.array([[4096, 4096]]), MemoryPlace("DRAM", 0))
     outside = int(pair.reader_cache.base_addresses()[0]) + pair.reader_cache.region_bytes
     with pytest.raises(TransportError, match="outside its registered memory"):

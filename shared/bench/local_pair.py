@@ -15,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Sequence
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -98,7 +99,8 @@ async def wait_serving(address: str, service: str, timeout: float = 60.0) -> Non
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                # The typed stubs leave the generated stub's methods out.
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)  # type: ignore[attr-defined]
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
