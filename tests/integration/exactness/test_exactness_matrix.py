@@ -134,16 +134,23 @@ def other_group_plan(plan: TransferPlan) -> TransferPlan:
 @pytest.mark.asyncio
 async def test_a_plan_reading_the_wrong_group_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control with real READs: the same request as the matrix's P1-D4 case, but the
-    plan reads the other group's B/C; the tokens change, and decode's state check refuses it."""
+    plan reads the other group's B/C. Without digests the tokens change and decode's state check
+    refuses it; with digests (the default) the request fails before decoding: the digests follow
+    the layout's index functions, not the plan, so they catch a wrong plan too."""
     model, length, max_tokens = "tiny-mamba2-g2", 20, 12
     monkeypatch.setattr(compat, "build_plan", lambda p, d: other_group_plan(build_plan(p, d)))
-    async with service_pair(model, 1, 4) as pair:
+    off = ["--verify-transfer", "off"]
+    async with service_pair(model, 1, 4, extra_prefill=off, extra_decode=off) as pair:
         got = await pair.generate(prompt_of(length), max_tokens)
     assert tuple(got.token_ids) != expected(model, length, max_tokens), "the wrong group did not change the tokens"
-    async with service_pair(model, 1, 4, extra_decode=["--check-state"]) as pair:
+    async with service_pair(model, 1, 4, extra_prefill=off, extra_decode=[*off, "--check-state"]) as pair:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await pair.generate(prompt_of(length), max_tokens)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "conv state differs" in str(err.value.details())
+    async with service_pair(model, 1, 4) as pair:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pair.generate(prompt_of(length), max_tokens)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "conv of layer group" in str(err.value.details())
 
 
 @pytest.mark.asyncio
