@@ -16,6 +16,9 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
+from shared.http.app import ServiceInfo, build_app
+from shared.http.chat_template import template_for
+from decode_svc.http_api import DecodeHttp
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
 
@@ -47,6 +50,9 @@ class DecodeApp:
             metrics=self.metrics,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
+        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
+        self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
+        self.shell.http_app = build_app(http_info, self.http_api.routes())
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))
         self.metrics.gauge("hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight)

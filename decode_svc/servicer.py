@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
@@ -16,6 +17,13 @@ from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
 from decode_svc.generation import Generation
 from decode_svc.prefill_peer import PrefillPeers
+
+
+@dataclass
+class EarlyStop:
+    """Set `stopped` before closing `generate()` when the output is complete (not a cancel)."""
+
+    stopped: bool = False
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -40,12 +48,24 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.generate(request, context.time_remaining()):
+            yield response
+
+    async def generate(
+        self, request: pb.GenerateRequest, time_remaining: float | None, early_stop: EarlyStop | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The one entry both front doors (gRPC Generate and the HTTP API) call: refused while
+        draining, counted by final status. A consumer that closes this generator early counts as
+        CANCELLED, unless it set `early_stop.stopped` first (an HTTP stop sequence matched)."""
         status = "INTERNAL"
         try:
             self.lifecycle.check_accepting("new requests")
-            async for response in self.generation.run(request, context.time_remaining()):
+            async for response in self.generation.run(request, time_remaining):
                 yield response
             status = "OK"
+        except GeneratorExit:
+            status = "OK" if early_stop is not None and early_stop.stopped else "CANCELLED"
+            raise
         except ServiceError as e:
             status = e.status
             if e.reason != e.default_reason:

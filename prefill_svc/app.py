@@ -11,6 +11,7 @@ from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
+from shared.http.app import ServiceInfo, build_app
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.session import SessionConfig
@@ -40,6 +41,10 @@ class PrefillApp:
             self.metrics,
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
+        # /health, /metrics, /version, /v1/models; the P/D prefill leg (do_remote_decode) is to come.
+        self.shell.http_app = build_app(
+            ServiceInfo("prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
+        )
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_pinned_requests", "Requests whose blocks wait to be read", lambda: len(self.pins))
         self.metrics.gauge("hybrid_pd_sessions", "Open Session streams", lambda: self.servicer.peers.open_sessions)
