@@ -1,8 +1,9 @@
 """Stop sequences over streamed text (pure).
 
-OpenAI semantics: the output ends before the first occurrence of any stop sequence, which is
-not included. While streaming, text that could still be the start of a stop sequence is held
-back until the next piece decides it.
+The output ends before the stop sequence that completes first (as a stream is read, character
+by character; of several completing at the same character, the longest), which is not included.
+This does not depend on how the text is split into pieces. While streaming, text that could
+still be the start of a stop sequence is held back until the next piece decides it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class StopMatcher:
         if self.stopped:
             return ""
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # Held-back text matched nothing, so every match ends in the new text.
+        matches = [(i + len(s), i) for s, i in ((s, self._pending.find(s)) for s in self.stops) if i >= 0]
+        if matches:
+            _, cut = min(matches)
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out
