@@ -18,6 +18,8 @@ from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from shared.http.app import ServiceInfo, build_app
 from shared.http.chat_template import template_for
+from shared.http.render import RenderRoutes
+from decode_svc import tokenizer
 from decode_svc.http_api import DecodeHttp
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
@@ -52,7 +54,8 @@ class DecodeApp:
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
         self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
-        self.shell.http_app = build_app(http_info, self.http_api.routes())
+        render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template, host.max_tokens)
+        self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))
         self.metrics.gauge("hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight)

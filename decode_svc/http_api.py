@@ -20,12 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shared.errors import FieldIssue, InvalidArgument, ServiceError
+from shared.errors import FieldIssue, ServiceError
 from shared.http import objects, sse
 from shared.http.app import ServiceInfo, api, check_model, json_body
 from shared.http.chat_template import ChatTemplate
-from shared.http.errors import http_error, internal_error
+from shared.http.errors import NotImplementedYet, http_error, internal_error
+from shared.http.kv_transfer import RemotePrefill, parse_remote_prefill, wants_remote_prefill
 from shared.http.params import CommonParams, parse_chat, parse_completion
+from shared.http.render import prompt_ids
 from shared.http.stop import StopMatcher
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
@@ -118,7 +120,7 @@ class DecodeHttp:
     async def completions(self, request: Request) -> Response:
         params = parse_completion(await json_body(request))
         model = check_model(self.info, params.model)
-        ids = tokenizer.encode(params.prompt) if isinstance(params.prompt, str) else params.prompt
+        ids = prompt_ids(params, tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "prompt")
         header = objects.Header.new(f"cmpl-{rid}", model)
         if not params.stream:
@@ -139,7 +141,7 @@ class DecodeHttp:
     async def chat(self, request: Request) -> Response:
         params = parse_chat(await json_body(request))
         model = check_model(self.info, params.model)
-        ids = tokenizer.encode(self.template.render(params.messages))
+        ids = prompt_ids(params, tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "messages")
         header = objects.Header.new(f"chatcmpl-{rid}", model)
         if not params.stream:
@@ -158,13 +160,21 @@ class DecodeHttp:
 
         return _sse(chunks(), generated)
 
+    async def remote_prefill(self, remote: RemotePrefill) -> None:
+        """The decode leg of vLLM's P/D protocol: state already computed and pinned by the named
+        prefill engine. Needs domain calls this adapter does not have yet (learn the peer from
+        host:port, READ the named blocks, release the pin); until then a clear 501."""
+        raise NotImplementedYet(
+            f"reading state prefilled by {remote.engine_id} ({remote.grpc_target}) from a router's kv_transfer_params "
+            "is not served yet; send the request without kv_transfer_params (this engine picks its own prefill)",
+            field="kv_transfer_params.do_remote_prefill",
+        )
+
     async def _start(self, request: Request, params: CommonParams, ids: list[int], prompt_field: str) -> tuple[Generated, str]:
         """Validate against this engine, start the generation and wait for its first token."""
-        if params.kv_transfer_params is not None and params.kv_transfer_params.get("do_remote_prefill"):
-            raise InvalidArgument(
-                "do_remote_prefill is not served yet: this decode engine picks its own prefill peer",
-                field="kv_transfer_params.do_remote_prefill",
-            )
+        if wants_remote_prefill(params.kv_transfer_params):
+            assert params.kv_transfer_params is not None
+            await self.remote_prefill(parse_remote_prefill(params.kv_transfer_params))
         max_tokens = params.max_tokens
         if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
             max_tokens = max(1, self.host.max_tokens() - len(ids))

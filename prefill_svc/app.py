@@ -11,7 +11,11 @@ from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, EngineHost
 from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
+from shared.engine.reference import tokenizer as byte_tokenizer
 from shared.http.app import ServiceInfo, build_app
+from shared.http.chat_template import template_for
+from shared.http.render import RenderRoutes
+from prefill_svc.http_api import PrefillHttp
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.session import SessionConfig
@@ -41,10 +45,10 @@ class PrefillApp:
             self.metrics,
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
-        # /health, /metrics, /version, /v1/models; the P/D prefill leg (do_remote_decode) is to come.
-        self.shell.http_app = build_app(
-            ServiceInfo("prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
-        )
+        # /health, /metrics, /version, /v1/models, render, and the P/D prefill leg.
+        http_info = ServiceInfo("prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
+        render = RenderRoutes(http_info, byte_tokenizer.encode, template_for(host.engine), host.max_tokens)
+        self.shell.http_app = build_app(http_info, [*PrefillHttp(http_info).routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_pinned_requests", "Requests whose blocks wait to be read", lambda: len(self.pins))
         self.metrics.gauge("hybrid_pd_sessions", "Open Session streams", lambda: self.servicer.peers.open_sessions)

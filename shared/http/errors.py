@@ -25,10 +25,18 @@ _BY_STATUS: dict[str, tuple[int, str]] = {
     "CANCELLED": (499, "cancelled_error"),
     "DATA_LOSS": (500, "server_error"),
     "INTERNAL": (500, "server_error"),
+    "UNIMPLEMENTED": (501, "not_implemented_error"),
 }
 # Reasons with a more specific HTTP status than their gRPC status gives.
 _BY_REASON: dict[str, int] = {"LEASE_EXPIRED": 410}
 DEFAULT_RETRY_AFTER_SECONDS = 1
+
+
+class NotImplementedYet(ServiceError):
+    """A well-formed request this engine cannot serve yet (HTTP 501)."""
+
+    status = "UNIMPLEMENTED"
+    default_reason = "NOT_IMPLEMENTED"
 
 
 @dataclass(frozen=True)
