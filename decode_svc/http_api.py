@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -46,7 +46,6 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str = "length"
-    text: list[str] = field(default_factory=list)
 
     @property
     def usage(self) -> objects.Usage:
@@ -79,17 +78,13 @@ class Generated:
             while response is not None:
                 if response.WhichOneof("payload") == "chunk":
                     self.outcome.completion_tokens += len(response.chunk.token_ids)
-                    text = self._stop.feed(response.chunk.text)
-                    self.outcome.text.append(text)
-                    yield text
+                    yield self._stop.feed(response.chunk.text)
                     if self._stop.stopped:
                         self.outcome.finish_reason = "stop"
                         self._early.stopped = True
                         return
                 response = await anext(self._responses, None)
-            tail = self._stop.finish()
-            self.outcome.text.append(tail)
-            yield tail
+            yield self._stop.finish()
         finally:
             await self.aclose()
 
