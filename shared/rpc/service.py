@@ -43,14 +43,21 @@ class ServiceShell:
     async def start(self) -> int:
         """Listen (NOT_SERVING until `set_ready(True)`) and return the bound port."""
         fault_hooks.warn_if_active()
-        self.port = listen(self.server, self.settings.listen_address, self.settings.tls)
-        await self.server.start()
-        await self.health.start()
-        if self.settings.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
         if self.settings.http_port is not None and self.http_app is not None:
+            # Bound first: a taken HTTP port fails the start before gRPC listens.
             self.http = HttpServer(self.http_app, self.settings.host, self.settings.http_port)
-            self.http_port = await self.http.start()
+        try:
+            self.port = listen(self.server, self.settings.listen_address, self.settings.tls)
+            await self.server.start()
+            await self.health.start()
+            if self.settings.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
+            if self.http is not None:
+                self.http_port = await self.http.start()
+        except BaseException:
+            if self.http is not None:
+                await self.http.stop()
+            raise
         return self.port
 
     async def set_ready(self, ready: bool) -> None:

@@ -42,3 +42,26 @@ async def test_server_binds_port_zero_serves_and_stops() -> None:
     await server.stop()
     with pytest.raises(OSError):
         await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{server.port}/", None, 2)
+
+
+def test_a_taken_http_port_fails_the_start_before_grpc_listens() -> None:
+    import socket
+
+    from shared.rpc.service import ServiceShell
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        settings = parse_settings("prefill", ["--port", "0", "--http-port", str(taken.getsockname()[1])], environ={})
+
+        shells: list[ServiceShell] = []
+
+        async def start() -> None:
+            shell = ServiceShell("x.Service", settings)
+            shell.http_app = Starlette()
+            shells.append(shell)
+            await shell.start()
+
+        with pytest.raises(OSError):
+            asyncio.run(start())
+    assert shells[0].port == 0  # gRPC never listened
