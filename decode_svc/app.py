@@ -52,9 +52,9 @@ class DecodeApp:
             metrics=self.metrics,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
-        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry)
+        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
         self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
-        render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template, host.max_tokens)
+        render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template)
         self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))

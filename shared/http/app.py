@@ -32,6 +32,7 @@ class ServiceInfo:
     model_id: str
     ready: Callable[[], bool]  # the gRPC readiness: same meaning, same source
     registry: CollectorRegistry
+    max_model_len: Callable[[], int]  # tokens one request can hold, prompt and generated
 
 
 def error_response(error: HttpError) -> JSONResponse:
@@ -90,7 +91,7 @@ def build_app(info: ServiceInfo, routes: Sequence[BaseRoute] = ()) -> Starlette:
         return JSONResponse({"version": version(), "role": info.role})
 
     async def models(request: Request) -> Response:
-        return JSONResponse(model_list([info.model_id], started))
+        return JSONResponse(model_list([info.model_id], started, info.max_model_len()))
 
     async def http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -72,8 +72,12 @@ def usage_chunk(h: Header, object_name: str, usage: Usage) -> dict[str, Any]:
     return h.fields(object_name) | {"choices": [], "usage": usage.to_json()}
 
 
-def model_list(model_ids: list[str], created: int, owner: str = "hybrid-pd") -> dict[str, Any]:
+def model_list(model_ids: list[str], created: int, max_model_len: int, owner: str = "hybrid-pd") -> dict[str, Any]:
+    """`max_model_len` as vLLM reports it: here, the most tokens (prompt + generated) one request can hold."""
     return {
         "object": "list",
-        "data": [{"id": m, "object": "model", "created": created, "owned_by": owner} for m in model_ids],
+        "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": owner, "root": m, "max_model_len": max_model_len}
+            for m in model_ids
+        ],
     }

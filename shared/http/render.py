@@ -50,11 +50,10 @@ def prompt_ids(params: CompletionParams | ChatParams, encode: Callable[[str], li
 class RenderRoutes:
     """Both services answer render, as vLLM workers do (routers call it on every worker)."""
 
-    def __init__(self, info: ServiceInfo, encode: Callable[[str], list[int]], template: ChatTemplate, capacity: Callable[[], int]) -> None:
+    def __init__(self, info: ServiceInfo, encode: Callable[[str], list[int]], template: ChatTemplate) -> None:
         self.info = info
         self.encode = encode
         self.template = template
-        self.capacity = capacity
 
     def routes(self) -> list[Route]:
         return [
@@ -65,7 +64,7 @@ class RenderRoutes:
     def _one(self, params: CompletionParams | ChatParams, prefix: str, request: Request) -> dict[str, Any]:
         model = check_model(self.info, params.model)
         ids = prompt_ids(params, self.encode, self.template)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.capacity() - len(ids))
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.info.max_model_len() - len(ids))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return generate_request(params, ids, model, f"{prefix}-{rid}", max_tokens)
 

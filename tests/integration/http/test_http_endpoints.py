@@ -35,6 +35,7 @@ async def test_health_metrics_version_on_both_services(http_pair: HttpPair) -> N
         assert version.json()["version"] == "0.1.0"
         models = await asyncio.to_thread(request, base + "/v1/models")
         assert [m["id"] for m in models.json()["data"]] == [MODEL]
+        assert models.json()["data"][0]["max_model_len"] == app.host.max_tokens() > 0
     assert await grpc_ready(http_pair.decode.port)
     before = await asyncio.to_thread(request, http_pair.base_url + "/metrics")
     ok = await asyncio.to_thread(request, http_pair.base_url + "/v1/completions", {"prompt": "abc", "max_tokens": 2})
