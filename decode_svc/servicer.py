@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -48,8 +49,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in self.generate(request, context.time_remaining()):
-            yield response
+        # aclosing: a call cancelled while this handler waits at its yield ends the generation now.
+        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+            async for response in responses:
+                yield response
 
     async def generate(
         self, request: pb.GenerateRequest, time_remaining: float | None, early_stop: EarlyStop | None = None
