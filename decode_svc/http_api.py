@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -72,21 +72,38 @@ class Generated:
             self._first = None
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Text to emit, in order (may be empty strings); ends at max_tokens or a stop sequence."""
+        """Text to emit, in order (may be empty strings); ends at max_tokens or a stop sequence.
+
+        With stop sequences the ids are decoded here one token at a time (the tokenizer
+        Generation uses), so a match stops at the token that completed it and `usage` counts
+        exactly the tokens up to it; without, the chunks' own text is passed through."""
+        per_token = tokenizer.StreamDecoder() if self._stop.stops else None
         try:
             response = self._first
             while response is not None:
                 if response.WhichOneof("payload") == "chunk":
-                    self.outcome.completion_tokens += len(response.chunk.token_ids)
-                    yield self._stop.feed(response.chunk.text)
+                    if per_token is None:
+                        self.outcome.completion_tokens += len(response.chunk.token_ids)
+                        yield self._stop.feed(response.chunk.text)
+                    else:
+                        yield self._feed_tokens(per_token, response.chunk.token_ids)
                     if self._stop.stopped:
                         self.outcome.finish_reason = "stop"
                         self._early.stopped = True
                         return
                 response = await anext(self._responses, None)
-            yield self._stop.finish()
+            yield self._stop.feed(per_token.finish()) + self._stop.finish() if per_token else self._stop.finish()
         finally:
             await self.aclose()
+
+    def _feed_tokens(self, decoder: tokenizer.StreamDecoder, ids: Sequence[int]) -> str:
+        out = []
+        for token in ids:
+            self.outcome.completion_tokens += 1
+            out.append(self._stop.feed(decoder.feed([token])))
+            if self._stop.stopped:
+                break
+        return "".join(out)
 
     async def aclose(self) -> None:
         """Ends the generation (frees its blocks) if it is still running; idempotent."""

@@ -104,7 +104,8 @@ async def test_stop_sequence_ends_the_text_and_frees_the_blocks(http_pair: HttpP
         stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=stop, stream=True)
         chunks = [c async for c in stream]
     assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
-    assert out.usage is not None and out.usage.completion_tokens < 40
+    # Byte tokens: the generated tokens up to and including the one that completed the stop.
+    assert out.usage is not None and out.usage.completion_tokens == len(http_pair.expected_bytes(PROMPT, 40, stop))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     await http_pair.blocks_freed()
