@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from decode_svc import tokenizer
+from decode_svc.http_api import DecodeHttp
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
 from shared.config import ServiceSettings
+from shared.http.app import ServiceInfo, build_app
+from shared.http.chat_template import template_for
+from shared.http.render import RenderRoutes
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.metrics import ServiceMetrics
@@ -47,6 +52,10 @@ class DecodeApp:
             metrics=self.metrics,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
+        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
+        self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
+        render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template)
+        self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))
         self.metrics.gauge("hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,6 +19,13 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
 from shared.runtime.engine_host import EngineHost
+
+
+@dataclass
+class EarlyStop:
+    """Set `stopped` before closing `generate()` when the output is complete (not a cancel)."""
+
+    stopped: bool = False
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -41,12 +50,26 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # aclosing: a call cancelled while this handler waits at its yield ends the generation now.
+        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+            async for response in responses:
+                yield response
+
+    async def generate(
+        self, request: pb.GenerateRequest, time_remaining: float | None, early_stop: EarlyStop | None = None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The one entry both front doors (gRPC Generate and the HTTP API) call: refused while
+        draining, counted by final status. A consumer that closes this generator early counts as
+        CANCELLED, unless it set `early_stop.stopped` first (an HTTP stop sequence matched)."""
         status = "INTERNAL"
         try:
             self.lifecycle.check_accepting("new requests")
-            async for response in self.generation.run(request, context.time_remaining()):
+            async for response in self.generation.run(request, time_remaining):
                 yield response
             status = "OK"
+        except GeneratorExit:
+            status = "OK" if early_stop is not None and early_stop.stopped else "CANCELLED"
+            raise
         except ServiceError as e:
             status = e.status
             if e.reason != e.default_reason:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prefill_svc.http_api import PrefillHttp
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.session import SessionConfig
 from shared.config import ServiceSettings
+from shared.engine.reference import tokenizer as byte_tokenizer
+from shared.http.app import ServiceInfo, build_app
+from shared.http.chat_template import template_for
+from shared.http.render import RenderRoutes
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.metrics import ServiceMetrics
@@ -40,6 +45,10 @@ class PrefillApp:
             self.metrics,
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
+        # /health, /metrics, /version, /v1/models, render, and the P/D prefill leg.
+        http_info = ServiceInfo("prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
+        render = RenderRoutes(http_info, byte_tokenizer.encode, template_for(host.engine))
+        self.shell.http_app = build_app(http_info, [*PrefillHttp(http_info).routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_pinned_requests", "Requests whose blocks wait to be read", lambda: len(self.pins))
         self.metrics.gauge("hybrid_pd_sessions", "Open Session streams", lambda: self.servicer.peers.open_sessions)

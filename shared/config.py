@@ -70,6 +70,7 @@ class ServiceSettings:
     check_state: bool = False  # decode only: verify transferred state after every READ
     huge_pages: bool = True  # DRAM caches on transparent huge pages (shared/cache/host_memory.py)
     verify_transfer: bool = True  # digests of the transferred state: prefill sends, decode checks
+    http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
 
     @property
     def listen_address(self) -> str:
@@ -245,6 +246,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("drain-seconds", positive_float, "on SIGTERM: grace period for in-flight requests before exit", 10.0),
     Flag("metrics-port", port_number, "serve Prometheus metrics over HTTP on this port (default: off)"),
+    Flag(
+        "http-port",
+        port_number,
+        "serve the OpenAI-compatible HTTP API (and /health, /metrics, /version) on this port, on the same event "
+        "loop as gRPC; 0 picks a free one, printed as `HTTP port=N` before `LISTENING port=N` (default: off)",
+        metavar="PORT",
+    ),
     Flag("tls-cert", existing_file, "PEM certificate chain; with --tls-key turns on TLS for the server and its clients", metavar="FILE"),
     Flag("tls-key", existing_file, "PEM private key for --tls-cert", metavar="FILE"),
     Flag("tls-ca", existing_file, "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it", metavar="FILE"),
@@ -430,6 +438,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         read_timeout_seconds=_opt(values, "read_timeout_seconds", float) or DEFAULT_READ_TIMEOUT_SECONDS,
         max_pinned_requests=_req(values, "max_pinned_requests", int),
         metrics_port=_opt(values, "metrics_port", int),
+        http_port=_opt(values, "http_port", int),
         tls=tls,
         loop="asyncio" if values["loop"] == "asyncio" else "uvloop",
         log_level=_req(values, "log_level", str),

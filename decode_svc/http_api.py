@@ -1,0 +1,235 @@
+"""Decode's OpenAI-compatible endpoints: `/v1/completions` and `/v1/chat/completions`.
+
+An adapter over the same domain entry the gRPC Generate handler uses
+(`DecodeServicer.generate` -> `Generation.run`): the body becomes a GenerateRequest (token ids,
+max_tokens, the `X-Request-Id` header as request id), its token chunks become OpenAI objects or
+SSE chunks. Stop sequences are applied here, on the text; a match closes the generation early
+(its blocks are freed as on any early end). A streamed response starts once the first token
+exists, so every failure before it (bad input, no prefill, cache full, draining) is a real HTTP
+status; a failure after it is sent as a last `data: {"error": ...}` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from decode_svc import tokenizer
+from decode_svc.servicer import DecodeServicer, EarlyStop
+from shared.errors import FieldIssue, ServiceError
+from shared.http import objects, sse
+from shared.http.app import ServiceInfo, api, check_model, json_body
+from shared.http.chat_template import ChatTemplate
+from shared.http.errors import NotImplementedYet, http_error, internal_error
+from shared.http.kv_transfer import RemotePrefill, parse_remote_prefill, wants_remote_prefill
+from shared.http.params import CommonParams, parse_chat, parse_completion
+from shared.http.render import prompt_ids
+from shared.http.stop import StopMatcher
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.runtime.engine_host import EngineHost
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+@dataclass
+class Outcome:
+    """Filled while a generation runs: what `usage` and `finish_reason` report."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+
+    @property
+    def usage(self) -> objects.Usage:
+        return objects.Usage(self.prompt_tokens, self.completion_tokens)
+
+
+class Generated:
+    """One generation as text pieces: `first()` raises every failure before the first token."""
+
+    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], outcome: Outcome, stop: StopMatcher, early: EarlyStop, rename: Callable[[ServiceError], ServiceError]) -> None:
+        self._responses = responses
+        self.outcome = outcome
+        self._stop = stop
+        self._early = early
+        self._rename = rename
+        self._first: pb.GenerateResponse | None = None
+
+    async def first(self) -> None:
+        try:
+            self._first = await anext(self._responses)
+        except ServiceError as e:
+            raise self._rename(e) from None
+        except StopAsyncIteration:
+            self._first = None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text to emit, in order (may be empty strings); ends at max_tokens or a stop sequence.
+
+        With stop sequences the ids are decoded here one token at a time (the tokenizer
+        Generation uses), so a match stops at the token that completed it and `usage` counts
+        exactly the tokens up to it; without, the chunks' own text is passed through."""
+        per_token = tokenizer.StreamDecoder() if self._stop.stops else None
+        try:
+            response = self._first
+            while response is not None:
+                if response.WhichOneof("payload") == "chunk":
+                    if per_token is None:
+                        self.outcome.completion_tokens += len(response.chunk.token_ids)
+                        yield self._stop.feed(response.chunk.text)
+                    else:
+                        yield self._feed_tokens(per_token, response.chunk.token_ids)
+                    if self._stop.stopped:
+                        self.outcome.finish_reason = "stop"
+                        self._early.stopped = True
+                        return
+                response = await anext(self._responses, None)
+            yield self._stop.feed(per_token.finish()) + self._stop.finish() if per_token else self._stop.finish()
+        finally:
+            await self.aclose()
+
+    def _feed_tokens(self, decoder: tokenizer.StreamDecoder, ids: Sequence[int]) -> str:
+        out = []
+        for token in ids:
+            self.outcome.completion_tokens += 1
+            out.append(self._stop.feed(decoder.feed([token])))
+            if self._stop.stopped:
+                break
+        return "".join(out)
+
+    async def aclose(self) -> None:
+        """Ends the generation (frees its blocks) if it is still running; idempotent."""
+        await self._responses.aclose()  # type: ignore[attr-defined]
+
+    async def text(self) -> str:
+        try:
+            return "".join([piece async for piece in self.pieces()])
+        finally:
+            await self.aclose()
+
+
+class DecodeHttp:
+    def __init__(self, servicer: DecodeServicer, host: EngineHost, info: ServiceInfo, template: ChatTemplate) -> None:
+        self.servicer = servicer
+        self.host = host
+        self.info = info
+        self.template = template
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", api(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", api(self.chat), methods=["POST"]),
+        ]
+
+    async def completions(self, request: Request) -> Response:
+        params = parse_completion(await json_body(request))
+        model = check_model(self.info, params.model)
+        ids = prompt_ids(params, tokenizer.encode, self.template)
+        generated, rid = await self._start(request, params, ids, "prompt")
+        header = objects.Header.new(f"cmpl-{rid}", model)
+        if not params.stream:
+            text = await generated.text()
+            out = generated.outcome
+            return JSONResponse(objects.completion(header, text, out.finish_reason, out.usage))
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            async for piece in generated.pieces():
+                if piece:
+                    yield objects.completion_chunk(header, piece, None, params.include_usage)
+            yield objects.completion_chunk(header, "", generated.outcome.finish_reason, params.include_usage)
+            if params.include_usage:
+                yield objects.usage_chunk(header, "text_completion", generated.outcome.usage)
+
+        return _sse(chunks(), generated)
+
+    async def chat(self, request: Request) -> Response:
+        params = parse_chat(await json_body(request))
+        model = check_model(self.info, params.model)
+        ids = prompt_ids(params, tokenizer.encode, self.template)
+        generated, rid = await self._start(request, params, ids, "messages")
+        header = objects.Header.new(f"chatcmpl-{rid}", model)
+        if not params.stream:
+            text = await generated.text()
+            out = generated.outcome
+            return JSONResponse(objects.chat_completion(header, text, out.finish_reason, out.usage))
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            yield objects.chat_chunk(header, {"role": "assistant", "content": ""}, None, params.include_usage)
+            async for piece in generated.pieces():
+                if piece:
+                    yield objects.chat_chunk(header, {"content": piece}, None, params.include_usage)
+            yield objects.chat_chunk(header, {}, generated.outcome.finish_reason, params.include_usage)
+            if params.include_usage:
+                yield objects.usage_chunk(header, "chat.completion.chunk", generated.outcome.usage)
+
+        return _sse(chunks(), generated)
+
+    async def remote_prefill(self, remote: RemotePrefill) -> None:
+        """The decode leg of vLLM's P/D protocol: state already computed and pinned by the named
+        prefill engine. Needs domain calls this adapter does not have yet (learn the peer from
+        host:port, READ the named blocks, release the pin); until then a clear 501."""
+        raise NotImplementedYet(
+            f"reading state prefilled by {remote.engine_id} ({remote.grpc_target}) from a router's kv_transfer_params "
+            "is not served yet; send the request without kv_transfer_params (this engine picks its own prefill)",
+            field="kv_transfer_params.do_remote_prefill",
+        )
+
+    async def _start(self, request: Request, params: CommonParams, ids: list[int], prompt_field: str) -> tuple[Generated, str]:
+        """Validate against this engine, start the generation and wait for its first token."""
+        if wants_remote_prefill(params.kv_transfer_params):
+            assert params.kv_transfer_params is not None
+            await self.remote_prefill(parse_remote_prefill(params.kv_transfer_params))
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
+            max_tokens = max(1, self.host.max_tokens() - len(ids))
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        grpc_request = pb.GenerateRequest(request_id=rid, prompt_token_ids=ids, max_tokens=max_tokens)
+        names = {"prompt_token_ids": prompt_field, "prompt": prompt_field, "max_tokens": params.max_tokens_field, "request_id": "X-Request-Id"}
+        early = EarlyStop()
+        generated = Generated(
+            self.servicer.generate(grpc_request, None, early),
+            Outcome(prompt_tokens=len(ids)),
+            StopMatcher(params.stop),
+            early,
+            lambda e: _renamed(e, names),
+        )
+        await generated.first()
+        return generated, rid
+
+
+def _renamed(error: ServiceError, names: dict[str, str]) -> ServiceError:
+    """The same error with gRPC field names replaced by the HTTP body's (`prompt_token_ids` -> `prompt`)."""
+    if not error.issues or error.issues[0].field not in names:
+        return error
+    issues = tuple(FieldIssue(names.get(i.field, i.field), i.description) for i in error.issues)
+    old, new = error.issues[0].field, issues[0].field
+    message = new + error.message[len(old) :] if error.message.startswith(old) else error.message
+    renamed = type(error)(message, issues=issues, reason=error.reason, retry_after_seconds=error.retry_after_seconds)
+    return renamed
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]], generated: Generated) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield sse.event(chunk)
+        except ServiceError as e:  # after the first token: the status line is sent already
+            yield sse.event(http_error(e).body)
+        except Exception:
+            log.exception("streamed completion failed")
+            yield sse.event(internal_error().body)
+        finally:  # also when the client went away mid-stream: stop generating, free the blocks
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await generated.aclose()
+        yield sse.DONE
+
+    return StreamingResponse(body(), media_type=sse.SSE_MEDIA_TYPE, headers=sse.SSE_HEADERS)

@@ -1,0 +1,265 @@
+"""Validation of OpenAI `/v1/completions` and `/v1/chat/completions` bodies (pure, no I/O).
+
+Every problem raises InvalidArgument naming the JSON field (`param` of the error object).
+Unknown fields are ignored, as vLLM does: routers add their own (`min_tokens`,
+`kv_transfer_params`, ...). Sampling parameters are validated here even where the engine
+cannot honour them yet (`temperature`, `top_p`, `seed`, penalties with the greedy reference
+engine); `SamplingParams` carries them to the engine's door.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.errors import InvalidArgument
+
+MAX_STOP_SEQUENCES = 4
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_p <= 0.0
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class CommonParams:
+    model: str | None
+    max_tokens: int | None  # None: as many as the request's capacity allows (chat)
+    max_tokens_field: str  # which field max_tokens came from, for error messages
+    min_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    sampling: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionParams(CommonParams):
+    prompt: str | list[int] = field(default="")
+
+
+@dataclass(frozen=True)
+class ChatParams(CommonParams):
+    messages: tuple[ChatMessage, ...] = field(default=())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _int(body: Mapping[str, Any], name: str, *, low: int, default: int | None = None, nullable: bool = True) -> int | None:
+    value = body.get(name)
+    if value is None:
+        if not nullable and name in body:
+            raise InvalidArgument("must be an integer, got null", field=name)
+        return default
+    if not _is_int(value):
+        raise InvalidArgument(f"must be an integer, got {value!r}", field=name)
+    if value < low:
+        raise InvalidArgument(f"must be >= {low}, got {value}", field=name)
+    return int(value)
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise InvalidArgument(f"must be a number, got {value!r}", field=name)
+    if value > high or value < low or (open_low and value == low):
+        bound = f"> {low:g}" if open_low else f">= {low:g}"
+        raise InvalidArgument(f"must be {bound} and <= {high:g}, got {value}", field=name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"must be true or false, got {value!r}", field=name)
+    return value
+
+
+def _absent_or(body: Mapping[str, Any], name: str, *allowed: object, why: str) -> None:
+    """A field whose only supported values are `allowed` (None always allowed)."""
+    value = body.get(name)
+    if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+        raise InvalidArgument(f"{value!r} is not supported: {why}", field=name)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise InvalidArgument("must be a string or a list of strings", field="stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise InvalidArgument(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(items)}", field="stop")
+    if any(s == "" for s in items):
+        raise InvalidArgument("stop sequences must not be empty", field="stop")
+    return tuple(items)
+
+
+def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise InvalidArgument(f"must be an integer, got {seed!r}", field="seed")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise InvalidArgument("must fit in 64 bits", field="seed")
+    return SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        seed=seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+    )
+
+
+def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: str) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgument(f"must be a string, got {model!r}", field="model")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidArgument(f"only n = 1 is supported, got {n!r}", field="n")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidArgument("only allowed when stream is true", field="stream_options")
+        if not isinstance(options, dict):
+            raise InvalidArgument("must be an object", field="stream_options")
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise InvalidArgument("must be true or false", field="stream_options.include_usage")
+        include_usage = bool(usage)
+    min_tokens = _int(body, "min_tokens", low=0, default=0)
+    assert min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidArgument(f"{min_tokens} is more than {max_tokens_field} ({max_tokens})", field="min_tokens")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise InvalidArgument("must be an object or null", field="kv_transfer_params")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidArgument("must be a string", field="user")
+    _absent_or(body, "best_of", 1, why="only best_of = 1")
+    _absent_or(body, "logit_bias", {}, why="logit_bias is not supported")
+    return dict(
+        model=model,
+        max_tokens=max_tokens,
+        max_tokens_field=max_tokens_field,
+        min_tokens=min_tokens,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        sampling=_sampling(body),
+        kv_transfer_params=kv,
+        user=user,
+    )
+
+
+def _body(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object", field="body")
+    return body
+
+
+def _prompt(value: object) -> str | list[int]:
+    """A string or a token id list; a batch of exactly one is unwrapped (n = 1, one prompt)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if value == "":
+            raise InvalidArgument("the prompt is empty", field="prompt")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        if any(t < 0 for t in value):
+            raise InvalidArgument("token ids must be >= 0", field="prompt")
+        return [int(t) for t in value]
+    if isinstance(value, list) and not value:
+        raise InvalidArgument("the prompt is empty", field="prompt")
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise InvalidArgument(f"one prompt per request is supported, got {len(value)}", field="prompt")
+    raise InvalidArgument("must be a string or a list of token ids", field="prompt")
+
+
+def parse_completion(raw: object) -> CompletionParams:
+    body = _body(raw)
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidArgument("is required", field="prompt")
+    prompt = _prompt(body["prompt"])
+    max_tokens = _int(body, "max_tokens", low=1, default=DEFAULT_COMPLETION_MAX_TOKENS)
+    _absent_or(body, "echo", False, why="echo is not supported")
+    _absent_or(body, "suffix", "", why="suffix is not supported")
+    _absent_or(body, "logprobs", why="logprobs are not supported")
+    return CompletionParams(prompt=prompt, **_common(body, max_tokens, "max_tokens"))
+
+
+def _content(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: text only
+        parts: list[str] = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", field=f"{where}[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidArgument("must be a string or a list of text parts", field=where)
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidArgument("must be a non-empty list of messages", field="messages")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidArgument("must be an object with role and content", field=where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidArgument(f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}", field=f"{where}.role")
+        content = message.get("content")
+        text = "" if content is None and role == "assistant" else _content(content, f"{where}.content")
+        messages.append(ChatMessage(str(role), text))
+    return tuple(messages)
+
+
+def parse_chat(raw: object) -> ChatParams:
+    body = _body(raw)
+    messages = _messages(body.get("messages"))
+    field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, field_name, low=1)
+    _absent_or(body, "logprobs", False, why="logprobs are not supported")
+    _absent_or(body, "tools", [], why="tool calls are not supported")
+    _absent_or(body, "response_format", {"type": "text"}, why="only text responses are supported")
+    return ChatParams(messages=messages, **_common(body, max_tokens, field_name))
