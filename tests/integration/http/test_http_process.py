@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from shared.cli.local_pair import start_service
+from shared.bench.local_pair import start_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
