@@ -22,13 +22,19 @@ that request fails at once with UNAVAILABLE naming the peer; requests past their
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Coroutine, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-
+from decode_svc import tokenizer
+from decode_svc.peer_link import PeerLink
+from decode_svc.prefill_peer import PrefillPeers
+from decode_svc.reader import ReadStats, read_request
+from decode_svc.session_client import SessionClient
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, compare_digests, state_digests
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
@@ -38,15 +44,10 @@ from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.runtime.engine_host import EngineHost
 from shared.rpc.proto_time import duration, seconds
+from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
 from shared.transport.read_fence import ReadFence
-from decode_svc import tokenizer
-from decode_svc.peer_link import PeerLink
-from decode_svc.prefill_peer import PrefillPeers
-from decode_svc.reader import ReadStats, read_request
-from decode_svc.session_client import SessionClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -250,7 +251,7 @@ class Generation:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
-            ids = await compute.run(lambda: _steps(decode, n))
+            ids = await compute.run(functools.partial(_steps, decode, n))
             generated += len(ids)
             if first_token_at is None:
                 first_token_at = time.monotonic()
@@ -296,8 +297,8 @@ class Generation:
         t.transferred_bytes.labels(section="conv").inc(stats.conv_bytes)
         t.transferred_bytes.labels(section="ssm").inc(stats.ssm_bytes)
         t.transfer_seconds.observe(stats.seconds)
-        for seconds in stats.post_seconds:
-            t.post_seconds.observe(seconds)
+        for posting in stats.post_seconds:
+            t.post_seconds.observe(posting)
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
     async def _verify_digests(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import check_pair
 from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import PreppedList
-from shared.transport.errors import PeerAlreadyKnown, TransportError
+from shared.transport.errors import PeerAlreadyKnown, PeerMetadataRejected, TransportError
 from shared.transport.memory import MemoryPlace
 from shared.transport.read_fence import ReadFence
 
@@ -190,9 +190,7 @@ async def _add_remote(host: EngineHost, decode_rank: int, remote: pb.EngineLayou
         return await host.agents[decode_rank].add_remote(remote.ranks[prefill_rank].agent_metadata)
     except PeerAlreadyKnown as e:
         raise Unavailable(f"prefill {remote.engine_id}: {e}", field=field_name, reason="PEER_ALREADY_KNOWN") from e
+    except PeerMetadataRejected as e:
+        raise InvalidArgument(f"prefill {remote.engine_id} sent agent metadata NIXL cannot load: {e}", field=field_name) from e
     except TransportError as e:
-        if e.nixl_error in ("nixlMismatchError", "nixlInvalidParamError"):
-            raise InvalidArgument(
-                f"prefill {remote.engine_id} sent agent metadata NIXL cannot load: {e}", field=field_name
-            ) from e
         raise Unavailable(f"cannot connect to prefill {remote.engine_id}'s agent: {e}", field=field_name) from e

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from decode_svc.peer_link import PairLists, PeerLink
+from shared import tracing
 from shared.cache.id_buffers import IdBuffers
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
@@ -28,11 +30,11 @@ from shared.layout.read_lists import IdArray, read_indices
 from shared.layout.spec import LayoutError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
+from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.errors import TransferTimedOut, TransportError
 from shared.transport.poller import ReadResult
 from shared.transport.read_fence import ReadFence
-from decode_svc.peer_link import PairLists, PeerLink
 
 log = logging.getLogger(__name__)
 IntArray = npt.NDArray[np.int64]
@@ -149,6 +151,7 @@ async def read_request(
                 ids = link.id_buffers.claim()
                 try:
                     lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
+                    tracing.mark(Step.IDS)
                 except LayoutError as e:
                     ids.release()
                     raise Internal(
@@ -160,6 +163,7 @@ async def read_request(
                     jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                     continue
                 stats.add(_pair_bytes(link, pair, lidx, num_tokens))
+                tracing.mark(Step.BYTES)
                 read = _read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids, fence)
                 jobs.append(asyncio.ensure_future(read))
             started = time.monotonic()

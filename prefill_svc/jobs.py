@@ -6,21 +6,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from google.protobuf import timestamp_pb2
 
+from prefill_svc.pins import PinTable
+from shared import tracing
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, state_digests
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.runtime.engine_host import EngineHost
 from shared.rpc.proto_time import duration
-from prefill_svc.pins import PinTable
+from shared.runtime.engine_host import EngineHost
+from shared.tracing import Step
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -64,6 +66,7 @@ class JobRunner:
         deadline: float | None,
         on_end: Callable[[str], None] | None = None,
     ) -> pb.Manifest:
+        tracing.mark(Step.JOB_STARTED)
         prompt = list(job.prompt_token_ids)
         validate_prompt(self.host, job.request_id, prompt)
         engine = self.host.engine
@@ -96,6 +99,7 @@ class JobRunner:
         lease_left = pin.lease_deadline - loop.time()
         expire = timestamp_pb2.Timestamp()
         expire.FromNanoseconds(time.time_ns() + int(lease_left * 1e9))
+        tracing.mark(Step.MANIFEST_BUILT)
         return pb.Manifest(
             request_id=job.request_id,
             transfer_id=tid,

@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
-
-from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
-from shared.rpc.deadlines import wait_deadline
-from shared.runtime.engine_host import EngineHost
-from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.proto_time import duration, seconds
-from shared.rpc.status import code_number
 from prefill_svc.jobs import JobRunner
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
+from shared import tracing
+from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.deadlines import wait_deadline
+from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.proto_time import duration, seconds
+from shared.rpc.status import code_number
+from shared.runtime.engine_host import EngineHost
+from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class PrefillSession:
     # ---- jobs ----
 
     def _start_job(self, job: pb.PrefillJob) -> None:
+        tracing.mark(Step.JOB_RECEIVED)
         rid = job.request_id
         if self.lifecycle.draining.is_set():
             self._out.put_nowait(_failure(rid, Unavailable("prefill engine is draining; send the job elsewhere", reason="DRAINING")))

@@ -200,7 +200,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                 progress.advance()
             if cfg.breakdown:
                 # A separate pass: each mark costs a few microseconds the phases above must not carry.
-                with traced(trace, prefill_app, decode_app):
+                with traced(trace):
                     for i in range(cfg.requests):
                         trace.begin()
                         await one_request(f"bench-control-traced-{i}")

@@ -16,21 +16,15 @@ READ's notification waits for the next pump; taken from the traced pass).
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import decode_svc.reader as reader
-from decode_svc.app import DecodeApp
-from prefill_svc.app import PrefillApp
-from prefill_svc.session import PrefillSession
 from shared import tracing
 from shared.bench.stats import Summary
-from shared.layout.read_lists import read_indices
 from shared.tracing import Step
 
 NOTIFICATION_WAIT_STEP = "prefill: READ done -> pump fetched the notification"
@@ -90,87 +84,10 @@ class StepTrace:
 
 
 @contextmanager
-def traced(trace: StepTrace, prefill_app: PrefillApp, decode_app: DecodeApp) -> Iterator[None]:
+def traced(trace: StepTrace) -> Iterator[None]:
     """Every mark of both services goes to `trace` until the block exits."""
-    with tracing.tracing_into(trace), _interim_marks(prefill_app, decode_app):
+    with tracing.tracing_into(trace):
         yield
-
-
-# Interim: the steps below are marked in files being reworked on the data-path branch; until
-# those files call `tracing.mark` themselves, these wrappers make the calls for them, on these
-# two service instances only, and restore everything on exit. Each entry names the step and
-# the function whose call it brackets; delete an entry once its file marks the step.
-def _mark_after(step: Step, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = fn(*args, **kwargs)
-        tracing.mark(step)
-        return result
-
-    return wrapper
-
-
-def _mark_before(step: Step, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tracing.mark(step)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _mark_around_async(before: Step | None, after: Step | None, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            tracing.mark(before)
-        result = await fn(*args, **kwargs)
-        if after is not None:
-            tracing.mark(after)
-        return result
-
-    return wrapper
-
-
-@contextmanager
-def _interim_marks(prefill_app: PrefillApp, decode_app: DecodeApp) -> Iterator[None]:
-    restore: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, old value, was an instance attribute)
-
-    def patch(owner: Any, attr: str, new: Any) -> None:
-        restore.append((owner, attr, getattr(owner, attr), attr in vars(owner)))
-        setattr(owner, attr, new)
-
-    patch(PrefillSession, "_start_job", _mark_before(Step.JOB_RECEIVED, PrefillSession._start_job))
-    runner = prefill_app.servicer.runner
-    patch(runner, "run", _mark_around_async(Step.JOB_STARTED, Step.MANIFEST_BUILT, runner.run))
-    host = prefill_app.host
-    patch(host, "allocate_queued", _mark_around_async(None, Step.ALLOCATED, host.allocate_queued))
-    run_compute = host.run_compute
-
-    async def traced_compute(fn: Callable[[], Any]) -> Any:
-        result = await run_compute(_mark_before(Step.COMPUTE, fn))
-        tracing.mark(Step.COMPUTED)
-        return result
-
-    patch(host, "run_compute", traced_compute)
-    router = host.poller.router
-    patch(router, "dispatch", _mark_before(Step.NOTIFICATION_DISPATCHED, router.dispatch))
-    for agent in host.agents:  # the sink the owner thread calls with fetched notifications
-        if agent._sink is not None:
-            patch(agent, "_sink", _mark_before(Step.NOTIFICATION_FETCHED, agent._sink))
-    patch(reader, "read_indices", _mark_after(Step.IDS, read_indices))  # the module-level name reader.py calls
-    patch(reader, "_pair_bytes", _mark_after(Step.BYTES, reader._pair_bytes))
-    for agent in decode_app.host.agents:
-        post = agent._post_read
-        patch(agent, "_post_read", _mark_after(Step.POST_END, _mark_before(Step.POST_START, post)))
-    try:
-        yield
-    finally:
-        for owner, attr, old, was_instance in reversed(restore):
-            if was_instance:
-                setattr(owner, attr, old)
-            else:
-                delattr(owner, attr)  # an instance shadowed its class's method: unshadow it
 
 
 async def thread_hop_seconds(count: int) -> list[float]:

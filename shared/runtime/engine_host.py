@@ -10,15 +10,18 @@ the handshake message (`message`) is derived from it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
+from shared import tracing
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
@@ -26,12 +29,13 @@ from shared.config import ServiceSettings
 from shared.engine.compute_threads import compute_executor
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.errors import InvalidArgument, ResourceExhausted
-from shared.layout.hf_config import load_model
+from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
+from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.notifications import UnknownHandler
 from shared.transport.poller import CompletionPoller
@@ -236,22 +240,29 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                return self.allocate(key, num_tokens)
+                blocks = self.allocate(key, num_tokens)
+                tracing.mark(Step.ALLOCATED)
+                return blocks
             except ResourceExhausted as e:
                 left = deadline - loop.time()
                 if left <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
                     raise ResourceExhausted(f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL") from None
                 freed = self._freed
-                try:
+                with contextlib.suppress(TimeoutError):  # full still: the loop says so
                     await asyncio.wait_for(freed.wait(), left)
-                except TimeoutError:
-                    pass
 
     # ---- compute ----
 
     async def run_compute(self, fn: Callable[[], T]) -> T:
         """Run model code on the compute thread and await it from the loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+
+        def call() -> T:
+            tracing.mark(Step.COMPUTE)
+            return fn()
+
+        result = await asyncio.get_running_loop().run_in_executor(self.compute, call)
+        tracing.mark(Step.COMPUTED)
+        return result
 
     async def aclose(self) -> None:
         await self.poller.aclose()

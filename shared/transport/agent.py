@@ -23,6 +23,7 @@ idle rate otherwise, and hands results to the poller's callbacks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -37,7 +38,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared.transport.errors import PeerAlreadyKnown, TransferFailed, TransportError
+from shared import tracing
+from shared.tracing import Step
+from shared.transport.errors import (
+    PeerAlreadyKnown,
+    PeerDisconnected,
+    PeerMetadataRejected,
+    TransferFailed,
+    TransportError,
+)
 from shared.transport.memory import MemoryPlace, nixl_descs
 from shared.transport.nixl_env import NixlApi, load_nixl
 from shared.transport.owner_thread import OwnerThread
@@ -367,6 +376,7 @@ class RankAgent:
         if self._sink is not None:
             notifs = self._get_new_notifs()
             if notifs:
+                tracing.mark(Step.NOTIFICATION_FETCHED)
                 self._sink(notifs)
 
     def _track(self, xfer: Xfer, settle: Settle) -> None:
@@ -430,6 +440,21 @@ class RankAgent:
         notif: bytes,
         inline: bool = False,
         settle: Settle | None = None,
+    ) -> Xfer:
+        tracing.mark(Step.POST_START)
+        xfer = self._post(local, local_idx, remote, remote_idx, notif, inline, settle)
+        tracing.mark(Step.POST_END)
+        return xfer
+
+    def _post(
+        self,
+        local: PreppedList,
+        local_idx: npt.ArrayLike,
+        remote: PreppedList,
+        remote_idx: npt.ArrayLike,
+        notif: bytes,
+        inline: bool,
+        settle: Settle | None,
     ) -> Xfer:
         if local.peer or not remote.peer:
             raise ValueError("post_read takes a local prepared list, then a remote one")
@@ -566,7 +591,7 @@ class RankAgent:
 
     def _destroy(self) -> None:
         closing = TransportError(f"agent {self.name} was closed with the READ in flight")
-        for xfer, settle in list(self._tracked.items()):
+        for settle in list(self._tracked.values()):
             _settle_safely(settle, closing)
         self._tracked.clear()
         self._sink = None
@@ -576,10 +601,8 @@ class RankAgent:
         for prepped in list(self._prepped):
             self._release_prepped(prepped)
         if self._registered is not None:
-            try:
+            with contextlib.suppress(*self._api.errors):  # the agent is going away regardless
                 self._agent.deregister_memory(self._registered)
-            except self._api.errors:
-                pass  # the agent is going away regardless
             self._registered = None
         self._tensors = []
         # Drop the last reference here so the agent is destroyed on its owner thread.
@@ -598,8 +621,16 @@ class RankAgent:
         message = f"agent {self.name}: {what}{with_peer} failed: {kind} ({exc})"
         if hint:
             message += f": {hint}"
-        cls = TransferFailed if what in ("READ", "prepare READ") else TransportError
-        return cls(message, peer=peer, nixl_error=kind)
+        return _error_class(what, kind)(message, peer=peer, nixl_error=kind)
+
+
+def _error_class(what: str, kind: str) -> type[TransportError]:
+    """The typed error for a NIXL exception class name `kind` raised by operation `what`."""
+    if what == "add remote agent" and kind in ("nixlMismatchError", "nixlInvalidParamError"):
+        return PeerMetadataRejected
+    if what in ("READ", "prepare READ"):
+        return PeerDisconnected if kind == "nixlRemoteDisconnectError" else TransferFailed
+    return TransportError
 
 
 def _settle_safely(settle: Settle, result: XferState | TransportError) -> None:

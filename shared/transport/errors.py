@@ -21,7 +21,16 @@ class TransferFailed(TransportError):
 
 
 class TransferTimedOut(TransportError):
-    """A READ did not finish before its deadline (e.g. a frozen peer); its handle was released."""
+    """A READ did not finish before its deadline (e.g. a frozen peer); its handle is released
+    after (see Xfer.release_done)."""
+
+
+class PeerDisconnected(TransferFailed):
+    """The peer died or the connection was lost during a READ (nixlRemoteDisconnectError)."""
+
+
+class PeerMetadataRejected(TransportError):
+    """NIXL could not load a peer's agent metadata (not NIXL metadata, or this agent's own)."""
 
 
 class PeerAlreadyKnown(TransportError):

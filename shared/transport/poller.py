@@ -20,6 +20,7 @@ in PROC forever), cancellation that releases the handle, and notification routin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -152,10 +153,8 @@ class CompletionPoller:
         done: asyncio.Future[ReadResult] = loop.create_future()
 
         def settle(result: XferState | TransportError) -> None:  # on the owner thread
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody waits any more
                 loop.call_soon_threadsafe(self._settle, done, post, result)
-            except RuntimeError:
-                pass  # the event loop is gone; nobody is waiting any more
 
         post = agent.post_read(local, local_idx, remote, remote_idx, notif, settle)
         if on_posted is not None:
@@ -257,7 +256,5 @@ class CompletionPoller:
         loop = self._loop
         if loop is None:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone
             loop.call_soon_threadsafe(self.router.dispatch, agent_name, notifs)
-        except RuntimeError:
-            pass  # the event loop is gone

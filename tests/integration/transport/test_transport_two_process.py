@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.transport.errors import PeerAlreadyKnown, TransferFailed, TransferTimedOut
+from shared.transport.errors import PeerAlreadyKnown, PeerDisconnected, TransferFailed, TransferTimedOut
 
 
 def _harness() -> ModuleType:
@@ -102,6 +102,7 @@ async def test_read_from_a_killed_peer_fails_with_a_clear_error(
     assert time.monotonic() - started < 5, "the dead peer was only noticed by the deadline"
     assert failure.value.peer == name
     assert name in str(failure.value) and "nixlRemoteDisconnectError" in str(failure.value)
+    assert isinstance(failure.value, PeerDisconnected)  # typed, not matched by name
     await wait_released(initiator)
     assert initiator.poller.in_flight == 0
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shared.transport.agent import RankAgent, agent_name
-from shared.transport.errors import TransportError
+from shared.transport.errors import PeerMetadataRejected, TransportError
 from shared.transport.memory import MemoryPlace
 
 pytestmark = pytest.mark.timeout(30)
@@ -85,7 +85,7 @@ async def test_malformed_reads_are_refused_before_nixl(pair: Any) -> None:
 
 @pytest.mark.asyncio
 async def test_nixl_errors_become_transport_errors_that_say_what_failed(pair: Any) -> None:
-    with pytest.raises(TransportError, match="nixlMismatchError"):
+    with pytest.raises(PeerMetadataRejected, match="nixlMismatchError"):  # typed: callers catch the class
         await pair.reader.add_remote(b"not metadata")
     with pytest.raises(TransportError, match=r"'nobody'.*nixlNotFoundError"):
         await pair.reader.prep_remote("nobody", np.array([[4096, 4096]]), MemoryPlace("DRAM", 0))
