@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import pytest
 import torch
@@ -23,3 +24,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """`hf_checkpoint(family)`: the directory of that family's tiny seeded checkpoint, built
+    (save_pretrained, with tokenizer and generation config) the first time a test asks for it."""
+    from shared.engine.hf.tiny_checkpoints import build_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_checkpoint(family, str(root / family))
+        return built[family]
+
+    return get

@@ -65,9 +65,9 @@ def build_cache(config: Any, spec: ModelSpec, state: HfState) -> Any:
 
     A state of 0 tokens gives an empty cache: the next forward then takes the prefill path, as
     generate() does for the first token."""
-    from transformers import DynamicCache
+    import transformers
 
-    cache = DynamicCache(config=config)
+    cache: Any = transformers.DynamicCache(config=config)
     if state.length == 0:
         return cache
     for i, (k, v) in state.kv.items():

@@ -22,12 +22,17 @@ from shared.cache.model_views import torch_dtype
 from shared.engine.hf.identity import CheckpointError
 
 
-def _eos_ids(directory: str, config: Any) -> frozenset[int]:
-    from transformers import GenerationConfig
+def _transformers() -> Any:
+    """transformers, untyped (its signatures do not type-check under --strict)."""
+    import transformers
 
+    return transformers
+
+
+def _eos_ids(directory: str, config: Any) -> frozenset[int]:
     eos: Any = None
     if os.path.isfile(os.path.join(directory, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
+        eos = _transformers().GenerationConfig.from_pretrained(directory, local_files_only=True).eos_token_id
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
     if eos is None:
@@ -37,13 +42,11 @@ def _eos_ids(directory: str, config: Any) -> frozenset[int]:
 
 class HfCheckpoint:
     def __init__(self, directory: str, *, dtype: str, device: str = "cpu") -> None:
-        from transformers import AutoModelForCausalLM
-
         self.directory = directory
         self.dtype = torch_dtype(dtype)
         self.device = torch.device(device)
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = _transformers().AutoModelForCausalLM.from_pretrained(
                 directory, local_files_only=True, dtype=self.dtype, output_loading_info=True
             )
         except (OSError, ValueError, KeyError) as e:
@@ -58,15 +61,18 @@ class HfCheckpoint:
         self.eos_token_ids = _eos_ids(directory, self.config)
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        return _transformers().DynamicCache(config=self.config)
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int], start: int, cache: Any) -> Tensor:
         """Run tokens `ids` at positions start.. on `cache` (updated in place); logits of the last one."""
+        # Bits must not depend on the core count: one intra-op thread (process-wide in torch;
+        # checked on every call because the calling thread may be new).
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device).unsqueeze(0)
         # Explicit positions always: Bamba otherwise puts every resumed token at position 0.
         out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+        logits: Tensor = out.logits[0, -1]
+        return logits

@@ -16,13 +16,15 @@ import os
 import struct
 from pathlib import Path
 
+from shared.layout.spec import LayoutError
+
 FULL_HASH_LIMIT = 1 << 30
 SAMPLES = 256
 SAMPLE_BYTES = 64 << 10
 _CHUNK = 8 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LayoutError):
     """A checkpoint directory that cannot be served; the message names the file or key."""
 
 

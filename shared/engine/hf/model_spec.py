@@ -36,7 +36,7 @@ def compute_dtype(directory: str, requested: str | None = None) -> DType:
     """`requested` (--dtype), else the checkpoint's own dtype (also looked up in text_config), else fp32."""
     if requested is None:
         cfg = _config(directory)
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        text: dict[str, Any] = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else {}
         requested = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32"
     dtype = parse_dtype(str(requested), what="--dtype")
     if dtype not in COMPUTE_DTYPES:

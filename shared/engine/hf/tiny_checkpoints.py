@@ -4,8 +4,8 @@
 holds: config.json, model.safetensors, a real tokenizer (tokenizer.json + tokenizer_config.json,
 a small BPE trained here on a few sentences) and generation_config.json with the EOS ids.
 Nothing is downloaded. Dims are small but keep every TP size in {1, 2, 4} valid (KV heads
-replicated at TP 4), and the weights are larger than transformers' default init so that
-tokens depend visibly on the state (negative controls can then fail).
+replicated at TP 4), the weights are larger than transformers' default init and the SSM decays
+slow, so that tokens depend visibly on the state (negative controls can then fail).
 
 Used by the tests (once per session) and by demos.
 """
@@ -41,8 +41,8 @@ TRAINING_TEXT = (
     "Mamba layers keep a convolution window and a recurrent state per head.",
     "Hello world, hello again, and hello once more.",
 )
-_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, initializer_range=0.2,
+_ATTN: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, initializer_range=0.2,
                max_position_embeddings=512, tie_word_embeddings=False)
 
 
@@ -61,10 +61,16 @@ def _moe() -> dict[str, Any]:
     return dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def _config(family: str) -> Any:
-    import transformers as tf
+def _transformers() -> Any:
+    """transformers, untyped (its signatures do not type-check under --strict)."""
+    import transformers
 
-    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    return transformers
+
+
+def _config(family: str) -> Any:
+    tf = _transformers()
+    ids: dict[str, Any] = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
     builders: dict[str, Callable[[], Any]] = {
         "nemotron_h": lambda: tf.NemotronHConfig(
             **_COMMON, **_ATTN, **ids, layers_block_type=["mamba", "attention", "mlp", "mamba"],
@@ -99,10 +105,20 @@ def _config(family: str) -> Any:
     return builders[family]()
 
 
+def _long_memory(model: Any) -> None:
+    """Slow decays (A = -exp(A_log) in [-0.2, -0.02]) instead of transformers' init (down to
+    -16, which forgets within a token or two): the transferred SSM state then shapes the tokens
+    for many steps, so damaging it visibly changes them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                flat = torch.linspace(0.02, 0.2, param.numel(), dtype=torch.float32)
+                param.copy_(flat.log().reshape(param.shape))
+
+
 def build_tokenizer(directory: str) -> None:
     """A small byte-level BPE trained on a few sentences, saved so AutoTokenizer loads it offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,23 +126,23 @@ def build_tokenizer(directory: str) -> None:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0], show_progress=False)
     tok.train_from_iterator(TRAINING_TEXT, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                                    unk_token="<unk>", pad_token="<pad>")
     fast.save_pretrained(directory)
 
 
 def build_checkpoint(family: str, directory: str, *, seed: int = 0) -> str:
     """Write a tiny random checkpoint of `family` into `directory` (created); returns it."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
-
+    tf = _transformers()
     os.makedirs(directory, exist_ok=True)
     config = _config(family)
     torch.manual_seed(seed)
     # The multimodal wrappers are saved as published (model_type qwen3_5 / qwen3_5_moe, language
     # model under text_config, vision tower included): the engine must load the text part of them.
-    auto = AutoModelForImageTextToText if family in ("qwen3_5", "qwen3_5_moe") else AutoModelForCausalLM
+    auto = tf.AutoModelForImageTextToText if family in ("qwen3_5", "qwen3_5_moe") else tf.AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
+    _long_memory(model)
     model.save_pretrained(directory)
     build_tokenizer(directory)
-    GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
+    tf.GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
     return directory
