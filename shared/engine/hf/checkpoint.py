@@ -55,7 +55,7 @@ class HfCheckpoint:
         if missing:
             shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
             raise CheckpointError(f"{directory}: {len(missing)} weights missing from the checkpoint ({shown})")
-        self.model: Any = model.to(self.device).eval()
+        self.model: Any = model.to(self.device).eval().requires_grad_(False)
         self.config: Any = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = _eos_ids(directory, self.config)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
+from torch import Tensor
 
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
@@ -14,6 +16,7 @@ from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.engine import Boundary, HfEngine
 from shared.engine.hf.model_spec import hf_model_spec
 from shared.engine.protocol import RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.plan import build_plan
 from shared.layout.read_lists import build_read_lists, read_indices
@@ -79,7 +82,7 @@ def transfer(prefill: HfEngine, p_blocks: RequestBlocks, decode: HfEngine, d_blo
 class Run:
     """One request through a prefill engine, the byte transfer and a decode engine."""
 
-    def __init__(self, tokens: list[int], logits: list[object], moved: int) -> None:
+    def __init__(self, tokens: list[int], logits: list[Tensor | None], moved: int) -> None:
         self.tokens = tokens
         self.logits = logits
         self.moved = moved
@@ -87,19 +90,17 @@ class Run:
 
 def disaggregated(
     prefill: HfEngine, decode: HfEngine, prompt: list[int], max_tokens: int, *,
-    sampling: object = None, tamper: object = None,
+    sampling: SamplingParams = GREEDY, tamper: Callable[[HfEngine, RequestBlocks], None] | None = None,
 ) -> Run:
-    """Tokens (and per-token logits) of the disaggregated run; `tamper(decode, blocks)` may
-    change decode's blocks after the transfer (negative controls)."""
-    from shared.engine.sampling import GREEDY, SamplingParams
-
-    params = sampling if isinstance(sampling, SamplingParams) else GREEDY
+    """Tokens (and per-token logits; None for the one prefill sampled) of the disaggregated run;
+    `tamper(decode, blocks)` may change decode's blocks after the transfer (negative controls)."""
+    params = sampling
     p_blocks = blocks_for(prefill.layout, len(prompt))
     d_blocks = blocks_for(decode.layout, len(prompt), first=2)
     first = prefill.prefill_and_sample(prompt, p_blocks, params)
     n = prefill.num_prefill_tokens(len(prompt))
     moved = transfer(prefill, p_blocks, decode, d_blocks, n)
-    if callable(tamper):
+    if tamper is not None:
         tamper(decode, d_blocks)
     spare = iter(range(int(max(ids.max() for ids in d_blocks.block_ids)) + 1, NUM_BLOCKS))
     state = {"blocks": d_blocks}
@@ -114,7 +115,7 @@ def disaggregated(
 
     session = decode.start_decode(prompt, n, d_blocks, grow, sampling=params, first_token=first)
     tokens: list[int] = [] if first is None else [first]
-    logits: list[object] = [] if first is None else [None]
+    logits: list[Tensor | None] = [] if first is None else [None]
     while len(tokens) < max_tokens:
         tokens.append(session.step())
         logits.append(session.last_logits)
