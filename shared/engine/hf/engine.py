@@ -108,6 +108,8 @@ class HfEngine:
         return None
 
     def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        """The `Engine` protocol's prefill (today's services, N-1): greedy, no token returned.
+        At the full boundary the caller needs `prefill_and_sample`, which hands the token out."""
         self.prefill_and_sample(prompt, blocks)
 
     # --- decode -------------------------------------------------------------------------
