@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -13,11 +14,14 @@ from shared.cli.main import main
 from shared.config import parse_settings
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
+from shared.engine.hf.engine import HfEngine
+from shared.engine.hf.identity import CheckpointError
 from shared.engine.hf.tiny_checkpoints import EOS_TOKEN
 from shared.engine.hf.tokenizer import HfTokenizer
 from shared.errors import InvalidArgument
 from shared.runtime.engine_host import engine_factory_for, layout_for
-from tests.unit.engine_hf.helpers import checkpoint
+from shared.layout.page import build_engine_layout
+from tests.unit.engine_hf.helpers import checkpoint, spec_of
 
 
 def test_service_flags_select_the_hf_engine(hf_checkpoint: Callable[[str], str]) -> None:
@@ -81,3 +85,26 @@ def test_generate_colocated_with_the_hf_engine(
     assert main(["generate", "--colocated", "--engine", "hf", "--model", directory, "--prompt", "x",
                  "--top-p", "0"]) == 1
     assert "top_p" in capsys.readouterr().err
+
+
+def test_a_checkpoint_missing_weights_is_refused(hf_checkpoint: Callable[[str], str], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint("bamba"), directory)
+    weights = load_file(str(directory / "model.safetensors"))
+    dropped = sorted(k for k in weights if k.endswith("mamba.A_log"))[0]
+    del weights[dropped]
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # transformers would initialise it at random, differently in prefill and decode.
+    with pytest.raises(CheckpointError, match="1 weights missing.*A_log"):
+        HfCheckpoint(str(directory), dtype="fp32")
+
+
+def test_layer_kinds_must_be_transformers_cache_layers(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("jamba")
+    spec = spec_of(directory)
+    swapped = dataclasses.replace(spec, layer_kinds=tuple(reversed(spec.layer_kinds)))
+    layout = build_engine_layout(swapped, 1)
+    with pytest.raises(ValueError, match="layer 0 is 'attention' in config.json but transformers caches it as"):
+        HfEngine(layout, [], checkpoint(directory))
