@@ -197,6 +197,20 @@ class HfDecodeSession:
         self._cache = build_cache(engine.checkpoint.config, engine.spec, state)
         self.last_logits: Tensor | None = None
 
+    @property
+    def blocks(self) -> RequestBlocks:
+        """The request's blocks as last grown."""
+        return self._store.blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose state this session holds (prompt and generated, fed so far)."""
+        return self._pos
+
+    def state(self) -> HfState:
+        """A copy of the state after `num_tokens` tokens, taken from the transformers cache."""
+        return extract_state(self._cache, self._engine.spec, self._pos)
+
     def step(self) -> int:
         tokens, start = self._pending, self._pos
         self._store.blocks = self._ensure(start + len(tokens))

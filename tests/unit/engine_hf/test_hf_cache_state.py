@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from shared.engine.hf.cache_state import build_cache, extract_state
 from shared.engine.hf.tiny_checkpoints import FAMILIES
+from shared.engine.protocol import RequestBlocks
 from shared.layout.shapes import global_conv_dim, global_ssm_shape
 from shared.layout.spec import GDNDims
 from tests.unit.engine_hf.helpers import blocks_for, checkpoint, engine, spec_of
@@ -89,3 +91,36 @@ def test_blocks_hold_the_state_without_losing_a_bit(
     block = int(blocks.block_ids[eng.layout.group_of("mamba", layer)][0])
     eng.ranks[-1].ssm[region][block].view(-1)[0] += 1.0
     assert any("SSM state differs" in p for p in eng.check_state(PROMPT, len(PROMPT), blocks))
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "qwen3_next"])
+def test_decode_grows_its_blocks_and_mirrors_every_new_k_v_into_them(
+    family: str, hf_checkpoint: Callable[[str], str]
+) -> None:
+    directory = hf_checkpoint(family)
+    eng = engine(directory, 2)
+    bs = eng.layout.block_size
+    prompt = [(3 * i) % 150 + 4 for i in range(bs - 2)]
+    blocks = blocks_for(eng.layout, len(prompt))
+    first = eng.prefill_and_sample(prompt, blocks)
+    asked: list[int] = []
+    spare = iter(range(20, 24))
+    attention = [g for g, group in enumerate(eng.layout.groups) if group.kind == "attention"]
+
+    def grow(num_tokens: int) -> RequestBlocks:
+        asked.append(num_tokens)
+        for g in attention:
+            have = blocks.block_ids[g]
+            extra = [next(spare) for _ in range(-(-num_tokens // bs) - len(have))]
+            blocks.block_ids[g] = np.concatenate([have, extra]).astype(np.int64)
+        return blocks
+
+    session = eng.start_decode(prompt, len(prompt), blocks, grow, first_token=first)
+    for _ in range(5):
+        session.step()
+    assert asked == list(range(len(prompt) + 1, len(prompt) + 6))  # before each write
+    assert all(len(session.blocks.block_ids[g]) == 2 for g in attention)  # crossed into a second block
+    held = session.state()
+    mirrored = eng.read_state(session.blocks, session.num_tokens)
+    for layer, (k, v) in held.kv.items():
+        assert torch.equal(mirrored.kv[layer][0], k) and torch.equal(mirrored.kv[layer][1], v)
