@@ -30,7 +30,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_5_moe_text",
 )
 
-VOCAB_SIZE = 160
+VOCAB_SIZE = 320  # 4 special tokens, the 256 bytes (any text encodes), merges
 EOS_TOKEN = "</s>"
 BOS_TOKEN = "<s>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, "<unk>", "<pad>")
@@ -117,14 +117,15 @@ def _long_memory(model: Any) -> None:
 
 
 def build_tokenizer(directory: str) -> None:
-    """A small byte-level BPE trained on a few sentences, saved so AutoTokenizer loads it offline."""
+    """A small byte-level BPE (every byte is a token, so any text encodes) trained on a few
+    sentences, saved so AutoTokenizer loads it offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0], show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TRAINING_TEXT, trainer=trainer)
     fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
                                    unk_token="<unk>", pad_token="<pad>")

@@ -1,8 +1,15 @@
-"""Text <-> token ids with a checkpoint's own tokenizer (loaded offline by AutoTokenizer)."""
+"""Text <-> token ids with a checkpoint's own tokenizer (loaded offline by AutoTokenizer).
+
+`stream()` gives the same feed/finish interface as decode_svc's byte StreamDecoder: a BPE token
+need not end on a character boundary, so text is emitted once the ids decoded so far end in a
+whole character.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+_REPLACEMENT = "\ufffd"  # what decode() shows for an incomplete UTF-8 sequence
 
 
 class HfTokenizer:
@@ -20,3 +27,30 @@ class HfTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def stream(self) -> HfStreamDecoder:
+        return HfStreamDecoder(self)
+
+
+class HfStreamDecoder:
+    """Incremental text of a growing id sequence (decodes the whole sequence each time: simple,
+    and cheap next to a model step at the lengths one request reaches)."""
+
+    def __init__(self, tokenizer: HfTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def feed(self, ids: Sequence[int]) -> str:
+        self._ids.extend(int(i) for i in ids)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith(_REPLACEMENT):
+            return ""  # wait for the rest of the character
+        return self._take(text)
+
+    def finish(self) -> str:
+        return self._take(self._tokenizer.decode(self._ids))
+
+    def _take(self, text: str) -> str:
+        new, self._emitted = text[self._emitted :], max(self._emitted, len(text))
+        return new

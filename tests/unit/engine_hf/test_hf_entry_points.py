@@ -17,7 +17,7 @@ from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.engine import HfEngine
 from shared.engine.hf.identity import CheckpointError
 from shared.engine.hf.tiny_checkpoints import EOS_TOKEN
-from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.hf.tokenizer import _REPLACEMENT, HfTokenizer
 from shared.errors import InvalidArgument
 from shared.runtime.engine_host import engine_factory_for, layout_for
 from shared.layout.page import build_engine_layout
@@ -108,3 +108,14 @@ def test_layer_kinds_must_be_transformers_cache_layers(hf_checkpoint: Callable[[
     layout = build_engine_layout(swapped, 1)
     with pytest.raises(ValueError, match="layer 0 is 'attention' in config.json but transformers caches it as"):
         HfEngine(layout, [], checkpoint(directory))
+
+
+def test_streamed_text_is_the_whole_text(hf_checkpoint: Callable[[str], str]) -> None:
+    tok = HfTokenizer(hf_checkpoint("nemotron_h"))
+    text = "Hello wörld, ünïcode 🦊 again"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    stream = tok.stream()
+    pieces = [stream.feed([i]) for i in ids]
+    assert "".join(pieces) + stream.finish() == text
+    assert _REPLACEMENT not in "".join(pieces)  # a split character waits for its other bytes
