@@ -38,10 +38,11 @@ BOUNDARIES: tuple[Boundary, ...] = ("full", "n-1")
 
 def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
     """Our layer kinds must be transformers' cache layers, index for index."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
     cache = ckpt.new_cache()
     if len(cache.layers) != spec.num_layers:
         raise ValueError(f"{spec.name}: transformers builds {len(cache.layers)} cache layers, config.json says {spec.num_layers}")
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
     for i, kind in enumerate(spec.layer_kinds):
         layer = cache.layers[i]
