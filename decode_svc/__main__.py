@@ -12,7 +12,7 @@ from shared.runtime.engine_host import engine_factory_for
 
 
 async def serve(settings: ServiceSettings) -> None:
-    app = await DecodeApp.start(settings, engine_factory_for(settings.engine))
+    app = await DecodeApp.start(settings, engine_factory_for(settings.engine, settings))
     await app.shell.run_until_signal(app.stop)
 
 

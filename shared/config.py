@@ -46,7 +46,7 @@ class ServiceSettings:
     model: str
     tp: int
     device: Literal["cpu", "cuda"]
-    engine: Literal["synthetic", "reference"]
+    engine: Literal["synthetic", "reference", "hf"]
     num_blocks: int | None  # logical blocks per engine (the same on every rank)
     memory_budget: int | None  # cache bytes per rank, when num_blocks is not given
     block_size: int | None  # None: the smallest the hybrid page layout allows
@@ -71,6 +71,7 @@ class ServiceSettings:
     huge_pages: bool = True  # DRAM caches on transparent huge pages (shared/cache/host_memory.py)
     verify_transfer: bool = True  # digests of the transferred state: prefill sends, decode checks
     http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
+    dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
 
     @property
     def listen_address(self) -> str:
@@ -183,7 +184,13 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("model", str, "model preset name (see `hybrid-pd models`) or path to a Hugging Face config.json", "tiny-mamba2"),
+    Flag(
+        "model",
+        str,
+        "model preset name (see `hybrid-pd models`), path to a Hugging Face config.json, or (--engine hf) a "
+        "checkpoint directory",
+        "tiny-mamba2",
+    ),
     Flag("kv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "attention KV cache dtype (default: the model's)"),
     Flag("conv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "conv state dtype (default: the model's)"),
     Flag("ssm-dtype", choice("bf16", "fp16", "fp8", "fp32"), "SSM state dtype (default: the model's)"),
@@ -199,9 +206,15 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "engine",
-        choice("synthetic", "reference"),
-        "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model",
+        choice("synthetic", "reference", "hf"),
+        "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model; "
+        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers",
         "synthetic",
+    ),
+    Flag(
+        "dtype",
+        choice("fp32", "bf16", "fp16"),
+        "--engine hf: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
     ),
     Flag("num-blocks", positive_int, "logical cache blocks per engine (same ids on every rank); excludes --memory-budget"),
     Flag(
@@ -406,6 +419,12 @@ def _default_engine_id(role: Role) -> str:
     return f"{role}-{host}-{os.getpid()}"[:63]
 
 
+def _engine(value: object) -> Literal["synthetic", "reference", "hf"]:
+    if value == "reference" or value == "hf":
+        return value
+    return "synthetic"
+
+
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
@@ -424,7 +443,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         model=_req(values, "model", str),
         tp=_req(values, "tp", int),
         device="cuda" if values["device"] == "cuda" else "cpu",
-        engine="reference" if values["engine"] == "reference" else "synthetic",
+        engine=_engine(values["engine"]),
         num_blocks=num_blocks,
         memory_budget=memory_budget,
         block_size=_opt(values, "block_size", int),
@@ -449,6 +468,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),
+        dtype=_opt(values, "dtype", str),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,20 @@ def directory_marker(path: Path) -> str | None:
     except (ValueError, IndexError):
         return None
     return DIRECTORY_MARKERS.get(top)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """`hf_checkpoint(family)`: the directory of that family's tiny seeded checkpoint, built
+    (save_pretrained, with tokenizer and generation config) the first time a test asks for it."""
+    from shared.engine.hf.tiny_checkpoints import build_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_checkpoint(family, str(root / family))
+        return built[family]
+
+    return get

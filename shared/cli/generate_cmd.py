@@ -75,11 +75,25 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--colocated",
         action="store_true",
-        help="no services: run prefill and decode of the reference model in this process (the baseline "
+        help="no services: run prefill and decode of the model in this process (the baseline "
         "disaggregated runs must equal); needs --model; prints the same shape of output",
     )
-    p.add_argument("--model", default=_env("model"), metavar="PRESET",
-                   help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2 (env {ENV_PREFIX}MODEL)")
+    p.add_argument("--model", default=_env("model"), metavar="PRESET|DIR",
+                   help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2, or with --engine hf a "
+                        f"checkpoint directory (env {ENV_PREFIX}MODEL)")
+    p.add_argument("--engine", choices=("reference", "hf"), default=_env("engine", "reference"),
+                   help=f"with --colocated: reference (tiny-*) or hf (a Hugging Face checkpoint; env {ENV_PREFIX}ENGINE)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=_env("dtype"),
+                   help="with --colocated --engine hf: compute dtype (default: the checkpoint's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=_env("device", "cpu"),
+                   help="with --colocated --engine hf: where the model runs (default cpu)")
+    p.add_argument("--boundary", choices=("n-1", "full"), default="n-1",
+                   help="with --colocated --engine hf: n-1 (prefill N-1 tokens, step the last: what the services "
+                        "run today) or full (prefill all N, sample the first token from it); default n-1")
+    p.add_argument("--temperature", type=float, default=0.0, help="with --colocated --engine hf: 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --colocated --engine hf: nucleus sampling (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="with --colocated --engine hf: 0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="with --colocated --engine hf: sampling seed (default 0)")
     for name, what in (("cert", "client certificate (mutual TLS)"), ("key", "client private key"), ("ca", "CA bundle to trust")):
         p.add_argument(
             f"--tls-{name}",
@@ -136,8 +150,43 @@ def _summary_line(result: dict[str, Any]) -> str:
     )
 
 
+def _colocated_hf(args: argparse.Namespace) -> dict[str, Any]:
+    """The hf engine's baseline: the checkpoint's tokenizer and model, one process, no blocks."""
+    import os
+
+    from shared.engine.hf.checkpoint import HfCheckpoint
+    from shared.engine.hf.colocated import colocated_generate
+    from shared.engine.hf.model_spec import compute_dtype
+    from shared.engine.hf.tokenizer import HfTokenizer
+    from shared.engine.sampling import SamplingParams
+
+    if not args.model or not os.path.isdir(args.model):
+        raise ValueError(f"--model: --engine hf needs a checkpoint directory, got {args.model!r}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tokenizer = HfTokenizer(args.model)
+    prompt = tokenizer.encode(args.prompt) if args.prompt is not None else list(args.prompt_ids)
+    if not prompt:
+        raise ValueError("--prompt: empty prompt, at least one token is needed")
+    checkpoint = HfCheckpoint(args.model, dtype=compute_dtype(args.model, args.dtype),
+                              device="cuda:0" if args.device == "cuda" else "cpu")
+    if any(t >= checkpoint.vocab_size for t in prompt):
+        raise ValueError(f"--prompt-ids: token ids must be < {checkpoint.vocab_size}")
+    result = colocated_generate(checkpoint, prompt, args.max_tokens, boundary=args.boundary, sampling=sampling)
+    return {
+        "request_id": args.request_id,
+        "token_ids": result.token_ids,
+        "text": tokenizer.decode(result.token_ids),
+        "prompt_token_count": len(prompt),
+        "summary": None,
+    }
+
+
 def _colocated(args: argparse.Namespace) -> dict[str, Any]:
     """The one-process baseline: same tokenizer, same model, no transfer."""
+    if args.engine == "hf":
+        return _colocated_hf(args)
     from shared.engine.reference import colocated_generate, decode, encode
     from shared.layout.presets import TINY_PRESETS
 

@@ -1,4 +1,5 @@
-"""Pick an engine by name: `reference` (the tiny seeded model) or `synthetic` (verifiable pattern)."""
+"""Pick an engine by name: `reference` (the tiny seeded model), `synthetic` (verifiable pattern)
+or `hf` (a Hugging Face checkpoint directory run by transformers)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,23 @@ from shared.engine.reference_engine import ReferenceEngine
 from shared.engine.synthetic import SyntheticEngine
 from shared.layout.page import EngineLayout
 
-ENGINE_KINDS = ("reference", "synthetic")
+ENGINE_KINDS = ("reference", "synthetic", "hf")
 
 
-def make_engine(kind: str, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = 0) -> Engine:
-    """`ranks`: typed views of every rank's cache, in rank order."""
+def make_engine(
+    kind: str,
+    layout: EngineLayout,
+    ranks: Sequence[RankViews],
+    seed: int = 0,
+    *,
+    model_dir: str | None = None,
+    dtype: str | None = None,
+    device: str = "cpu",
+    boundary: str = "n-1",
+) -> Engine:
+    """`ranks`: typed views of every rank's cache, in rank order. The hf engine also needs the
+    checkpoint directory; it computes in `dtype` (default: the checkpoint's) on `device` (cuda:
+    cuda:0). `boundary` "n-1" is what today's wire protocol carries (no first token in it yet)."""
     if kind == "reference":
         if layout.spec.model_type != "reference":
             raise ValueError(
@@ -24,4 +37,17 @@ def make_engine(kind: str, layout: EngineLayout, ranks: Sequence[RankViews], see
         return ReferenceEngine(layout, ranks, seed=seed)
     if kind == "synthetic":
         return SyntheticEngine(layout, ranks)
+    if kind == "hf":
+        from shared.engine.hf.engine import BOUNDARIES, HfEngine
+        from shared.engine.hf.model_spec import compute_dtype
+
+        if model_dir is None:
+            raise ValueError("the hf engine needs --model DIR, a checkpoint directory")
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
+        resolved = compute_dtype(model_dir, dtype)
+        return HfEngine.load(
+            layout, ranks, model_dir, dtype=resolved, device="cuda:0" if device == "cuda" else device,
+            boundary="full" if boundary == "full" else "n-1",
+        )
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")

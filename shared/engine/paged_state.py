@@ -57,8 +57,9 @@ class PagedStateStore:
         for rank, heads in zip(self.ranks, self._kv_heads):
             fa = rank.fa[region]
             # [T, heads_r, hd] -> fa[kernel, half, :, slot, :] (advanced dims first).
-            fa[kernel, 0, :, slot, :] = k[:, heads].to(fa.dtype)
-            fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.dtype)
+            # .to(device): with TP > 1 on GPUs rank r's cache lives on cuda:r.
+            fa[kernel, 0, :, slot, :] = k[:, heads].to(fa.device, fa.dtype)
+            fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.device, fa.dtype)
 
     def write_kv(self, layer: int, pos: int, k: Tensor, v: Tensor) -> None:
         self.write_kv_range(layer, pos, k.unsqueeze(0), v.unsqueeze(0))
@@ -72,8 +73,8 @@ class PagedStateStore:
         # Reverse rank order: the lowest rank holding a replicated head wins.
         for rank, heads in reversed(list(zip(self.ranks, self._kv_heads))):
             fa = rank.fa[region]
-            out_k[:, heads] = fa[kernel, 0, :, slot, :].to(torch.float32)
-            out_v[:, heads] = fa[kernel, 1, :, slot, :].to(torch.float32)
+            out_k[:, heads] = fa[kernel, 0, :, slot, :].to(self._device, torch.float32)
+            out_v[:, heads] = fa[kernel, 1, :, slot, :].to(self._device, torch.float32)
         return out_k, out_v
 
     # --- SSM ----------------------------------------------------------------------------
@@ -90,8 +91,8 @@ class PagedStateStore:
         conv = torch.empty(self._conv_shape, dtype=torch.float32, device=self._device)
         ssm = torch.empty(self._ssm_shape, dtype=torch.float32, device=self._device)
         for rank, crow, srow in reversed(list(zip(self.ranks, self._conv_rows, self._ssm_rows))):
-            conv[crow] = rank.conv[region][block].to(torch.float32)
-            ssm[srow] = rank.ssm[region][block].to(torch.float32)
+            conv[crow] = rank.conv[region][block].to(self._device, torch.float32)
+            ssm[srow] = rank.ssm[region][block].to(self._device, torch.float32)
         return conv, ssm
 
     def reset_ssm(self) -> None:

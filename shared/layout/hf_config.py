@@ -262,11 +262,16 @@ _PARSERS: dict[str, Callable[[_Reader], tuple[tuple[LayerKind, ...], AttentionDi
     "qwen3_next": lambda r: _qwen_gdn(r, ssm_dtype_key=None),
     "qwen3_5": lambda r: _qwen_gdn(r, ssm_dtype_key="mamba_ssm_dtype"),
     "qwen3_5_text": lambda r: _qwen_gdn(r, ssm_dtype_key="mamba_ssm_dtype"),
+    # The MoE variants differ from qwen3_5 in their MLPs only; the cached state is the same.
+    "qwen3_5_moe": lambda r: _qwen_gdn(r, ssm_dtype_key="mamba_ssm_dtype"),
+    "qwen3_5_moe_text": lambda r: _qwen_gdn(r, ssm_dtype_key="mamba_ssm_dtype"),
     "granitemoehybrid": _granite,
     "falcon_h1": _falcon_h1,
     "bamba": _bamba,
 }
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(_PARSERS) - {"qwen3_5_text"}))
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(_PARSERS) - {"qwen3_5_text", "qwen3_5_moe_text"}))
+# Multimodal wrappers: the language model's keys live in `text_config`.
+_WRAPPERS: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
 
 
 def parse_config(
@@ -285,13 +290,13 @@ def parse_config(
         raise LayoutError(
             f"config: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    if model_type == "qwen3_5":
+    if model_type in _WRAPPERS:
         # Multimodal wrapper: the language model lives in text_config; dtypes may sit on either level.
         text = cfg.get("text_config")
         if not isinstance(text, Mapping):
-            raise LayoutError("qwen3_5 config: missing key 'text_config'")
+            raise LayoutError(f"{model_type} config: missing key 'text_config'")
         merged = {k: v for k, v in cfg.items() if k in ("dtype", "torch_dtype", "mamba_ssm_dtype")} | dict(text)
-        reader = _Reader(merged, "qwen3_5")
+        reader = _Reader(merged, str(model_type))
     else:
         reader = _Reader(cfg, str(model_type))
     kinds, attention, ssm, default_ssm = _PARSERS[str(model_type)](reader)
@@ -319,17 +324,3 @@ def parse_config(
         conv=parse_dtype(conv_dtype, what="conv dtype") if conv_dtype else None,
         ssm=parse_dtype(ssm_dtype, what="ssm dtype") if ssm_dtype else None,
     )
-
-
-def load_model(
-    name_or_path: str,
-    *,
-    kv_dtype: str | None = None,
-    conv_dtype: str | None = None,
-    ssm_dtype: str | None = None,
-) -> ModelSpec:
-    """Moved to `shared.layout.models.load_model` (which sits above both this module and the
-    presets); kept until its last caller, shared/runtime/engine_host.py, imports it from there."""
-    from shared.layout.models import load_model as load  # transitional: the one edge back up
-
-    return load(name_or_path, kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)

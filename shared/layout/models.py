@@ -41,5 +41,7 @@ def load_model(
         raise LayoutError(f"cannot read {path}: {e}") from None
     if not isinstance(cfg, dict):
         raise LayoutError(f"{path}: a config.json must hold a JSON object")
-    name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    # The name comes from the config's content, never from where the file lies: one checkpoint
+    # in two differently named directories is the same model (and must pair at handshake).
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or "model"
     return parse_config(cfg, name=str(name), kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)

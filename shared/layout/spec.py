@@ -84,6 +84,9 @@ class ModelSpec:
     ssm_dtype: DType = "bf16"
     intermediate_size: int = 0  # MLP width (reference engine); 0 when irrelevant
     num_spec_tokens: int = 0  # extra conv rows for speculative decoding (0: off)
+    # Digest of the checkpoint (config content and weights) an engine serves; empty for specs
+    # that name no weights (presets, a bare config.json). Computed outside this package.
+    checkpoint_digest: str = ""
 
     @property
     def family(self) -> Family:
@@ -111,7 +114,18 @@ class ModelSpec:
             ssm_dtype=ssm or self.ssm_dtype,
         )
 
+    def with_checkpoint(self, digest: str) -> ModelSpec:
+        return replace(self, checkpoint_digest=digest)
+
     def fingerprint(self) -> str:
-        """SHA-256 over everything that shapes the cached bytes (not TP, not block sizes)."""
-        blob = json.dumps(asdict(self) | {"family": self.family}, sort_keys=True)
+        """SHA-256 over everything that shapes the cached bytes (not TP, not block sizes).
+
+        With a checkpoint digest the weights identify the model and the display name is left
+        out; without one the key is left out, so preset fingerprints never changed."""
+        fields = asdict(self) | {"family": self.family}
+        if self.checkpoint_digest:
+            del fields["name"]
+        else:
+            del fields["checkpoint_digest"]
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()

@@ -55,10 +55,19 @@ def new_incarnation() -> int:
 def layout_for(settings: ServiceSettings) -> EngineLayout:
     """The layout `settings` give (model, TP, block sizes, dtypes); bad values name their flag."""
     try:
-        spec = load_model(
-            settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
-        )
-    except LayoutError as e:
+        if settings.engine == "hf":
+            # Lossless state dtypes and the checkpoint's identity (config content + weights).
+            from shared.engine.hf.model_spec import hf_model_spec
+
+            spec = hf_model_spec(
+                settings.model, dtype=settings.dtype, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype,
+                ssm_dtype=settings.ssm_dtype,
+            )
+        else:
+            spec = load_model(
+                settings.model, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype, ssm_dtype=settings.ssm_dtype
+            )
+    except LayoutError as e:  # CheckpointError is one too
         raise InvalidArgument(str(e), field="--model") from e
     try:
         return build_engine_layout(
@@ -271,13 +280,17 @@ class EngineHost:
         self.compute.shutdown(wait=False, cancel_futures=True)
 
 
-def engine_factory_for(kind: str) -> EngineFactory:
-    """The model engine behind `--engine` (synthetic or reference), over typed views of each rank's cache."""
+def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> EngineFactory:
+    """The model engine behind `--engine` (synthetic, reference or hf), over typed views of each
+    rank's cache. The hf engine reads its checkpoint directory, dtype and device from `settings`."""
     from shared.engine.factory import make_engine
 
     def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:
+        views = [RankViews(layout, cache) for cache in caches]
         try:
-            return make_engine(kind, layout, [RankViews(layout, cache) for cache in caches])
+            if settings is None:
+                return make_engine(kind, layout, views)
+            return make_engine(kind, layout, views, model_dir=settings.model, dtype=settings.dtype, device=settings.device)
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e
 

@@ -39,9 +39,27 @@ def test_sample_configs_parse_to_the_preset(path: str, preset: str) -> None:
     assert same_model(spec, get_preset(preset))
 
 
-def test_name_comes_from_name_or_path_or_directory() -> None:
+def test_name_comes_from_the_config_content_never_the_directory(tmp_path: Path) -> None:
     assert load_model(str(DATA / "nemotron_h_8b")).name == "nvidia/Nemotron-H-8B-Base-8K"
-    assert load_model(str(DATA / "jamba_mini.json")).name == "data"
+    assert load_model(str(DATA / "jamba_mini.json")).name == "jamba"  # no _name_or_path: the model type
+    # One config in two differently named directories: the same spec and fingerprint.
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((DATA / "jamba_mini.json").read_text())
+    one, two = load_model(str(tmp_path / "one")), load_model(str(tmp_path / "two"))
+    assert one == two and one.fingerprint() == two.fingerprint()
+
+
+def test_qwen3_5_moe_and_its_text_config_parse_like_qwen3_5() -> None:
+    wrapper = json.loads((DATA / "qwen3_5.json").read_text())
+    dense = parse_config(wrapper, name="x")
+    moe = parse_config(dict(wrapper, model_type="qwen3_5_moe"), name="x")
+    text = parse_config(dict(wrapper["text_config"], model_type="qwen3_5_moe_text"), name="x")
+    for spec in (moe, text):
+        assert (spec.layer_kinds, spec.ssm, spec.attention) == (dense.layer_kinds, dense.ssm, dense.attention)
+        assert (spec.kv_dtype, spec.conv_dtype, spec.ssm_dtype) == (dense.kv_dtype, dense.conv_dtype, dense.ssm_dtype)
+    with pytest.raises(LayoutError, match="qwen3_5_moe config: missing key 'text_config'"):
+        parse_config({"model_type": "qwen3_5_moe"}, name="x")
 
 
 def test_bamba() -> None:
@@ -148,7 +166,7 @@ def test_unsupported_model_type_and_bad_values() -> None:
     with pytest.raises(LayoutError, match="mamba_d_state"):
         parse_config(bad, name="x")
     assert set(SUPPORTED_MODEL_TYPES) == {
-        "nemotron_h", "jamba", "qwen3_next", "qwen3_5", "granitemoehybrid", "falcon_h1", "bamba"
+        "nemotron_h", "jamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "falcon_h1", "bamba"
     }
 
 

@@ -1,0 +1,68 @@
+"""Colocated generation with the hf engine's model: prefill and decode in one process, on one
+transformers cache, no blocks and no transfer (the baseline disaggregated runs must equal).
+
+The boundary is the engine's: at "full" the prompt's N tokens run in one forward and the first
+token is sampled from it; at "n-1" the first N-1 tokens run in one forward and the last prompt
+token is stepped alone, exactly as the disaggregated pair splits the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import Tensor
+
+from shared.engine.hf.checkpoint import HfCheckpoint
+from shared.engine.sampling import GREEDY, SamplingParams, sample
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logits: list[Tensor] = field(default_factory=list)  # one per generated token, when kept
+
+
+def finish(token: int, count: int, max_tokens: int, eos: frozenset[int]) -> FinishReason | None:
+    """Why generation stops after `count` tokens ending in `token` (None: it goes on)."""
+    if token in eos:
+        return "stop"
+    return "length" if count >= max_tokens else None
+
+
+def colocated_generate(
+    checkpoint: HfCheckpoint, prompt: Sequence[int], max_tokens: int, *, boundary: str = "full",
+    sampling: SamplingParams = GREEDY, keep_logits: bool = False, stop_at_eos: bool = True,
+) -> Generation:
+    if not prompt:
+        raise ValueError("prompt: at least one token is needed")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    eos = checkpoint.eos_token_ids if stop_at_eos else frozenset()
+    cache = checkpoint.new_cache()
+    if boundary == "full":
+        logits = checkpoint.forward(prompt, 0, cache)
+    elif boundary == "n-1":
+        n = len(prompt) - 1
+        if n:
+            checkpoint.forward(prompt[:n], 0, cache)
+        logits = checkpoint.forward(prompt[n:], n, cache)
+    else:
+        raise ValueError(f"boundary must be 'full' or 'n-1', got {boundary!r}")
+    pos = len(prompt)
+    tokens: list[int] = []
+    logits_kept: list[Tensor] = []
+    while True:
+        token = sample(logits, sampling, len(tokens))
+        tokens.append(token)
+        if keep_logits:
+            logits_kept.append(logits.clone())
+        reason = finish(token, len(tokens), max_tokens, eos)
+        if reason is not None:
+            return Generation(tokens, reason, logits_kept)
+        logits = checkpoint.forward([token], pos, cache)
+        pos += 1

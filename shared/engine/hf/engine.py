@@ -1,0 +1,230 @@
+"""The `hf` engine: real Hugging Face hybrid checkpoints, run by transformers, on the paged caches.
+
+Prefill runs ONE forward over the prompt and writes every attention layer's K/V and every SSM
+layer's conv and recurrent state into the request's blocks, sharded per TP rank by the
+layout's index functions (`PagedStateStore`). Decode reads the state back from its own blocks,
+rebuilds a transformers cache from it and continues. Compute always runs unsharded, in one
+process per side; TP only decides where the bytes live.
+
+Two boundaries (`boundary`):
+- "full" (the default): prefill computes all N prompt tokens and samples the first output
+  token (`prefill_and_sample`); decode resumes from the state after N, feeding that token.
+  Bit-identical to transformers' generate() in fp32 and bf16.
+- "n-1" (vLLM's convention, today's wire protocol): prefill computes N-1 tokens, decode steps
+  the last prompt token. Close to generate() but not bit-identical (a chunked scan over N
+  tokens and a per-token step sum in different orders); disaggregated still equals colocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from shared.cache.model_views import RankViews, torch_dtype
+from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_state
+from shared.engine.hf.checkpoint import HfCheckpoint
+from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import EnsureCapacity, RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.layout.page import EngineLayout
+from shared.layout.spec import ModelSpec
+
+Boundary = Literal["full", "n-1"]
+BOUNDARIES: tuple[Boundary, ...] = ("full", "n-1")
+
+
+def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
+    """Our layer kinds must be transformers' cache layers, index for index."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    cache = ckpt.new_cache()
+    if len(cache.layers) != spec.num_layers:
+        raise ValueError(f"{spec.name}: transformers builds {len(cache.layers)} cache layers, config.json says {spec.num_layers}")
+
+    for i, kind in enumerate(spec.layer_kinds):
+        layer = cache.layers[i]
+        got = (isinstance(layer, DynamicLayer), isinstance(layer, LinearAttentionCacheLayerMixin))
+        if got != (kind in ("attention", "parallel"), kind in ("ssm", "parallel")):
+            raise ValueError(f"{spec.name}: layer {i} is {kind!r} in config.json but transformers caches it as {type(layer).__name__}")
+
+
+class HfEngine:
+    def __init__(
+        self, layout: EngineLayout, ranks: Sequence[RankViews], checkpoint: HfCheckpoint, *, boundary: Boundary = "full"
+    ) -> None:
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
+        self.spec = layout.spec
+        self.layout = layout
+        self.ranks = list(ranks)
+        self.checkpoint = checkpoint
+        self.boundary: Boundary = boundary
+        self.tokenizer = HfTokenizer(checkpoint.directory)
+        self.eos_token_ids = checkpoint.eos_token_ids
+        if checkpoint.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"{self.spec.name}: the model has {checkpoint.vocab_size} logits, config.json vocab_size {self.spec.vocab_size}")
+        _check_layers(self.spec, checkpoint)
+        # The dtypes transformers' cache holds: reads from blocks are cast back to them.
+        self._kv_dtype = self._conv_dtype = checkpoint.dtype
+        self._ssm_dtype = RECURRENT_DTYPE
+
+    @classmethod
+    def load(
+        cls, layout: EngineLayout, ranks: Sequence[RankViews], directory: str, *, dtype: str, device: str = "cpu",
+        boundary: Boundary = "full",
+    ) -> HfEngine:
+        return cls(layout, ranks, HfCheckpoint(directory, dtype=dtype, device=device), boundary=boundary)
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        return prompt_len if self.boundary == "full" else prompt_len - 1
+
+    def _store(self, blocks: RequestBlocks) -> PagedStateStore:
+        return PagedStateStore(self.layout, self.ranks, blocks)
+
+    # --- prefill ------------------------------------------------------------------------
+    def compute_prefix(self, prompt: Sequence[int], length: int) -> tuple[HfState, Tensor | None]:
+        """One forward over prompt[:length] on a fresh cache: its state and last logits."""
+        cache = self.checkpoint.new_cache()
+        if length == 0:
+            return HfState(0, {}, {}), None
+        logits = self.checkpoint.forward(prompt[:length], 0, cache)
+        return extract_state(cache, self.spec, length), logits
+
+    def prefill_and_sample(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
+        """Write the prompt's state into `blocks`; at the full-N boundary also sample and return
+        the first output token (output index 0), else None."""
+        if not prompt:
+            raise ValueError("prompt: at least one token is needed")
+        n = self.num_prefill_tokens(len(prompt))
+        store = self._store(blocks)
+        store.reset_ssm()  # its blocks may still hold an earlier request's state
+        state, logits = self.compute_prefix(prompt, n)
+        write_state(store, state)
+        if self.boundary == "full":
+            assert logits is not None
+            return sample(logits, sampling, 0)
+        return None
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+        """The `Engine` protocol's prefill (today's services, N-1): greedy, no token returned.
+        At the full boundary the caller needs `prefill_and_sample`, which hands the token out."""
+        self.prefill_and_sample(prompt, blocks)
+
+    # --- decode -------------------------------------------------------------------------
+    def read_state(self, blocks: RequestBlocks, length: int) -> HfState:
+        """The state in `blocks` after `length` tokens, in the dtypes transformers computes in."""
+        return read_state(self._store(blocks), self.spec, length, (self._kv_dtype, self._conv_dtype, self._ssm_dtype))
+
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity,
+        *, sampling: SamplingParams = GREEDY, first_token: int | None = None,
+    ) -> HfDecodeSession:
+        return HfDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling, first_token)
+
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        """Recompute the prefix and compare it with the state in `blocks`, at the blocks' precision."""
+        store = self._store(blocks)
+        expected, _ = self.compute_prefix(prompt, num_computed)
+        dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
+        got = read_state(store, self.spec, num_computed, dtypes)
+        problems = store.replica_mismatches(num_computed)
+        for layer, (k, v) in expected.kv.items():
+            gk, gv = got.kv[layer]
+            if not (torch.equal(k.to(gk.dtype), gk) and torch.equal(v.to(gv.dtype), gv)):
+                problems.append(f"layer {layer}: K/V differ from the prefill computation")
+        for layer, (conv, ssm) in expected.ssm.items():
+            gc, gs = got.ssm[layer]
+            if not torch.equal(conv.to(gc.dtype), gc):
+                problems.append(f"layer {layer}: conv state differs from the prefill computation")
+            if not torch.equal(ssm.to(gs.dtype), gs):
+                problems.append(f"layer {layer}: SSM state differs from the prefill computation")
+        return problems
+
+
+def write_state(store: PagedStateStore, state: HfState) -> None:
+    for layer, (k, v) in state.kv.items():
+        store.write_kv_range(layer, 0, k, v)
+    for layer, (conv, ssm) in state.ssm.items():
+        store.write_ssm(layer, conv, ssm)
+
+
+def read_state(
+    store: PagedStateStore, spec: ModelSpec, length: int, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
+) -> HfState:
+    """(kv, conv, ssm) dtypes: the store reads in fp32, which holds every stored value exactly."""
+    kv_dtype, conv_dtype, ssm_dtype = dtypes
+    if length == 0:
+        return HfState(0, {}, {})
+    kv = {}
+    for layer in spec.attention_layers:
+        k, v = store.read_kv(layer, length)
+        kv[layer] = (k.to(kv_dtype), v.to(kv_dtype))
+    ssm = {}
+    for layer in spec.ssm_layers:
+        conv, state = store.read_ssm(layer)
+        ssm[layer] = (conv.to(conv_dtype), state.to(ssm_dtype))
+    return HfState(length, kv, ssm)
+
+
+class HfDecodeSession:
+    """One request's decode: a transformers cache rebuilt from the blocks, then one token a step.
+
+    Every step grows the request's blocks through `ensure_capacity` and mirrors the new K/V into
+    them; the recurrent states (fixed size) stay in the transformers cache."""
+
+    def __init__(
+        self, engine: HfEngine, prompt: Sequence[int], num_computed: int, store: PagedStateStore,
+        ensure_capacity: EnsureCapacity, sampling: SamplingParams, first_token: int | None,
+    ) -> None:
+        if not 0 <= num_computed <= len(prompt) or not prompt:
+            raise ValueError(f"num_computed {num_computed} is outside the prompt's {len(prompt)} tokens")
+        self._engine = engine
+        self._store = store
+        self._ensure = ensure_capacity
+        self._sampling = sampling
+        if num_computed == len(prompt):
+            if first_token is None:
+                raise ValueError("first_token: at the full-N boundary decode continues from the token prefill sampled")
+            self._pending, self._index = [int(first_token)], 1
+        else:
+            if first_token is not None:
+                raise ValueError("first_token: only at the full-N boundary (prefill computed every prompt token)")
+            self._pending, self._index = [int(t) for t in prompt[num_computed:]], 0
+        self._pos = num_computed
+        state = engine.read_state(store.blocks, num_computed)
+        self._cache = build_cache(engine.checkpoint.config, engine.spec, state)
+        self.last_logits: Tensor | None = None
+
+    @property
+    def blocks(self) -> RequestBlocks:
+        """The request's blocks as last grown."""
+        return self._store.blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose state this session holds (prompt and generated, fed so far)."""
+        return self._pos
+
+    def state(self) -> HfState:
+        """A copy of the state after `num_tokens` tokens, taken from the transformers cache."""
+        return extract_state(self._cache, self._engine.spec, self._pos)
+
+    def step(self) -> int:
+        tokens, start = self._pending, self._pos
+        self._store.blocks = self._ensure(start + len(tokens))
+        logits = self._engine.checkpoint.forward(tokens, start, self._cache)
+        for layer in self._engine.spec.attention_layers:
+            entry = self._cache.layers[layer]
+            k = entry.keys[0, :, start:].transpose(0, 1)
+            v = entry.values[0, :, start:].transpose(0, 1)
+            self._store.write_kv_range(layer, start, k, v)
+        self._pos += len(tokens)
+        token = sample(logits, self._sampling, self._index)
+        self._index += 1
+        self._pending = [token]
+        self.last_logits = logits
+        return token

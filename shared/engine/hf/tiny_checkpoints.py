@@ -1,0 +1,150 @@
+"""Tiny seeded random checkpoints of every hybrid family transformers has, built offline.
+
+`build_checkpoint(family, directory)` writes what a real Hugging Face checkpoint directory
+holds: config.json, model.safetensors, a real tokenizer (tokenizer.json + tokenizer_config.json,
+a small BPE trained here on a few sentences) and generation_config.json with the EOS ids.
+Nothing is downloaded. Dims are small but keep every TP size in {1, 2, 4} valid (KV heads
+replicated at TP 4), the weights are larger than transformers' default init and the SSM decays
+slow, so that tokens depend visibly on the state (negative controls can then fail).
+
+Used by the tests (once per session) and by demos.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+FAMILIES: tuple[str, ...] = (
+    "nemotron_h",
+    "bamba",
+    "granitemoehybrid",
+    "falcon_h1",
+    "jamba",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
+
+VOCAB_SIZE = 320  # 4 special tokens, the 256 bytes (any text encodes), merges
+EOS_TOKEN = "</s>"
+BOS_TOKEN = "<s>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, "<unk>", "<pad>")
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hybrid models keep attention keys and values next to a fixed size state.",
+    "Prefill computes the prompt, decode continues the generation token by token.",
+    "Mamba layers keep a convolution window and a recurrent state per head.",
+    "Hello world, hello again, and hello once more.",
+)
+_ATTN: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, initializer_range=0.2,
+               max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _mamba2_hf(n_groups: int) -> dict[str, Any]:
+    return dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=n_groups, mamba_d_state=16, mamba_d_conv=4,
+                mamba_expand=2, mamba_chunk_size=8)
+
+
+def _gdn() -> dict[str, Any]:
+    return dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                linear_num_key_heads=4, linear_num_value_heads=8,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+
+
+def _moe() -> dict[str, Any]:
+    return dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def _transformers() -> Any:
+    """transformers, untyped (its signatures do not type-check under --strict)."""
+    import transformers
+
+    return transformers
+
+
+def _config(family: str) -> Any:
+    tf = _transformers()
+    ids: dict[str, Any] = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    builders: dict[str, Callable[[], Any]] = {
+        "nemotron_h": lambda: tf.NemotronHConfig(
+            **_COMMON, **_ATTN, **ids, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+            expand=1),
+        "bamba": lambda: tf.BambaConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, attn_layer_indices=[1, 3],
+                                        **_mamba2_hf(1)),
+        "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
+            **_COMMON, **_ATTN, **ids, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+            position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+            **_mamba2_hf(4)),
+        "falcon_h1": lambda: tf.FalconH1Config(**_COMMON, **_ATTN, **ids, num_hidden_layers=3, **_mamba2_hf(4),
+                                               mamba_d_ssm=128),
+        "jamba": lambda: tf.JambaConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, attn_layer_period=2,
+                                        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                                        mamba_expand=2, use_mamba_kernels=False),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, **_gdn(), **_moe()),
+        "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, **_gdn()),
+        "qwen3_5_moe_text": lambda: tf.Qwen3_5MoeTextConfig(
+            **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, **_ATTN, **ids, num_hidden_layers=4,
+            **_gdn(), **_moe()),
+    }
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        text = _config(family + "_text").to_dict()
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=1, spatial_merge_size=1)
+        cls = tf.Qwen3_5Config if family == "qwen3_5" else tf.Qwen3_5MoeConfig
+        return cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return builders[family]()
+
+
+def _long_memory(model: Any) -> None:
+    """Slow decays (A = -exp(A_log) in [-0.2, -0.02]) instead of transformers' init (down to
+    -16, which forgets within a token or two): the transferred SSM state then shapes the tokens
+    for many steps, so damaging it visibly changes them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                flat = torch.linspace(0.02, 0.2, param.numel(), dtype=torch.float32)
+                param.copy_(flat.log().reshape(param.shape))
+
+
+def build_tokenizer(directory: str) -> None:
+    """A small byte-level BPE (every byte is a token, so any text encodes) trained on a few
+    sentences, saved so AutoTokenizer loads it offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAINING_TEXT, trainer=trainer)
+    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.save_pretrained(directory)
+
+
+def build_checkpoint(family: str, directory: str, *, seed: int = 0) -> str:
+    """Write a tiny random checkpoint of `family` into `directory` (created); returns it."""
+    tf = _transformers()
+    os.makedirs(directory, exist_ok=True)
+    config = _config(family)
+    torch.manual_seed(seed)
+    # The multimodal wrappers are saved as published (model_type qwen3_5 / qwen3_5_moe, language
+    # model under text_config, vision tower included): the engine must load the text part of them.
+    auto = tf.AutoModelForImageTextToText if family in ("qwen3_5", "qwen3_5_moe") else tf.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    _long_memory(model)
+    model.save_pretrained(directory)
+    build_tokenizer(directory)
+    tf.GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
+    return directory
