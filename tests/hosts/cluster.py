@@ -8,6 +8,7 @@ eth0:
 
     UCX_TLS=tcp           only the TCP transport (no shm, no cma: they could not cross hosts anyway)
     UCX_NET_DEVICES=eth0  the host's link, never lo
+    UCX_WARN_UNUSED_ENV_VARS=n  the services' UCX_MM_ERROR_HANDLING=y has no shm transport to apply to
     UCX_TCP_CM_REUSEADDR  unset; UCX picks ephemeral ports (docs/deploy.md says how to pin them)
 
 Closing the cluster kills the driver, every service (their PID namespaces go with them) and the
@@ -40,7 +41,7 @@ SERVICE_NAMES = {"prefill": "hybridpd.v1.PrefillService", "decode": "hybridpd.v1
 # machines): a decode can be started with its prefill's address before that prefill listens.
 PORTS = {"prefill": 50051, "decode": 50052}
 METRICS_PORT = 9400
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def host_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -203,10 +204,12 @@ class Cluster:
                 raise AssertionError(f"{role} on {host.name} did not listen (rc {proc.poll()}):\n" + "\n".join(output[-30:]))
         return HostService(role, host, proc, found["port"], found["metrics"], output)
 
-    def start_many(self, *specs: tuple[str, Host, Sequence[str]]) -> list[HostService]:
-        """Start several services at once (each spends seconds importing torch and NIXL)."""
+    def start_many(self, *specs: tuple[str, Host, Sequence[str]] | tuple[str, Host, Sequence[str], dict[str, str]]
+                   ) -> list[HostService]:
+        """Start several services at once (each spends seconds importing torch and NIXL);
+        a spec is (role, host, args) or (role, host, args, env)."""
         with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-            futures = [pool.submit(self.start, role, host, *args) for role, host, args in specs]
+            futures = [pool.submit(self.start, s[0], s[1], *s[2], env=s[3] if len(s) == 4 else None) for s in specs]
             return [f.result() for f in futures]
 
     def close(self) -> None:
