@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_SECONDS = 0.1
 BACKOFF_MAX_SECONDS = 2.0
+# A retired peer (its address vanished from DNS) waits this long for the requests still using it.
+RETIRE_WAIT_SECONDS = 120.0
+# A request that picked the peer just before it retired is not counted in flight until it has
+# sent its job; it re-picks if it sees the peer retiring first. This covers the gap between.
+RETIRE_GRACE_SECONDS = 1.0
 
 
 class PrefillPeer:
@@ -43,8 +48,11 @@ class PrefillPeer:
         on_state_change: Callable[[], None] = lambda: None,
         *,
         max_pinned_requests: int = 0,
+        server_name: str | None = None,
     ) -> None:
         self.target = target
+        self.server_name = server_name  # the DNS name `target` was found under (TLS checks it)
+        self.retiring = False  # its address vanished: no new requests, then closed
         self.host = host
         self.tls = tls
         self.max_pinned_requests = max_pinned_requests  # credits asked for (0: prefill's default)
@@ -63,7 +71,29 @@ class PrefillPeer:
     @property
     def ready(self) -> bool:
         s = self.session
-        return self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
+        return (self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
+                and not self.retiring)
+
+    @property
+    def busy(self) -> bool:
+        """Requests still waiting for a manifest, holding one, or reading through the link."""
+        s, link = self.session, self.link
+        return (s is not None and not s.closed.is_set() and s.in_flight > 0) or (link is not None and link.readers > 0)
+
+    async def retire(self) -> None:
+        """Drain, then close: no new requests from now on; those in flight finish (bounded by
+        RETIRE_WAIT_SECONDS); then the session and link go."""
+        self.retiring = True
+        self.on_state_change()
+        try:
+            async with asyncio.timeout(RETIRE_WAIT_SECONDS):
+                await asyncio.sleep(RETIRE_GRACE_SECONDS)
+                while self.busy:
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("prefill %s: retired with requests still in flight after %g s", self.name, RETIRE_WAIT_SECONDS)
+        await self.aclose()
+        log.info("prefill %s: retired", self.name)
 
     def status(self) -> dpb.PrefillPeerStatus:
         return dpb.PrefillPeerStatus(
@@ -89,7 +119,7 @@ class PrefillPeer:
             # A fresh channel per attempt: it connects at once, so our backoff (with jitter) alone
             # decides when to retry, not the channel's own reconnect backoff on top of it.
             try:
-                self._channel = build_channel(self.target, self.tls)
+                self._channel = build_channel(self.target, self.tls, self.server_name)
                 stub = cast("pb_grpc.PrefillServiceAsyncStub", pb_grpc.PrefillServiceStub(self._channel))
                 await self._connect(stub)
                 backoff = BACKOFF_INITIAL_SECONDS
@@ -166,12 +196,45 @@ class PrefillPeer:
             await channel.close()
 
 
-class PrefillPeers:
-    """Every configured prefill engine; `pick()` is round-robin over the ready ones."""
+PeerFactory = Callable[[str, "str | None"], PrefillPeer]
 
-    def __init__(self, peers: list[PrefillPeer]) -> None:
+
+class PrefillPeers:
+    """Every prefill engine known (decode_svc/discovery.py adds and retires them); `pick()` is
+    round-robin over the ready ones."""
+
+    def __init__(self, peers: list[PrefillPeer], factory: PeerFactory | None = None) -> None:
         self.peers = peers
+        self.factory = factory
+        self.retiring: list[PrefillPeer] = []
         self._next = 0
+        self._started = False
+        self._retirements: set[asyncio.Task[None]] = set()
+
+    def targets(self) -> set[str]:
+        return {p.target for p in self.peers}
+
+    def add(self, target: str, server_name: str | None = None) -> None:
+        assert self.factory is not None, "PrefillPeers built without a factory cannot add peers"
+        peer = self.factory(target, server_name)
+        self.peers.append(peer)
+        if self._started:
+            peer.start()
+
+    def retire(self, target: str) -> None:
+        """Take the peer out of `pick()` at once; it closes once its requests are done."""
+        for peer in [p for p in self.peers if p.target == target]:
+            self.peers.remove(peer)
+            self.retiring.append(peer)
+            task = asyncio.ensure_future(peer.retire())
+            self._retirements.add(task)
+            task.add_done_callback(lambda t, p=peer: self._retired(t, p))
+
+    def _retired(self, task: asyncio.Task[None], peer: PrefillPeer) -> None:
+        self._retirements.discard(task)
+        if peer in self.retiring:
+            self.retiring.remove(peer)
+        peer.on_state_change()
 
     def pick(self) -> PrefillPeer:
         n = len(self.peers)
@@ -193,12 +256,16 @@ class PrefillPeers:
 
     @property
     def remote_agents(self) -> int:
-        """Remote agents loaded for all peers (0 for a peer whose link was dropped)."""
-        return sum(len(p.link.added) for p in self.peers if p.link is not None and not p.link.closed)
+        """Remote agents loaded for all peers, retiring ones too (0 for a peer whose link was dropped)."""
+        return sum(len(p.link.added) for p in [*self.peers, *self.retiring] if p.link is not None and not p.link.closed)
 
     def start(self) -> None:
+        self._started = True
         for peer in self.peers:
             peer.start()
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(p.aclose() for p in self.peers))
+        for task in list(self._retirements):
+            task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
+        await asyncio.gather(*(p.aclose() for p in [*self.peers, *self.retiring]))

@@ -175,12 +175,14 @@ class Cluster:
         return f"{host.address}:{PORTS[role]}"
 
     def start(self, role: str, host: Host, *args: str, env: dict[str, str] | None = None,
-              timeout: float = 90.0) -> HostService:
-        """Start a service on `host` and wait for its LISTENING line (metrics come first)."""
+              timeout: float = 90.0, resolv_conf: str | None = None) -> HostService:
+        """Start a service on `host` and wait for its LISTENING line (metrics come first);
+        `resolv_conf` gives it a resolver of its own (tests/hosts/dns.py)."""
         argv = [sys.executable, "-m", f"{role}_svc", "--host", host.address, "--port", str(PORTS[role]),
                 "--metrics-port", str(METRICS_PORT),
                 "--engine-id", f"{role}-{host.name}", "--log-level", "WARNING", *args]
-        proc = self.network.spawn(host, argv, host_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = self.network.spawn(host, argv, host_env(env), resolv_conf=resolv_conf, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT)
         assert proc.stdout is not None
         output: list[str] = []
         found: dict[str, int] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -68,13 +69,15 @@ class Host:
     port: str  # its port on the bridge, in the switch namespace
     interface: str = "eth0"
 
-    def command(self, argv: Sequence[str], *, shm_mib: int = 256) -> list[str]:
-        """`argv` run on this host: own PID, mount and UTS namespaces and a private /dev/shm.
+    def command(self, argv: Sequence[str], *, shm_mib: int = 256, resolv_conf: str | None = None) -> list[str]:
+        """`argv` run on this host: own PID, mount and UTS namespaces and a private /dev/shm
+        (and, given `resolv_conf`, that file bind-mounted on /etc/resolv.conf: its own resolver).
 
         `--kill-child` makes the namespace's first process die with `unshare`, and with it every
         process in the PID namespace: killing the returned command's process tears the host's
         processes down."""
-        setup = (f"mount -t tmpfs -o size={shm_mib}m hpd-shm /dev/shm && hostname {self.name} && exec \"$@\"")
+        resolver = f"mount --bind {shlex.quote(resolv_conf)} /etc/resolv.conf && " if resolv_conf else ""
+        setup = (f"mount -t tmpfs -o size={shm_mib}m hpd-shm /dev/shm && {resolver}hostname {self.name} && exec \"$@\"")
         return ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--mount", "--uts",
                 "--mount-proc", "--kill-child=SIGKILL", "--", "sh", "-c", setup, "sh", *argv]
 
@@ -146,9 +149,18 @@ class Network:
             raise
         return net
 
-    def spawn(self, host: Host, argv: Sequence[str], env: dict[str, str], **popen: object) -> subprocess.Popen[str]:
+    def spawn(self, host: Host, argv: Sequence[str], env: dict[str, str], *, resolv_conf: str | None = None,
+              **popen: object) -> subprocess.Popen[str]:
         """Start `argv` on `host` (see Host.command); `close()` kills it."""
-        proc: subprocess.Popen[str] = subprocess.Popen(host.command(argv), env=env, text=True, **popen)  # type: ignore[call-overload]
+        command = host.command(argv, resolv_conf=resolv_conf)
+        proc: subprocess.Popen[str] = subprocess.Popen(command, env=env, text=True, **popen)  # type: ignore[call-overload]
+        self.processes.append(proc)
+        return proc
+
+    def spawn_helper(self, host: Host, argv: Sequence[str], **popen: object) -> subprocess.Popen[str]:
+        """A helper (e.g. a DNS server) in the host's network namespace only, so the test can
+        signal it directly; `close()` kills it."""
+        proc: subprocess.Popen[str] = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], text=True, **popen)  # type: ignore[call-overload]
         self.processes.append(proc)
         return proc
 
