@@ -224,24 +224,37 @@ class Cluster:
         self.close()
 
 
-def data_plane_bytes_received(host: Host, peer: Host) -> int:
-    """Bytes `host` received over established TCP connections with `peer` that are not gRPC (the
-    services' ports): the UCX data plane, counted by the kernel (`ss -ti`)."""
-    grpc_ports = {str(p) for p in PORTS.values()} | {str(METRICS_PORT)}
-    total = 0
+@dataclass(frozen=True)
+class Connection:
+    local_port: int
+    remote_port: int
+    bytes_received: int
+
+
+def data_plane_connections(host: Host, peer: Host) -> list[Connection]:
+    """Established TCP connections of `host` with `peer` that are not gRPC or metrics (the
+    services' ports): the UCX data plane, with the kernel's own byte counts (`ss -ti`)."""
+    service_ports = set(PORTS.values()) | {METRICS_PORT}
+    found: list[Connection] = []
     lines = host.run("ss", "-tinH", "state", "established").splitlines()
     for i, line in enumerate(lines):
         fields = line.split()
         if len(fields) < 4 or not fields[0].isdigit():
-            continue
+            continue  # an info line
         local, remote = fields[2], fields[3]
-        local_port, remote_host, remote_port = local.rsplit(":", 1)[1], *remote.rsplit(":", 1)
-        if not remote_host.endswith(peer.address) or {local_port, remote_port} & grpc_ports:
+        remote_host, remote_port = remote.rsplit(":", 1)
+        local_port = int(local.rsplit(":", 1)[1])
+        if not remote_host.endswith(peer.address) or {local_port, int(remote_port)} & service_ports:
             continue
         info = lines[i + 1] if i + 1 < len(lines) else ""
         match = re.search(r"bytes_received:(\d+)", info)
-        total += int(match.group(1)) if match else 0
-    return total
+        found.append(Connection(local_port, int(remote_port), int(match.group(1)) if match else 0))
+    return found
+
+
+def data_plane_bytes_received(host: Host, peer: Host) -> int:
+    """Bytes `host` received from `peer` over the UCX data plane."""
+    return sum(c.bytes_received for c in data_plane_connections(host, peer))
 
 
 def qdisc_bytes_sent(host: Host) -> int:

@@ -21,7 +21,7 @@ import pytest
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
-from tests.hosts.cluster import Cluster, HostService, data_plane_bytes_received, qdisc_bytes_sent
+from tests.hosts.cluster import Cluster, HostService, data_plane_connections, qdisc_bytes_sent
 from tests.hosts.conftest import namespaces_or_skip
 
 pytestmark = [pytest.mark.hosts, pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
@@ -30,6 +30,9 @@ pytestmark = [pytest.mark.hosts, pytest.mark.integration, pytest.mark.asyncio, p
 PAIRS = [("tiny-mamba2", 1, 2), ("tiny-mamba2-g1", 2, 4), ("tiny-gdn", 4, 1), ("tiny-mamba1", 2, 1)]
 TEXT = bytes(range(32, 127)) * 3
 SHAPED = {"rate": "10gbit", "delay": "100us"}
+# UCX's TCP listening ports pinned to a range, as a firewall would need (docs/deploy.md).
+UCX_PORTS = range(41000, 41100)
+UCX_PORT_ENV = {"UCX_TCP_PORT_RANGE": f"{UCX_PORTS.start}-{UCX_PORTS.stop - 1}"}
 
 
 def prompt_of(length: int) -> list[int]:
@@ -54,9 +57,9 @@ def cluster() -> Iterator[tuple[Cluster, dict[str, tuple[HostService, HostServic
         for i, (model, p, d) in enumerate(PAIRS):
             prefill_host, decode_host = c.hosts[2 * i], c.hosts[2 * i + 1]
             common = ["--model", model, "--engine", "reference", "--num-blocks", "96"]
-            specs.append(("prefill", prefill_host, [*common, "--tp", str(p)]))
+            specs.append(("prefill", prefill_host, [*common, "--tp", str(p)], UCX_PORT_ENV))
             specs.append(("decode", decode_host, [*common, "--tp", str(d), "--check-state",
-                                                  "--prefill", c.address("prefill", prefill_host)]))
+                                                  "--prefill", c.address("prefill", prefill_host)], UCX_PORT_ENV))
         services = c.start_many(*specs)
         yield c, {model: (services[2 * i], services[2 * i + 1]) for i, (model, _, _) in enumerate(PAIRS)}
 
@@ -85,8 +88,12 @@ async def test_tokens_equal_colocated_across_hosts(cluster: tuple[Cluster, dict[
     await run_family(c, model, prefill_tp, decode_tp, decode, "x")
     moved = transferred(await c.driver.metrics(decode))
     assert moved > 0
-    received = data_plane_bytes_received(decode.host, prefill.host)
+    connections = data_plane_connections(decode.host, prefill.host)
+    received = sum(conn.bytes_received for conn in connections)
     assert received >= moved, f"only {received} B arrived over TCP from the prefill host for {moved:.0f} B transferred"
+    # One end of every data-plane connection is a UCX listener, inside the pinned range.
+    assert connections and all(conn.remote_port in UCX_PORTS or conn.local_port in UCX_PORTS
+                               for conn in connections), connections
     await c.driver.wait_metric(prefill, "hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
     await c.driver.wait_metric(decode, "hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
 
