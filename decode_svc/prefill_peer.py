@@ -75,6 +75,12 @@ class PrefillPeer:
                 and not self.retiring)
 
     @property
+    def load(self) -> int:
+        """This decode engine's requests on the peer right now."""
+        s = self.session
+        return s.in_flight if s is not None else 0
+
+    @property
     def busy(self) -> bool:
         """Requests still waiting for a manifest, holding one, or reading through the link."""
         s, link = self.session, self.link
@@ -200,8 +206,8 @@ PeerFactory = Callable[[str, "str | None"], PrefillPeer]
 
 
 class PrefillPeers:
-    """Every prefill engine known (decode_svc/discovery.py adds and retires them); `pick()` is
-    round-robin over the ready ones."""
+    """Every prefill engine known (decode_svc/discovery.py adds and retires them); `pick()` takes
+    the least loaded ready one."""
 
     def __init__(self, peers: list[PrefillPeer], factory: PeerFactory | None = None) -> None:
         self.peers = peers
@@ -237,12 +243,19 @@ class PrefillPeers:
         peer.on_state_change()
 
     def pick(self) -> PrefillPeer:
+        """The ready peer with the fewest of this engine's requests on it (waiting for a manifest,
+        holding one or reading); ties go round-robin, so an idle pool alternates."""
         n = len(self.peers)
+        best: PrefillPeer | None = None
+        best_at = 0
         for i in range(n):
-            peer = self.peers[(self._next + i) % n]
-            if peer.ready:
-                self._next = (self._next + i + 1) % n
-                return peer
+            at = (self._next + i) % n
+            peer = self.peers[at]
+            if peer.ready and (best is None or peer.load < best.load):
+                best, best_at = peer, at
+        if best is not None:
+            self._next = (best_at + 1) % n
+            return best
         states = "; ".join(
             f"{p.target}: {dpb.PeerState.Name(p.state).removeprefix('PEER_STATE_').lower()}"  # type: ignore[arg-type]
             + (f" ({p.last_error})" if p.last_error else "")
