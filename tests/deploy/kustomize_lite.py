@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]  # no stubs in the dev extra
 
 Object = dict[str, Any]
 KNOWN_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}

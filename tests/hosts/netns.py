@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -112,6 +113,19 @@ class Host:
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
 
 
+STALE = re.compile(r"^hpd-(\d+)-\d+-")
+
+
+def remove_stale() -> None:
+    """Delete namespaces left by runs whose process is gone (a SIGKILLed pytest cannot clean up)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = STALE.match(name)
+        if match and int(match.group(1)) != os.getpid() and not os.path.exists(f"/proc/{match.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+
+
 @dataclass
 class Network:
     """N hosts on one private bridge; a context manager that always tears down."""
@@ -123,6 +137,7 @@ class Network:
 
     @classmethod
     def create(cls, count: int, mtu: int = 1500) -> Network:
+        remove_stale()
         n = next(_counter)
         prefix = f"hpd-{os.getpid()}-{n}-"
         # A third octet from the pid keeps parallel runs on different subnets too (each is
