@@ -1,4 +1,4 @@
-"""Real services on namespace hosts (tests/hosts/netns.py), driven from a client host.
+"""Real services on namespace hosts (shared/bench/netns.py), driven from a client host.
 
 `Cluster` owns a `Network`: `start(role, host, ...)` runs `python -m prefill_svc` /
 `python -m decode_svc` on a host (listening on the host's address, port 0, metrics port 0,
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tests.hosts.netns import Host, Network
+from shared.bench.netns import Host, Network
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"LISTENING port=(\d+)")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.hosts.netns import why_unavailable
+from shared.bench.netns import why_unavailable
 
 _REASON: list[str | None] = []
 
