@@ -218,7 +218,10 @@ class PrefillPeers:
         self._retirements: set[asyncio.Task[None]] = set()
 
     def targets(self) -> set[str]:
-        return {p.target for p in self.peers}
+        """Known addresses, retiring ones too: an address that comes back while its old peer still
+        drains is added again only once that peer is closed (both would use the same remote agent
+        names, and closing the old link removes them)."""
+        return {p.target for p in [*self.peers, *self.retiring]}
 
     def add(self, target: str, server_name: str | None = None) -> None:
         assert self.factory is not None, "PrefillPeers built without a factory cannot add peers"
@@ -229,7 +232,7 @@ class PrefillPeers:
 
     def retire(self, target: str) -> None:
         """Take the peer out of `pick()` at once; it closes once its requests are done."""
-        for peer in [p for p in self.peers if p.target == target]:
+        for peer in [p for p in self.peers if p.target == target]:  # a retiring one: nothing more to do
             self.peers.remove(peer)
             self.retiring.append(peer)
             task = asyncio.ensure_future(peer.retire())

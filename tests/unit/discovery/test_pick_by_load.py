@@ -1,7 +1,9 @@
-"""PrefillPeers.pick: the least loaded ready peer, ties round-robin, not-ready peers never."""
+"""PrefillPeers: pick() takes the least loaded ready peer (ties round-robin, not-ready peers
+never); a retiring peer leaves the rotation at once but its address stays known until closed."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -48,3 +50,33 @@ def test_not_ready_peers_are_skipped_even_when_idle() -> None:
     assert peers.pick().target == "b"
     with pytest.raises(Unavailable, match="no prefill engine is ready"):
         pool(StandIn("a", ready=False, state=dpb.PEER_STATE_FAILED, last_error="down")).pick()
+
+
+class Draining(StandIn):
+    """Test-only stand-in whose retirement lasts until the test lets it end."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        self.done = asyncio.Event()
+
+    async def retire(self) -> None:
+        self.ready = False
+        await self.done.wait()
+
+    def on_state_change(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_retiring_address_stays_known_until_closed() -> None:
+    old = Draining("10.0.0.1:1")
+    peers = pool(old, StandIn("10.0.0.2:1"))
+    peers.retire("10.0.0.1:1")
+    assert [p.target for p in peers.peers] == ["10.0.0.2:1"]  # out of the rotation at once
+    assert peers.targets() == {"10.0.0.1:1", "10.0.0.2:1"}  # but not re-added while it drains
+    peers.retire("10.0.0.1:1")  # retiring it again does nothing
+    assert peers.retiring == [old]
+    old.done.set()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert peers.retiring == [] and peers.targets() == {"10.0.0.2:1"}
