@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from decode_svc import tokenizer
+from decode_svc.discovery import Discovery
 from decode_svc.http_api import DecodeHttp
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
@@ -37,12 +38,9 @@ class DecodeApp:
         self.metrics = self.shell.metrics
         self._stopped = False
         self._health_updates: set[asyncio.Future[None]] = set()
-        self.peers = PrefillPeers(
-            [
-                PrefillPeer(target, host, settings.tls, self._on_peer_change, max_pinned_requests=settings.max_pinned_requests)
-                for target in settings.prefill
-            ]
-        )
+        self.peers = PrefillPeers([], self._new_peer)
+        # --prefill names resolve to the peers (one per address), re-resolved every --discovery-seconds.
+        self.discovery = Discovery(settings.prefill, self.peers, settings.discovery_seconds)
         self.servicer = DecodeServicer(
             host,
             self.peers,
@@ -73,8 +71,13 @@ class DecodeApp:
             await host.aclose()
             raise
         app.peers.start()
+        await app.discovery.start()
         log.info("decode engine %s listening on port %d, prefill peers %s", settings.engine_id, app.port, ", ".join(settings.prefill))
         return app
+
+    def _new_peer(self, target: str, server_name: str | None) -> PrefillPeer:
+        return PrefillPeer(target, self.host, self.settings.tls, self._on_peer_change,
+                           max_pinned_requests=self.settings.max_pinned_requests, server_name=server_name)
 
     @property
     def port(self) -> int:
@@ -104,6 +107,7 @@ class DecodeApp:
         try:
             await self.shell.drain(wait_idle=self._idle)
         finally:
+            await self.discovery.aclose()
             await self.peers.aclose()
             await self.host.aclose()
             self.shell.close()

@@ -11,6 +11,7 @@ the service stopping. Requests only go to a peer in state READY.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_SECONDS = 0.1
 BACKOFF_MAX_SECONDS = 2.0
+# A retired peer (its address vanished from DNS) waits this long for the requests still using it.
+RETIRE_WAIT_SECONDS = 120.0
+# A request that picked the peer just before it retired is not counted in flight until it has
+# sent its job; it re-picks if it sees the peer retiring first. This covers the gap between.
+RETIRE_GRACE_SECONDS = 1.0
 
 
 class PrefillPeer:
@@ -43,8 +49,11 @@ class PrefillPeer:
         on_state_change: Callable[[], None] = lambda: None,
         *,
         max_pinned_requests: int = 0,
+        server_name: str | None = None,
     ) -> None:
         self.target = target
+        self.server_name = server_name  # the DNS name `target` was found under (TLS checks it)
+        self.retiring = False  # its address vanished: no new requests, then closed
         self.host = host
         self.tls = tls
         self.max_pinned_requests = max_pinned_requests  # credits asked for (0: prefill's default)
@@ -63,7 +72,35 @@ class PrefillPeer:
     @property
     def ready(self) -> bool:
         s = self.session
-        return self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
+        return (self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
+                and not self.retiring)
+
+    @property
+    def load(self) -> int:
+        """This decode engine's requests on the peer right now."""
+        s = self.session
+        return s.in_flight if s is not None else 0
+
+    @property
+    def busy(self) -> bool:
+        """Requests still waiting for a manifest, holding one, or reading through the link."""
+        s, link = self.session, self.link
+        return (s is not None and not s.closed.is_set() and s.in_flight > 0) or (link is not None and link.readers > 0)
+
+    async def retire(self) -> None:
+        """Drain, then close: no new requests from now on; those in flight finish (bounded by
+        RETIRE_WAIT_SECONDS); then the session and link go."""
+        self.retiring = True
+        self.on_state_change()
+        try:
+            async with asyncio.timeout(RETIRE_WAIT_SECONDS):
+                await asyncio.sleep(RETIRE_GRACE_SECONDS)
+                while self.busy:
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("prefill %s: retired with requests still in flight after %g s", self.name, RETIRE_WAIT_SECONDS)
+        await self.aclose()
+        log.info("prefill %s: retired", self.name)
 
     def status(self) -> dpb.PrefillPeerStatus:
         return dpb.PrefillPeerStatus(
@@ -89,7 +126,7 @@ class PrefillPeer:
             # A fresh channel per attempt: it connects at once, so our backoff (with jitter) alone
             # decides when to retry, not the channel's own reconnect backoff on top of it.
             try:
-                self._channel = build_channel(self.target, self.tls)
+                self._channel = build_channel(self.target, self.tls, self.server_name)
                 stub = pb_grpc.PrefillServiceStub(self._channel)
                 await self._connect(stub)
                 backoff = BACKOFF_INITIAL_SECONDS
@@ -166,20 +203,63 @@ class PrefillPeer:
             await channel.close()
 
 
-class PrefillPeers:
-    """Every configured prefill engine; `pick()` is round-robin over the ready ones."""
+PeerFactory = Callable[[str, "str | None"], PrefillPeer]
 
-    def __init__(self, peers: list[PrefillPeer]) -> None:
+
+class PrefillPeers:
+    """Every prefill engine known (decode_svc/discovery.py adds and retires them); `pick()` takes
+    the least loaded ready one."""
+
+    def __init__(self, peers: list[PrefillPeer], factory: PeerFactory | None = None) -> None:
         self.peers = peers
+        self.factory = factory
+        self.retiring: list[PrefillPeer] = []
         self._next = 0
+        self._started = False
+        self._retirements: set[asyncio.Task[None]] = set()
+
+    def targets(self) -> set[str]:
+        """Known addresses, retiring ones too: an address that comes back while its old peer still
+        drains is added again only once that peer is closed (both would use the same remote agent
+        names, and closing the old link removes them)."""
+        return {p.target for p in [*self.peers, *self.retiring]}
+
+    def add(self, target: str, server_name: str | None = None) -> None:
+        assert self.factory is not None, "PrefillPeers built without a factory cannot add peers"
+        peer = self.factory(target, server_name)
+        self.peers.append(peer)
+        if self._started:
+            peer.start()
+
+    def retire(self, target: str) -> None:
+        """Take the peer out of `pick()` at once; it closes once its requests are done."""
+        for peer in [p for p in self.peers if p.target == target]:  # a retiring one: nothing more to do
+            self.peers.remove(peer)
+            self.retiring.append(peer)
+            task = asyncio.ensure_future(peer.retire())
+            self._retirements.add(task)
+            task.add_done_callback(functools.partial(self._retired, peer=peer))
+
+    def _retired(self, task: asyncio.Task[None], *, peer: PrefillPeer) -> None:
+        self._retirements.discard(task)
+        if peer in self.retiring:
+            self.retiring.remove(peer)
+        peer.on_state_change()
 
     def pick(self) -> PrefillPeer:
+        """The ready peer with the fewest of this engine's requests on it (waiting for a manifest,
+        holding one or reading); ties go round-robin, so an idle pool alternates."""
         n = len(self.peers)
+        best: PrefillPeer | None = None
+        best_at = 0
         for i in range(n):
-            peer = self.peers[(self._next + i) % n]
-            if peer.ready:
-                self._next = (self._next + i + 1) % n
-                return peer
+            at = (self._next + i) % n
+            peer = self.peers[at]
+            if peer.ready and (best is None or peer.load < best.load):
+                best, best_at = peer, at
+        if best is not None:
+            self._next = (best_at + 1) % n
+            return best
         states = "; ".join(
             f"{p.target}: {dpb.PeerState.Name(p.state).removeprefix('PEER_STATE_').lower()}"  # type: ignore[arg-type]
             + (f" ({p.last_error})" if p.last_error else "")
@@ -193,12 +273,16 @@ class PrefillPeers:
 
     @property
     def remote_agents(self) -> int:
-        """Remote agents loaded for all peers (0 for a peer whose link was dropped)."""
-        return sum(len(p.link.added) for p in self.peers if p.link is not None and not p.link.closed)
+        """Remote agents loaded for all peers, retiring ones too (0 for a peer whose link was dropped)."""
+        return sum(len(p.link.added) for p in [*self.peers, *self.retiring] if p.link is not None and not p.link.closed)
 
     def start(self) -> None:
+        self._started = True
         for peer in self.peers:
             peer.start()
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(p.aclose() for p in self.peers))
+        for task in list(self._retirements):
+            task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
+        await asyncio.gather(*(p.aclose() for p in [*self.peers, *self.retiring]))

@@ -72,6 +72,7 @@ class ServiceSettings:
     verify_transfer: bool = True  # digests of the transferred state: prefill sends, decode checks
     http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
+    discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
 
     @property
     def listen_address(self) -> str:
@@ -123,6 +124,13 @@ def host_port(text: str) -> str:
     if not m or not 1 <= int(m.group(2)) <= 65535:
         raise ValueError("expected HOST:PORT, for example 127.0.0.1:50051")
     return text.strip()
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+    return value
 
 
 def existing_file(text: str) -> Path:
@@ -291,10 +299,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "prefill",
         host_port,
-        "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list",
+        "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list. "
+        "A DNS name stands for every address it resolves to (a Kubernetes headless Service: one per pod), "
+        "re-resolved every --discovery-seconds",
         roles=("decode",),
         repeatable=True,
         metavar="HOST:PORT",
+    ),
+    Flag(
+        "discovery-seconds",
+        non_negative_float,
+        "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
+        "drained (no new requests, in-flight ones finish) and dropped; 0 resolves once at start",
+        5.0,
+        roles=("decode",),
+        metavar="SECONDS",
     ),
 )
 
@@ -465,6 +484,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         check_state=bool(values.get("check_state", False)),
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
+        discovery_seconds=_req(values, "discovery_seconds", float) if role == "decode" else 5.0,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

@@ -37,10 +37,11 @@ class ServiceProcess:
     proc: subprocess.Popen[str]
     port: int
     output: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"  # where it listens (another host's address with a launch prefix)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def stop(self, grace: float = 15.0) -> int:
         """SIGTERM (drain), then SIGKILL after `grace` seconds; returns the exit code."""
@@ -59,9 +60,20 @@ def _drain(stream: IO[str], sink: list[str]) -> None:
         sink.append(line.rstrip("\n"))
 
 
-def start_service(role: str, args: Sequence[str], timeout: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Start `python -m {role}_svc --port 0 ARGS` and wait for its LISTENING line."""
-    cmd = [sys.executable, "-m", f"{role}_svc", "--port", "0", *args]
+def start_service(
+    role: str,
+    args: Sequence[str],
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    *,
+    launch: Sequence[str] = (),
+    host: str = "127.0.0.1",
+) -> ServiceProcess:
+    """Start `python -m {role}_svc --port 0 ARGS` and wait for its LISTENING line.
+
+    `launch` runs it on another host (a command prefix, e.g. shared/bench/netns.py's
+    Host.command([])), listening on that host's address `host`."""
+    cmd = [*launch, sys.executable, "-m", f"{role}_svc", "--port", "0", *(["--host", host] if launch else []), *args]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -88,7 +100,7 @@ def start_service(role: str, args: Sequence[str], timeout: float = 60.0, env: di
             raise ServiceStartError(f"{role} service did not listen within {timeout:.0f} s")
     # Keep reading its output so the pipe never fills up and blocks the service.
     threading.Thread(target=_drain, args=(proc.stdout, output), daemon=True).start()
-    return ServiceProcess(role, proc, port, output)
+    return ServiceProcess(role, proc, port, output, host)
 
 
 async def wait_serving(address: str, service: str, timeout: float = 60.0) -> None:
@@ -120,8 +132,16 @@ class LocalPair:
         return self.decode.stop(), self.prefill.stop()
 
 
-async def start_pair(prefill_args: Sequence[str], decode_args: Sequence[str], timeout: float = 90.0) -> LocalPair:
-    prefill = start_service("prefill", prefill_args, timeout)
+async def start_pair(
+    prefill_args: Sequence[str],
+    decode_args: Sequence[str],
+    timeout: float = 90.0,
+    *,
+    prefill_launch: Sequence[str] = (),
+    prefill_host: str = "127.0.0.1",
+) -> LocalPair:
+    """Prefill (on another host with `prefill_launch`, see start_service), then decode here."""
+    prefill = start_service("prefill", prefill_args, timeout, launch=prefill_launch, host=prefill_host)
     try:
         decode = start_service("decode", [*decode_args, "--prefill", prefill.address], timeout)
     except BaseException:

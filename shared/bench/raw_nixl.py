@@ -64,10 +64,11 @@ class RawTarget:
     """The raw_target process: P plain agents with R regions of `region_bytes` each."""
 
     def __init__(
-        self, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-target", *, huge_pages: bool = True
+        self, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-target", *, huge_pages: bool = True,
+        launch: Sequence[str] = (),
     ) -> None:
         cmd = [
-            sys.executable, "-m", "shared.bench.raw_target",
+            *launch, sys.executable, "-m", "shared.bench.raw_target",
             "--ranks", str(ranks), "--regions", str(regions), "--region-bytes", str(region_bytes), "--name", name,
             "--huge-pages", "on" if huge_pages else "off",
         ]  # fmt: skip

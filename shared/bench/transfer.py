@@ -24,6 +24,7 @@ every GenerateSummary (`descriptor_set_matches`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,7 +71,17 @@ class TransferConfig:
     huge_pages: bool = True  # the services' caches and every baseline's buffers alike
 
 
-async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
+async def run_transfer(
+    cfg: TransferConfig,
+    *,
+    command: str,
+    show_progress: bool = True,
+    prefill_launch: Sequence[str] = (),
+    prefill_host: str = "127.0.0.1",
+    link: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`prefill_launch` puts the prefill service and the raw target on another host (see
+    shared/bench/hosts.py); `link` describes that link in the result."""
     spec = load_model(cfg.model)
     prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
     decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
@@ -89,11 +100,12 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
     rounds = cfg.warmup + cfg.requests
     progress = Progress("bench transfer", rounds + 1, enabled=show_progress)
     progress.advance(0, "starting services and raw agents")
-    pair = await start_pair(prefill_args, decode_args)
+    pair = await start_pair(prefill_args, decode_args, prefill_launch=prefill_launch, prefill_host=prefill_host)
     target: RawTarget | None = None
     reader: RawReader | None = None
     try:
-        target = RawTarget(cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages)
+        target = RawTarget(cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages,
+                           launch=prefill_launch)
         reader = RawReader(target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks), huge_pages=cfg.huge_pages)
         pairs = pair_lists(
             plan,
@@ -128,7 +140,7 @@ async def run_transfer(cfg: TransferConfig, *, command: str, show_progress: bool
         "prefill_blocks": p_blocks,
         "decode_blocks": d_blocks,
         "engine": "synthetic",
-    }
+    } | ({"hosts": link} if link is not None else {})
     return build_result(
         config=config,
         sections=service.sections or sections,

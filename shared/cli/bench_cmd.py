@@ -150,6 +150,21 @@ def _transfer(args: argparse.Namespace) -> int:
     from shared.bench.transfer import TransferConfig, run_transfer
     from shared.bench.transfer_report import chart_rows, format_table
 
+    if args.hosts and args.inside_hosts is None:
+        from shared.bench.hosts import run_on_hosts
+
+        inner = _command("transfer", args, TRANSFER_FLAGS).split()[3:]
+        inner += [flag for flag, on in (("--json", args.json), ("--no-progress", args.no_progress)) if on]
+        inner += ["--plot", args.plot] if args.plot else []
+        return run_on_hosts(inner, args.link_rate, args.link_delay)
+    launch: list[str] = []
+    prefill_host = "127.0.0.1"
+    link = None
+    if args.inside_hosts is not None:
+        from shared.bench.hosts import inside_launch
+
+        launch, prefill_host = inside_launch(args.inside_hosts)
+        link = json.loads(args.link_note or "{}")
     cfg = TransferConfig(
         model=args.model,
         prefill_tp=args.prefill_tp,
@@ -161,7 +176,11 @@ def _transfer(args: argparse.Namespace) -> int:
         check_state=args.check_state,
         huge_pages=args.huge_pages == "on",
     )
-    result = _run_async(run_transfer(cfg, command=_command("transfer", args, TRANSFER_FLAGS), show_progress=not args.no_progress))
+    command = _command("transfer", args, TRANSFER_FLAGS)
+    if link is not None:
+        command += " --hosts" + "".join(f" --link-{k} {link[k]}" for k in ("rate", "delay") if link.get(k))
+    result = _run_async(run_transfer(cfg, command=command, show_progress=not args.no_progress,
+                                     prefill_launch=launch, prefill_host=prefill_host, link=link))
 
     def chart() -> list[tuple[str, Any]]:
         labels, values = chart_rows(result)
@@ -269,6 +288,13 @@ def register(subparsers: Any) -> None:
                    help="decode verifies every transferred byte (slower requests; READ time unchanged)")
     _add(t, "huge-pages", "on", "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
          type=_on_off, metavar="on|off")
+    t.add_argument("--hosts", action="store_true",
+                   help="prefill on a second host: two Linux namespace hosts on a private bridge, UCX over TCP "
+                        "(needs root; shared/bench/hosts.py)")
+    t.add_argument("--link-rate", metavar="RATE", help="with --hosts: shape the link to RATE (tc syntax, e.g. 10gbit)")
+    t.add_argument("--link-delay", metavar="DELAY", help="with --hosts and --link-rate: one-way delay (e.g. 100us)")
+    t.add_argument("--inside-hosts", help=argparse.SUPPRESS)  # set by --hosts for the run on the decode host
+    t.add_argument("--link-note", help=argparse.SUPPRESS)
     _common(t)
     t.set_defaults(func=_guarded(_transfer))
 

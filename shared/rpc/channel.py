@@ -45,9 +45,15 @@ CHANNEL_OPTIONS: list[tuple[str, str | int]] = [
 ]
 
 
-def build_channel(target: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:
-    """One channel per peer per process; create it inside the running loop and close it on shutdown."""
+def build_channel(target: str, tls: TlsSettings | None = None, server_name: str | None = None) -> grpc.aio.Channel:
+    """One channel per peer per process; create it inside the running loop and close it on shutdown.
+
+    `server_name`: the name the server's certificate must carry when `target` is an address found
+    by resolving that name (peer discovery), so TLS still checks the name, not the address."""
     creds = channel_credentials(tls) if tls is not None else None
     if creds is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    options = list(CHANNEL_OPTIONS)
+    if server_name is not None:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(target, creds, options=options)

@@ -1,0 +1,58 @@
+"""`bench transfer --hosts`: the same benchmark with prefill on another host, over UCX TCP.
+
+Two namespace hosts on a private bridge (shared/bench/netns.py; needs root). The benchmark itself
+runs on the decode host: its decode service and raw NIXL reader there, and the prefill service
+and raw NIXL target started on the prefill host. Ours and raw NIXL therefore READ over the same
+link, through the same TCP stack. `--link-rate` / `--link-delay` shape that link (netem where the
+kernel has it, otherwise tbf for the rate alone); the result records the link under "hosts".
+UCX is limited to `UCX_TLS=tcp` on each host's eth0.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shared.bench.netns import Host, Network, why_unavailable
+
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+INSIDE_FLAG = "--inside-hosts"
+
+
+def inside_launch(spec: str) -> tuple[list[str], str]:
+    """From `--inside-hosts NETNS,ADDRESS`: the prefill host's launch prefix and address."""
+    netns, _, address = spec.partition(",")
+    host = Host("prefill", netns, address, switch="", port="")
+    return host.command([]), address
+
+
+def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None) -> int:
+    """Make the hosts, shape the link, run `hybrid-pd bench transfer INNER_ARGS` on the decode
+    host (its output is this command's output), tear everything down; the inner exit code."""
+    reason = why_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"--hosts: {reason}")
+    import os
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env |= UCX_ENV | {"PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)}
+    with Network.create(2) as net:
+        prefill, decode = net.hosts
+        link: dict[str, Any] = {"transport": "UCX tcp over a veth pair and a bridge", "rate": rate, "delay": delay}
+        if rate is not None:
+            link["qdisc"] = prefill.shape(rate, delay or "0us")
+            if link["qdisc"] != "netem":
+                link["delay"] = None  # tbf shapes the rate only
+        argv = [sys.executable, "-m", "shared.cli.main", "bench", "transfer", *inner_args,
+                INSIDE_FLAG, f"{prefill.netns},{prefill.address}", "--link-note", _note(link)]
+        proc = net.spawn(decode, argv, env)
+        return proc.wait()
+
+
+def _note(link: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(link, sort_keys=True)

@@ -1,0 +1,34 @@
+"""`hybrid-pd bench transfer --hosts` end to end: prefill and the raw NIXL target on one namespace
+host, decode and the raw reader on another, a shaped link; the JSON result describes the link and
+our descriptor set matches the raw one. Slow (three services' worth of start-up): --run-slow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.hosts.cluster import CHECKOUT
+
+pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_bench_transfer_across_hosts() -> None:
+    from tests.hosts.conftest import namespaces_or_skip
+
+    namespaces_or_skip()
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", "bench", "transfer", "--hosts", "--link-rate", "10gbit",
+         "--link-delay", "100us", "--model", "tiny-mamba2", "--prompt-tokens", "64", "--requests", "2", "--json",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=280, cwd=CHECKOUT, env={"PYTHONPATH": str(CHECKOUT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    hosts = result["config"]["hosts"]
+    assert hosts["rate"] == "10gbit" and hosts["qdisc"] in ("netem", "tbf")
+    assert result["descriptor_set_matches"]
+    assert result["gbps"] > 0 and result["raw_nixl_gbps"] > 0
+    assert "--hosts --link-rate 10gbit" in result["command"]
