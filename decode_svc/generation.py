@@ -40,7 +40,6 @@ from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
 from shared.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -99,9 +98,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
 def check_fits_prefill(host: EngineHost, link: PeerLink, req: ValidRequest) -> None:
     """A prompt whose prefilled state cannot fit the chosen prefill engine's whole cache."""
     remote = link.remote
-    computed = host.engine.num_prefill_tokens(len(req.prompt))
-    per_attention = -(-computed // max(1, remote.block_size))
-    needed = sum(per_attention if g.kind == lpb.GROUP_KIND_ATTENTION else 1 for g in remote.groups)
+    needed = sum(link.plan.prefill.blocks_per_group(host.engine.num_prefill_tokens(len(req.prompt))))
     if needed > remote.num_logical_blocks:
         raise InvalidArgument(
             f"{len(req.prompt)} tokens need {needed} blocks on prefill {remote.engine_id}, whose cache has "

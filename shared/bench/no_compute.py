@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from shared.cache.regions import RankCache
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.layout import boundary
 from shared.layout.page import EngineLayout
 
 
@@ -24,7 +25,7 @@ class NoComputeEngine:
         self.spec = layout.spec
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
-        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+        return boundary.num_prefill_tokens(self.spec, prompt_len)
 
     def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
         return None

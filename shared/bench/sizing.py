@@ -8,11 +8,10 @@ starting at block 0, so a benchmark can rebuild the exact descriptor ids the ser
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import numpy.typing as npt
 
+from shared.layout import boundary
 from shared.layout.page import EngineLayout
 from shared.layout.spec import ModelSpec
 
@@ -21,13 +20,12 @@ IntArray = npt.NDArray[np.int64]
 
 def prefill_tokens(spec: ModelSpec, prompt_tokens: int) -> int:
     """Tokens prefill computes and decode reads: N - 1 with SSM layers (decode recomputes the last)."""
-    return prompt_tokens - 1 if spec.ssm_layers else prompt_tokens
+    return boundary.num_prefill_tokens(spec, prompt_tokens)
 
 
 def blocks_per_group(layout: EngineLayout, num_tokens: int) -> list[int]:
     """Logical blocks each group needs for `num_tokens` tokens (Mamba groups: always 1)."""
-    per_fa = math.ceil(num_tokens / layout.block_size)
-    return [per_fa if g.kind == "attention" else 1 for g in layout.groups]
+    return layout.blocks_per_group(num_tokens)
 
 
 def blocks_needed(layout: EngineLayout, num_tokens: int) -> int:

@@ -38,8 +38,9 @@ def make_engine(
     if kind == "synthetic":
         return SyntheticEngine(layout, ranks)
     if kind == "hf":
-        from shared.engine.hf.engine import BOUNDARIES, HfEngine
+        from shared.engine.hf.engine import HfEngine
         from shared.engine.hf.model_spec import compute_dtype
+        from shared.layout.boundary import BOUNDARIES
 
         if model_dir is None:
             raise ValueError("the hf engine needs --model DIR, a checkpoint directory")

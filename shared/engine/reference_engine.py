@@ -18,6 +18,7 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import DEFAULT_SEED, cached_model
 from shared.engine.reference.model import greedy
 from shared.engine.reference.state_store import read_global_state
+from shared.layout import boundary
 from shared.layout.page import EngineLayout
 
 
@@ -58,7 +59,7 @@ class ReferenceEngine:
         self.model = cached_model(self.spec, seed, device)
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
-        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+        return boundary.num_prefill_tokens(self.spec, prompt_len)
 
     def _store(self, blocks: RequestBlocks) -> PagedStateStore:
         return PagedStateStore(self.layout, self.ranks, blocks)

@@ -18,6 +18,7 @@ import torch
 from shared.cache.model_views import RankViews, torch_dtype
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.layout import boundary
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import global_conv_dim, global_ssm_shape
 
@@ -58,7 +59,7 @@ class SyntheticEngine:
         return conv, ssm
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
-        return prompt_len - 1 if self.spec.ssm_layers else prompt_len
+        return boundary.num_prefill_tokens(self.spec, prompt_len)
 
     def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
         store = PagedStateStore(self.layout, self.ranks, blocks)

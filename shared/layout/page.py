@@ -137,6 +137,11 @@ class EngineLayout:
     def num_kernel_blocks(self, num_logical_blocks: int) -> int:
         return num_logical_blocks * self.physical_per_logical
 
+    def blocks_per_group(self, num_tokens: int) -> list[int]:
+        """Logical blocks each group needs for `num_tokens` tokens (Mamba groups: always 1)."""
+        per_fa = -(-num_tokens // self.block_size)
+        return [per_fa if g.kind == "attention" else 1 for g in self.groups]
+
     def token_slots(self, block_ids: npt.ArrayLike, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """(kernel block id, slot in that kernel block) of each token position of a request whose
         attention group holds logical blocks `block_ids`. IndexError when a position has no block."""

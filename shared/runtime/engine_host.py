@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -193,8 +192,7 @@ class EngineHost:
 
     def blocks_per_group(self, num_tokens: int) -> list[int]:
         """Logical blocks each group needs for `num_tokens` tokens (Mamba groups: always 1)."""
-        per_fa = math.ceil(num_tokens / self.layout.block_size)
-        return [per_fa if g.kind == "attention" else 1 for g in self.layout.groups]
+        return self.layout.blocks_per_group(num_tokens)
 
     def check_token_ids(self, prompt: Sequence[int], field: str) -> None:
         """InvalidArgument naming `field` when a token id is outside the model's vocabulary."""

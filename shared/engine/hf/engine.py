@@ -18,7 +18,6 @@ Two boundaries (`boundary`):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,11 +29,9 @@ from shared.engine.hf.tokenizer import HfTokenizer
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
 from shared.layout.page import EngineLayout
 from shared.layout.spec import ModelSpec
-
-Boundary = Literal["full", "n-1"]
-BOUNDARIES: tuple[Boundary, ...] = ("full", "n-1")
 
 
 def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
@@ -80,7 +77,7 @@ class HfEngine:
         return cls(layout, ranks, HfCheckpoint(directory, dtype=dtype, device=device), boundary=boundary)
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
-        return prompt_len if self.boundary == "full" else prompt_len - 1
+        return num_prefill_tokens(self.spec, prompt_len, self.boundary)
 
     def _store(self, blocks: RequestBlocks) -> PagedStateStore:
         return PagedStateStore(self.layout, self.ranks, blocks)

@@ -13,10 +13,11 @@ from torch import Tensor
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.hf.checkpoint import HfCheckpoint
-from shared.engine.hf.engine import Boundary, HfEngine
+from shared.engine.hf.engine import HfEngine
 from shared.engine.hf.model_spec import hf_model_spec
 from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
+from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.plan import build_plan
 from shared.layout.read_lists import build_read_lists, read_indices
