@@ -26,7 +26,7 @@ from shared.errors import ServiceError, Unavailable, error_for_status
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.proto_time import duration, seconds
-from shared.rpc.status import code_name, describe
+from shared.rpc.status import code_name, describe, from_rpc_status
 from shared.tracing import Step
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,7 @@ class SessionClient:
                 if kind == "manifest":
                     self._resolve(msg.manifest.request_id, manifest=msg.manifest)
                 elif kind == "failure":
-                    f = msg.failure
-                    self._resolve(f.request_id, error=error_for_status(code_name(f.status_code), f"prefill {self.peer_name}: {f.message}"))
+                    self._resolve(msg.failure.request_id, error=job_error(self.peer_name, msg.failure))
                 elif kind == "drain":
                     self.draining = True
                     log.info("prefill %s is draining: %s", self.peer_name, msg.drain.reason)
@@ -226,3 +225,15 @@ class SessionClient:
             if not future.done():
                 future.set_exception(self.ended_error())
         self._waiting.clear()
+
+
+def job_error(peer_name: str, failure: pb.JobFailure) -> ServiceError:
+    """The ServiceError prefill failed a job with: status, reason and fields from its
+    google.rpc.Status (a peer that sends only the code and message gives those alone)."""
+    if failure.HasField("status"):
+        error = from_rpc_status(failure.status).to_error()
+    else:
+        error = error_for_status(code_name(failure.status_code), failure.message)
+    error.message = f"prefill {peer_name}: {error.message}"
+    error.args = (error.message,)
+    return error

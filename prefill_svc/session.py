@@ -34,7 +34,7 @@ from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.proto_time import duration, seconds
-from shared.rpc.status import code_number
+from shared.rpc.status import code_number, to_rpc_status
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 
@@ -54,7 +54,12 @@ class SessionConfig:
 
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:
     return pb.SessionResponse(
-        failure=pb.JobFailure(request_id=request_id, status_code=code_number(error.status), message=error.message)
+        failure=pb.JobFailure(
+            request_id=request_id,
+            status_code=code_number(error.status),
+            message=error.message,
+            status=to_rpc_status(error),
+        )
     )
 
 

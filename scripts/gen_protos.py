@@ -38,6 +38,13 @@ def top_level_packages(protos: list[Path]) -> list[str]:
     return sorted({p.relative_to(PROTO_ROOT).parts[0] for p in protos})
 
 
+def googleapis_root() -> Path:
+    """Where googleapis-common-protos keeps google/rpc/*.proto (imported by our protos)."""
+    import google.rpc.status_pb2 as status
+
+    return Path(status.__file__).resolve().parents[2]
+
+
 def run_protoc(protos: list[Path], out: Path) -> None:
     """Write raw protoc output (python, grpc, mypy stubs) for `protos` under `out`."""
     bin_dir = Path(sys.executable).parent
@@ -49,6 +56,7 @@ def run_protoc(protos: list[Path], out: Path) -> None:
         "-m",
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
+        f"-I{googleapis_root()}",
         f"--python_out={out}",
         f"--grpc_python_out={out}",
         f"--mypy_out=quiet:{out}",

@@ -44,6 +44,12 @@ def _pack(message: object) -> any_pb2.Any:
 
 
 def to_grpc_status(error: ServiceError) -> grpc.Status:
+    status: grpc.Status = rpc_status.to_status(to_rpc_status(error))
+    return status
+
+
+def to_rpc_status(error: ServiceError) -> status_pb2.Status:
+    """The google.rpc.Status of `error`: what a handler aborts with, and what a JobFailure carries."""
     details = [
         _pack(
             error_details_pb2.ErrorInfo(
@@ -79,9 +85,7 @@ def to_grpc_status(error: ServiceError) -> grpc.Status:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(int(1000 * (error.retry_after_seconds or 0.1)))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-    code = getattr(code_pb2, error.status)
-    status: grpc.Status = rpc_status.to_status(status_pb2.Status(code=code, message=error.message, details=details))
-    return status
+    return status_pb2.Status(code=getattr(code_pb2, error.status), message=error.message, details=details)
 
 
 @dataclass(frozen=True)
@@ -108,13 +112,19 @@ class RpcFailure:
 def describe(error: grpc.aio.AioRpcError | grpc.RpcError) -> RpcFailure:
     code = error.code()
     name = code.name if code is not None else "UNKNOWN"
-    message = error.details() or ""
-    reason = ""
-    issues: list[FieldIssue] = []
     try:
         rich = rpc_status.from_call(error)  # type: ignore[arg-type]
     except ValueError:  # trailers disagree with the status: keep the plain status
         rich = None
+    return from_rpc_status(rich, status=name, message=error.details() or "")
+
+
+def from_rpc_status(rich: status_pb2.Status | None, *, status: str | None = None, message: str | None = None) -> RpcFailure:
+    """Read a google.rpc.Status back: its code (unless `status` names it), message, reason and fields."""
+    name = status if status is not None else code_name(rich.code if rich is not None else 2)
+    text = message if message is not None else (rich.message if rich is not None else "")
+    reason = ""
+    issues: list[FieldIssue] = []
     for detail in rich.details if rich is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -128,4 +138,4 @@ def describe(error: grpc.aio.AioRpcError | grpc.RpcError) -> RpcFailure:
             pre = error_details_pb2.PreconditionFailure()
             detail.Unpack(pre)
             issues += [FieldIssue(v.subject, v.description) for v in pre.violations]
-    return RpcFailure(status=name, message=message, reason=reason, issues=tuple(issues))
+    return RpcFailure(status=name, message=text, reason=reason, issues=tuple(issues))

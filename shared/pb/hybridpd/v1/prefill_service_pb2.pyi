@@ -12,6 +12,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.rpc import status_pb2 as _status_pb2
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
 import builtins as _builtins
 import sys
@@ -500,20 +501,30 @@ class JobFailure(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STATUS_CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     status_code: _builtins.int
-    """A gRPC status code (google.rpc.Code value), e.g. 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED."""
+    """A gRPC status code (google.rpc.Code value), e.g. 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED.
+    Kept equal to status.code for readers that only know these two fields.
+    """
     message: _builtins.str
+    @_builtins.property
+    def status(self) -> _status_pb2.Status:
+        """The same status with the rich details every other error carries: ErrorInfo (reason),
+        BadRequest / PreconditionFailure (the fields), RetryInfo.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         status_code: _builtins.int = ...,
         message: _builtins.str = ...,
+        status: _status_pb2.Status | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "request_id", b"request_id", "status_code", b"status_code"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "request_id", b"request_id", "status", b"status", "status_code", b"status_code"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
