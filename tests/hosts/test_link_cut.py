@@ -77,7 +77,7 @@ async def test_link_cut_during_a_read(pair: tuple[Cluster, HostService, HostServ
         assert seconds < BOUND_SECONDS, f"UNAVAILABLE after {seconds:.1f} s (bound {BOUND_SECONDS:g} s)"
         print(f"\n[measured] link cut during a READ -> UNAVAILABLE after {seconds * 1000:.0f} ms "
               f"(READ deadline {READ_TIMEOUT_SECONDS:g} s, bound {BOUND_SECONDS:g} s)", file=sys.stderr)
-        for gauge in ("hybrid_pd_blocks_in_use{rank=0}", "hybrid_pd_open_read_handles", "hybrid_pd_reads_in_flight"):
+        for gauge in ("hybrid_pd_blocks_in_use", "hybrid_pd_open_read_handles", "hybrid_pd_reads_in_flight"):
             await d.wait_metric(decode, gauge, lambda v: v == 0)
         await asyncio.sleep(LEASE_SECONDS)  # prefill hears nothing while the link is down
     finally:
@@ -91,4 +91,4 @@ async def test_link_cut_during_a_read(pair: tuple[Cluster, HostService, HostServ
     after = await asyncio.gather(*(d.generate(decode, f"after-{i}", list(range(1, 20 + i)), 8) for i in range(4)))
     for got in after:
         assert got["status"] == "OK" and got["state_verified"], got
-    await d.wait_metric(prefill, "hybrid_pd_blocks_in_use{rank=0}", lambda v: v == 0)
+    await d.wait_metric(prefill, "hybrid_pd_blocks_in_use", lambda v: v == 0)
