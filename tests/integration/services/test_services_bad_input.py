@@ -103,10 +103,12 @@ async def test_bad_manifest_is_refused_before_any_read(
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
     corrupt_manifests(prefill, mutate)
+    posted = decode.host.poller.stats.reads_posted  # the loopback and probe READs at start-up
+    assert posted > 0  # the count is live: a READ of this request would show
     failure = await generate_failure(channel_to(decode.port), prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=3)
     assert failure.status == status and failure.reason == reason, failure
     assert failure.message.startswith(field) and "prefill test-prefill" in failure.message, failure
-    assert decode.host.poller.stats.reads_posted == 0  # nothing was read
+    assert decode.host.poller.stats.reads_posted == posted  # nothing was read
     assert decode.host.allocator.num_used == 0
     # Decode released the request on prefill: its blocks are free long before any lease.
     await until(lambda: prefill.host.allocator.num_used == 0)
@@ -159,3 +161,14 @@ async def test_unknown_model_stops_the_service_with_exit_2() -> None:
     for code, err in await asyncio.gather(run("prefill"), run("decode")):
         assert code == 2, err
         assert "INVALID_ARGUMENT: --model: model 'no-such-model' is neither a preset" in err, err
+
+
+async def test_the_read_count_moves_when_a_request_reads(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    """Negative control of `nothing was read` above: a good request's READ shows in the count."""
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port)
+    posted = decode.host.poller.stats.reads_posted
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=3), timeout=20):
+        pass
+    assert decode.host.poller.stats.reads_posted == posted + 1
