@@ -55,9 +55,17 @@ class DecodeApp:
         render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template)
         self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])
         self.metrics.watch_host(host)
-        self.metrics.gauge("hybrid_pd_prefill_peers_ready", "Prefill peers handshaken with an open session", lambda: sum(p.ready for p in self.peers.peers))
-        self.metrics.gauge("hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight)
-        self.metrics.gauge("hybrid_pd_remote_agents", "Remote NIXL agents loaded (dropped when a peer is lost)", lambda: self.peers.remote_agents)
+        self.metrics.gauge(
+            "hybrid_pd_prefill_peers_ready",
+            "Prefill peers handshaken with an open session",
+            lambda: sum(p.ready for p in self.peers.peers),
+        )
+        self.metrics.gauge(
+            "hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight
+        )
+        self.metrics.gauge(
+            "hybrid_pd_remote_agents", "Remote NIXL agents loaded (dropped when a peer is lost)", lambda: self.peers.remote_agents
+        )
 
     @classmethod
     async def start(cls, settings: ServiceSettings, engine_factory: EngineFactory) -> DecodeApp:
@@ -72,12 +80,20 @@ class DecodeApp:
             raise
         app.peers.start()
         await app.discovery.start()
-        log.info("decode engine %s listening on port %d, prefill peers %s", settings.engine_id, app.port, ", ".join(settings.prefill))
+        log.info(
+            "decode engine %s listening on port %d, prefill peers %s", settings.engine_id, app.port, ", ".join(settings.prefill)
+        )
         return app
 
     def _new_peer(self, target: str, server_name: str | None) -> PrefillPeer:
-        return PrefillPeer(target, self.host, self.settings.tls, self._on_peer_change,
-                           max_pinned_requests=self.settings.max_pinned_requests, server_name=server_name)
+        return PrefillPeer(
+            target,
+            self.host,
+            self.settings.tls,
+            self._on_peer_change,
+            max_pinned_requests=self.settings.max_pinned_requests,
+            server_name=server_name,
+        )
 
     @property
     def port(self) -> int:

@@ -55,7 +55,6 @@ DEFAULT_TIMEOUT_SECONDS = 300.0  # when the client set no deadline
 MAX_TOKENS_PER_CHUNK = 16
 
 
-
 @dataclass(frozen=True)
 class ValidRequest:
     request_id: str
@@ -320,7 +319,9 @@ class Generation:
         if self.telemetry is not None:
             for m in bad:
                 self.telemetry.digest_mismatches.labels(section=m.section).inc()
-        readers = {p: [r.decode_rank for r in link.plan.ranks if any(x.prefill_rank == p for x in r.reads)] for p in range(source.tp)}
+        readers = {
+            p: [r.decode_rank for r in link.plan.ranks if any(x.prefill_rank == p for x in r.reads)] for p in range(source.tp)
+        }
         shown = "; ".join(f"{m.describe()}, read by decode ranks {readers[m.rank]}" for m in bad[:5])
         raise DataLoss(
             f"request {req.request_id}: the state READ from prefill {link.engine_id} differs from what it wrote in "

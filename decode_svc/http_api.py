@@ -56,7 +56,14 @@ class Outcome:
 class Generated:
     """One generation as text pieces: `first()` raises every failure before the first token."""
 
-    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], outcome: Outcome, stop: StopMatcher, early: EarlyStop, rename: Callable[[ServiceError], ServiceError]) -> None:
+    def __init__(
+        self,
+        responses: AsyncIterator[pb.GenerateResponse],
+        outcome: Outcome,
+        stop: StopMatcher,
+        early: EarlyStop,
+        rename: Callable[[ServiceError], ServiceError],
+    ) -> None:
         self._responses = responses
         self.outcome = outcome
         self._stop = stop
@@ -193,7 +200,12 @@ class DecodeHttp:
             max_tokens = max(1, self.host.max_tokens() - len(ids))
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         grpc_request = pb.GenerateRequest(request_id=rid, prompt_token_ids=ids, max_tokens=max_tokens)
-        names = {"prompt_token_ids": prompt_field, "prompt": prompt_field, "max_tokens": params.max_tokens_field, "request_id": "X-Request-Id"}
+        names = {
+            "prompt_token_ids": prompt_field,
+            "prompt": prompt_field,
+            "max_tokens": params.max_tokens_field,
+            "request_id": "X-Request-Id",
+        }
         early = EarlyStop()
         generated = Generated(
             self.servicer.generate(grpc_request, None, early),

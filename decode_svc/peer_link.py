@@ -98,9 +98,7 @@ class PeerLink:
                         local_num_blocks=host.num_blocks,
                         remote_num_blocks=remote.num_logical_blocks,
                     )
-                    place = MemoryPlace(
-                        "VRAM" if rank_msg.device_type == pb.DEVICE_TYPE_CUDA else "DRAM", rank_msg.device_id
-                    )
+                    place = MemoryPlace("VRAM" if rank_msg.device_type == pb.DEVICE_TYPE_CUDA else "DRAM", rank_msg.device_id)
                     local = await agent.prep_local(lists.local)
                     remote_list = await agent.prep_remote(name, lists.remote, place)
                     link.pairs.append(PairLists(d, p, name, lists, local, remote_list))

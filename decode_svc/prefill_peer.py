@@ -72,8 +72,13 @@ class PrefillPeer:
     @property
     def ready(self) -> bool:
         s = self.session
-        return (self.state == dpb.PEER_STATE_READY and s is not None and not s.closed.is_set() and not s.draining
-                and not self.retiring)
+        return (
+            self.state == dpb.PEER_STATE_READY
+            and s is not None
+            and not s.closed.is_set()
+            and not s.draining
+            and not self.retiring
+        )
 
     @property
     def load(self) -> int:

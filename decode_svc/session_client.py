@@ -65,7 +65,9 @@ class SessionClient:
             raise describe(e).to_error() from None
         except TimeoutError:
             call.cancel()
-            raise Unavailable(f"prefill {self.peer_name} did not answer the session hello within {OPEN_TIMEOUT_SECONDS:g}s") from None
+            raise Unavailable(
+                f"prefill {self.peer_name} did not answer the session hello within {OPEN_TIMEOUT_SECONDS:g}s"
+            ) from None
         if not isinstance(first, pb.SessionResponse):  # EOF: the peer ended the stream
             raise self.ended_error()
         if first.WhichOneof("payload") != "ready":

@@ -48,9 +48,7 @@ def chunk_from(message: pb.TokenChunk) -> TokenChunk:
     return TokenChunk(tuple(message.token_ids), message.text)
 
 
-def request_from(
-    prompt: str | Sequence[int], max_tokens: int, request_id: str | None
-) -> pb.GenerateRequest:
+def request_from(prompt: str | Sequence[int], max_tokens: int, request_id: str | None) -> pb.GenerateRequest:
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id or "", prompt=prompt, max_tokens=max_tokens)
     return pb.GenerateRequest(request_id=request_id or "", prompt_token_ids=list(prompt), max_tokens=max_tokens)
@@ -71,9 +69,7 @@ def result_from(chunks: Sequence[TokenChunk], summary: pb.GenerateSummary) -> Ge
         finish_reason=_FINISH.get(summary.finish_reason, "unspecified"),
         prefill_engine_id=summary.prefill_engine_id,
         prefill_target=summary.prefill_target,
-        transfer=TransferStats(
-            t.attention_bytes, t.conv_bytes, t.ssm_bytes, t.total_bytes, t.read_count, t.descriptor_count
-        ),
+        transfer=TransferStats(t.attention_bytes, t.conv_bytes, t.ssm_bytes, t.total_bytes, t.read_count, t.descriptor_count),
         prefill_seconds=seconds(summary.prefill_duration),
         read_seconds=seconds(summary.read_duration),
         time_to_first_token_seconds=seconds(summary.time_to_first_token),

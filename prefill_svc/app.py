@@ -46,7 +46,9 @@ class PrefillApp:
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
         # /health, /metrics, /version, /v1/models, render, and the P/D prefill leg.
-        http_info = ServiceInfo("prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
+        http_info = ServiceInfo(
+            "prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
+        )
         render = RenderRoutes(http_info, byte_tokenizer.encode, template_for(host.engine))
         self.shell.http_app = build_app(http_info, [*PrefillHttp(http_info).routes(), *render.routes()])
         self.metrics.watch_host(host)

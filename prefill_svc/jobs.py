@@ -40,7 +40,6 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         )
 
 
-
 class JobRunner:
     def __init__(self, host: EngineHost, pins: PinTable) -> None:
         self.host = host

@@ -51,7 +51,6 @@ class SessionConfig:
     max_pinned_requests: int = DEFAULT_MAX_PINNED
 
 
-
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:
     return pb.SessionResponse(
         failure=pb.JobFailure(
@@ -93,9 +92,7 @@ class PrefillSession:
 
     def _accept_hello(self, msg: pb.SessionRequest) -> pb.SessionResponse:
         if msg.WhichOneof("payload") != "hello":
-            raise FailedPrecondition(
-                "the first message of a Session must be `hello`", field="hello", reason="SESSION_NOT_OPENED"
-            )
+            raise FailedPrecondition("the first message of a Session must be `hello`", field="hello", reason="SESSION_NOT_OPENED")
         hello = msg.hello
         peer = self.peers.get(hello.decode_engine_id, hello.decode_incarnation)
         if peer is None:
@@ -219,7 +216,9 @@ class PrefillSession:
         tracing.mark(Step.JOB_RECEIVED)
         rid = job.request_id
         if self.lifecycle.draining.is_set():
-            self._out.put_nowait(_failure(rid, Unavailable("prefill engine is draining; send the job elsewhere", reason="DRAINING")))
+            self._out.put_nowait(
+                _failure(rid, Unavailable("prefill engine is draining; send the job elsewhere", reason="DRAINING"))
+            )
             return
         if not rid or rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
             why = "must be non-empty" if not rid else "is already in flight on this session"

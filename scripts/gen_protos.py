@@ -76,9 +76,7 @@ def rewrite_imports(text: str, packages: list[str]) -> str:
     for pkg in packages:
         name = re.escape(pkg)
         text = re.sub(rf"^from {name}(\.[\w.]*)? import ", rf"from {prefix}.{pkg}\1 import ", text, flags=re.M)
-        text = re.sub(
-            rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, '){name}\.", rf"\g<1>{prefix}.{pkg}.", text
-        )
+        text = re.sub(rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, '){name}\.", rf"\g<1>{prefix}.{pkg}.", text)
         if re.search(rf"^import {name}\b", text, flags=re.M):
             raise SystemExit(f"unexpected `import {pkg}...` in protoc output; extend rewrite_imports")
     return text
@@ -119,11 +117,7 @@ def stale_files(committed: Path, fresh: Path) -> list[str]:
     rel = display(committed)
     problems = [f"{rel / p} (missing)" for p in sorted(want - have)]
     problems += [f"{rel / p} (not generated from protos/)" for p in sorted(have - want)]
-    problems += [
-        f"{rel / p} (differs)"
-        for p in sorted(want & have)
-        if not filecmp.cmp(committed / p, fresh / p, shallow=False)
-    ]
+    problems += [f"{rel / p} (differs)" for p in sorted(want & have) if not filecmp.cmp(committed / p, fresh / p, shallow=False)]
     return problems
 
 

@@ -195,8 +195,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "model",
         str,
-        "model preset name (see `hybrid-pd models`), path to a Hugging Face config.json, or (--engine hf) a "
-        "checkpoint directory",
+        "model preset name (see `hybrid-pd models`), path to a Hugging Face config.json, or (--engine hf) a checkpoint directory",
         "tiny-mamba2",
     ),
     Flag("kv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "attention KV cache dtype (default: the model's)"),
@@ -232,8 +231,17 @@ FLAGS: tuple[Flag, ...] = (
         f"(default when neither is given: {DEFAULT_MEMORY_BUDGET >> 20}MiB); excludes --num-blocks",
         metavar="BYTES",
     ),
-    Flag("block-size", positive_int, "logical block size in tokens (default: the smallest the hybrid page layout allows; raised if too small)"),
-    Flag("kernel-block-size", positive_int, "attention kernel block size in tokens; prefill and decode may differ when one divides the other", 16),
+    Flag(
+        "block-size",
+        positive_int,
+        "logical block size in tokens (default: the smallest the hybrid page layout allows; raised if too small)",
+    ),
+    Flag(
+        "kernel-block-size",
+        positive_int,
+        "attention kernel block size in tokens; prefill and decode may differ when one divides the other",
+        16,
+    ),
     Flag("host", str, "address to listen on (0.0.0.0 or :: to accept remote peers)", "127.0.0.1"),
     Flag(
         "port",
@@ -241,7 +249,9 @@ FLAGS: tuple[Flag, ...] = (
         "gRPC port; 0 picks a free one. The bound port is printed on stdout as `LISTENING port=N`",
         metavar="PORT",
     ),
-    Flag("engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"),
+    Flag(
+        "engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"
+    ),
     Flag("lease-seconds", positive_float, "prefill: how long a request's blocks stay pinned without news from decode", 30.0),
     Flag(
         "heartbeat-seconds",
@@ -274,9 +284,19 @@ FLAGS: tuple[Flag, ...] = (
         "loop as gRPC; 0 picks a free one, printed as `HTTP port=N` before `LISTENING port=N` (default: off)",
         metavar="PORT",
     ),
-    Flag("tls-cert", existing_file, "PEM certificate chain; with --tls-key turns on TLS for the server and its clients", metavar="FILE"),
+    Flag(
+        "tls-cert",
+        existing_file,
+        "PEM certificate chain; with --tls-key turns on TLS for the server and its clients",
+        metavar="FILE",
+    ),
     Flag("tls-key", existing_file, "PEM private key for --tls-cert", metavar="FILE"),
-    Flag("tls-ca", existing_file, "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it", metavar="FILE"),
+    Flag(
+        "tls-ca",
+        existing_file,
+        "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it",
+        metavar="FILE",
+    ),
     Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
     Flag("log-level", choice("DEBUG", "INFO", "WARNING", "ERROR"), "log level", "INFO"),
     Flag(
@@ -345,7 +365,9 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
         shown = f"; default {default}" if default is not None else ""
         help_text = f"{flag.help} (env {flag.env}{shown})"
         if flag.switch:
-            parser.add_argument(f"--{flag.name}", dest=flag.dest, action="store_const", const="true", default=None, help=help_text)
+            parser.add_argument(
+                f"--{flag.name}", dest=flag.dest, action="store_const", const="true", default=None, help=help_text
+            )
             continue
         parser.add_argument(
             f"--{flag.name}",
@@ -372,9 +394,7 @@ def _parse_value(flag: Flag, raw: str, source: str) -> object:
         raise SettingsError(f"--{flag.name} ({source}) = {raw!r}: {e}") from None
 
 
-def resolve(
-    role: Role, args: argparse.Namespace, environ: Mapping[str, str]
-) -> tuple[dict[str, object], dict[str, str]]:
+def resolve(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[dict[str, object], dict[str, str]]:
     """Values by dest, and where each came from ("flag", "env" or "default")."""
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
@@ -447,9 +467,7 @@ def _engine(value: object) -> Literal["synthetic", "reference", "hf"]:
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
-    tls = TlsSettings(
-        cert=_opt(values, "tls_cert", Path), key=_opt(values, "tls_key", Path), ca=_opt(values, "tls_ca", Path)
-    )
+    tls = TlsSettings(cert=_opt(values, "tls_cert", Path), key=_opt(values, "tls_key", Path), ca=_opt(values, "tls_ca", Path))
     if (tls.cert is None) != (tls.key is None):
         raise SettingsError("--tls-cert and --tls-key go together; give both or neither")
     if tls.ca is not None and tls.cert is None:
@@ -492,9 +510,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
     )
 
 
-def parse_settings(
-    role: Role, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> ServiceSettings:
+def parse_settings(role: Role, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServiceSettings:
     """Parse argv + environment; on a bad value print usage and the reason, exit 2."""
     parser = build_parser(role)
     args = parser.parse_args(argv)

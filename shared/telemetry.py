@@ -31,12 +31,16 @@ class Telemetry:
             "hybrid_pd_post_seconds", "One READ: make_prepped_xfer + transfer() call", buckets=LATENCY_BUCKETS, registry=r
         )
         self.descriptors_per_read = Histogram(
-            "hybrid_pd_descriptors_per_read", "Descriptors in one READ (before NIXL merges adjacent ones)",
-            buckets=DESCRIPTOR_BUCKETS, registry=r,
+            "hybrid_pd_descriptors_per_read",
+            "Descriptors in one READ (before NIXL merges adjacent ones)",
+            buckets=DESCRIPTOR_BUCKETS,
+            registry=r,
         )
         self.failures = Counter("hybrid_pd_failures", "Failed transfers and requests, by reason", ["reason"], registry=r)
         # Per engine, not per rank: one allocator serves every rank with the same block ids.
-        self.blocks_in_use = Gauge("hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=r)
+        self.blocks_in_use = Gauge(
+            "hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=r
+        )
         self.blocks_total = Gauge("hybrid_pd_blocks_total", "Cache blocks of the engine (per rank)", registry=r)
         self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=r)
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=r)
@@ -45,12 +49,16 @@ class Telemetry:
             "hybrid_pd_unknown_notifications", "NIXL notifications for unknown requests (ignored)", registry=r
         )
         self.time_to_first_token = Histogram(
-            "hybrid_pd_time_to_first_token_seconds", "Generate received to first token sent",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "hybrid_pd_time_to_first_token_seconds",
+            "Generate received to first token sent",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.digest_mismatches = Counter(
-            "hybrid_pd_digest_mismatches", "Transferred state whose digest differs from prefill's, by section",
-            ["section"], registry=r,
+            "hybrid_pd_digest_mismatches",
+            "Transferred state whose digest differs from prefill's, by section",
+            ["section"],
+            registry=r,
         )
         for section in SECTIONS:
             self.transferred_bytes.labels(section=section)

@@ -46,6 +46,8 @@ T = TypeVar("T")
 
 def _steps(decode: DecodeSession, n: int) -> list[int]:
     return [decode.step() for _ in range(n)]
+
+
 MAX_TOKENS_PER_CHUNK = 16  # as the decode service
 
 
@@ -103,7 +105,6 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
             )
         finally:
             self.allocator.free(key)
-
 
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the colocated benchmark server has no layout to share")

@@ -121,7 +121,9 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(NUM_BLOCKS))
         tokens = prefill_tokens(host.spec, cfg.prompt_tokens)
         raw_reads = [
-            raw_reader.prepare(r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.pair.lists.remote, r.local_idx, r.remote_idx)
+            raw_reader.prepare(
+                r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.pair.lists.remote, r.local_idx, r.remote_idx
+            )
             for r in request_reads(
                 pair_lists(
                     link.plan,
@@ -321,8 +323,11 @@ def format_control(result: dict[str, Any]) -> str:
     r = result["ratios"]
     lines += [
         "",
-        f"manifest / echo = {_f(r['manifest_vs_echo'])}, read / raw_read = {_f(r['read_vs_raw_read'])}","", f"control-plane cost per request (total): median {_f(result['median_ms'])} ms, p99 {_f(result['p99_ms'])} ms "
-              f"(target median <= {result['target_median_ms']} ms: {verdict})"]
+        f"manifest / echo = {_f(r['manifest_vs_echo'])}, read / raw_read = {_f(r['read_vs_raw_read'])}",
+        "",
+        f"control-plane cost per request (total): median {_f(result['median_ms'])} ms, p99 {_f(result['p99_ms'])} ms "
+        f"(target median <= {result['target_median_ms']} ms: {verdict})",
+    ]
     return "\n".join(lines)
 
 

@@ -41,8 +41,12 @@ class PrefillProcess:
     @classmethod
     async def start(cls, flags: Sequence[str], timeout: float = 60.0) -> PrefillProcess:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shared.bench.control_prefill", *flags,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "shared.bench.control_prefill",
+            *flags,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
         )
         try:
             first = await asyncio.wait_for(cls._line(proc), timeout)

@@ -78,9 +78,7 @@ class StepTrace:
         return out
 
     def summaries_ms(self) -> list[dict[str, Any]]:
-        return [
-            {"step": label, **Summary.of(samples).scaled(1e3).as_dict()} for label, samples in self.step_samples().items()
-        ]
+        return [{"step": label, **Summary.of(samples).scaled(1e3).as_dict()} for label, samples in self.step_samples().items()]
 
 
 @contextmanager

@@ -134,8 +134,12 @@ class LevelResult:
             # prefill call): everything but the prefill compute, including the transfer.
             "ttft_minus_prefill_ms": Summary.of(
                 [t.ttft - seconds(t.summary.prefill_duration) for t in ok if t.summary is not None and not math.isnan(t.ttft)]
-            ).scaled(1e3).as_dict(),
-            "prefill_ms": Summary.of([seconds(t.summary.prefill_duration) for t in ok if t.summary is not None]).scaled(1e3).as_dict(),
+            )
+            .scaled(1e3)
+            .as_dict(),
+            "prefill_ms": Summary.of([seconds(t.summary.prefill_duration) for t in ok if t.summary is not None])
+            .scaled(1e3)
+            .as_dict(),
             "itl_ms": Summary.of([t.itl for t in ok if not math.isnan(t.itl)]).scaled(1e3).as_dict(),
             "tokens": tokens,
             "wall_s": json_number(self.wall),
@@ -193,8 +197,28 @@ async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -
     progress = Progress("bench e2e", total, enabled=show_progress)
     progress.advance(0, "starting services")
     pair: LocalPair = await start_pair(
-        [*common, "--tp", str(cfg.prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", "bench-e2e-prefill", "--log-level", "WARNING"],
-        [*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks), "--engine-id", "bench-e2e-decode", "--log-level", "WARNING"],
+        [
+            *common,
+            "--tp",
+            str(cfg.prefill_tp),
+            "--num-blocks",
+            str(p_blocks),
+            "--engine-id",
+            "bench-e2e-prefill",
+            "--log-level",
+            "WARNING",
+        ],
+        [
+            *common,
+            "--tp",
+            str(cfg.decode_tp),
+            "--num-blocks",
+            str(d_blocks),
+            "--engine-id",
+            "bench-e2e-decode",
+            "--log-level",
+            "WARNING",
+        ],
     )
     colocated: Colocated | None = None
     levels: list[LevelResult] = []
@@ -349,7 +373,7 @@ def _f(value: Any, digits: int) -> str:
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
-    """"1,2,4,8" -> (1, 2, 4, 8); each level >= 1, no repeats, kept in the order given."""
+    """ "1,2,4,8" -> (1, 2, 4, 8); each level >= 1, no repeats, kept in the order given."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
         raise ValueError("give at least one concurrency level")

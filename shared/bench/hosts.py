@@ -46,8 +46,18 @@ def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None)
             link["qdisc"] = prefill.shape(rate, delay or "0us")
             if link["qdisc"] != "netem":
                 link["delay"] = None  # tbf shapes the rate only
-        argv = [sys.executable, "-m", "shared.cli.main", "bench", "transfer", *inner_args,
-                INSIDE_FLAG, f"{prefill.netns},{prefill.address}", "--link-note", _note(link)]
+        argv = [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "bench",
+            "transfer",
+            *inner_args,
+            INSIDE_FLAG,
+            f"{prefill.netns},{prefill.address}",
+            "--link-note",
+            _note(link),
+        ]
         proc = net.spawn(decode, argv, env)
         return proc.wait()
 

@@ -141,7 +141,9 @@ async def run(requests: int, model: str) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.bench.http_front", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m shared.bench.http_front", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--requests", type=int, default=200, help="measured requests per kind (after 10 warm-up)")
     parser.add_argument("--model", default="tiny-mamba2")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")

@@ -50,8 +50,12 @@ def why_unavailable() -> str | None:
         _ip("netns", "add", probe)
         try:
             _ip("-n", probe, "link", "add", "br0", "type", "bridge")
-            subprocess.run(["ip", "netns", "exec", probe, "unshare", "--pid", "--fork", "--mount", "--uts",
-                            "--mount-proc", "true"], check=True, capture_output=True, timeout=10)
+            subprocess.run(
+                ["ip", "netns", "exec", probe, "unshare", "--pid", "--fork", "--mount", "--uts", "--mount-proc", "true"],
+                check=True,
+                capture_output=True,
+                timeout=10,
+            )
         finally:
             subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
@@ -79,14 +83,30 @@ class Host:
         process in the PID namespace: killing the returned command's process tears the host's
         processes down."""
         resolver = f"mount --bind {shlex.quote(resolv_conf)} /etc/resolv.conf && " if resolv_conf else ""
-        setup = (f"mount -t tmpfs -o size={shm_mib}m hpd-shm /dev/shm && {resolver}hostname {self.name} && exec \"$@\"")
-        return ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--mount", "--uts",
-                "--mount-proc", "--kill-child=SIGKILL", "--", "sh", "-c", setup, "sh", *argv]
+        setup = f'mount -t tmpfs -o size={shm_mib}m hpd-shm /dev/shm && {resolver}hostname {self.name} && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.netns,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount",
+            "--uts",
+            "--mount-proc",
+            "--kill-child=SIGKILL",
+            "--",
+            "sh",
+            "-c",
+            setup,
+            "sh",
+            *argv,
+        ]
 
     def run(self, *argv: str) -> str:
         """Run a short command in this host's network namespace; returns its stdout."""
-        done = subprocess.run(["ip", "netns", "exec", self.netns, *argv], check=True, capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(["ip", "netns", "exec", self.netns, *argv], check=True, capture_output=True, text=True, timeout=30)
         return done.stdout
 
     def link(self, up: bool) -> None:
@@ -100,10 +120,17 @@ class Host:
         token bucket (tbf) for the rate alone. Returns the qdisc used ("netem" or "tbf")."""
         sides = ((self.netns, self.interface), (self.switch, self.port))
         for kind in ("netem", "tbf"):  # CONFIG_NET_SCH_NETEM is off in some kernels: the rate still applies
-            qdisc = ["netem", "delay", delay, "rate", rate, "limit", "100000"] if kind == "netem" else \
-                ["tbf", "rate", rate, "burst", "4mb", "latency", "20ms"]
-            done = [subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc],
-                                   capture_output=True, text=True, timeout=10) for ns, dev in sides]
+            qdisc = (
+                ["netem", "delay", delay, "rate", rate, "limit", "100000"]
+                if kind == "netem"
+                else ["tbf", "rate", rate, "burst", "4mb", "latency", "20ms"]
+            )
+            done = [
+                subprocess.run(
+                    ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc], capture_output=True, text=True, timeout=10
+                )
+                for ns, dev in sides
+            ]
             if all(d.returncode == 0 for d in done):
                 return kind
             self.unshape()
@@ -154,8 +181,24 @@ class Network:
                 host = Host(name, f"{prefix}{name}", f"{net.subnet}.{10 + i}", switch, f"p{i}")
                 _ip("netns", "add", host.netns)
                 net.hosts.append(host)
-                _ip("link", "add", "eth0", "netns", host.netns, "mtu", str(mtu), "type", "veth",
-                    "peer", "name", host.port, "netns", switch, "mtu", str(mtu))
+                _ip(
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    host.netns,
+                    "mtu",
+                    str(mtu),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    host.port,
+                    "netns",
+                    switch,
+                    "mtu",
+                    str(mtu),
+                )
                 _ip("-n", switch, "link", "set", host.port, "master", "br0", "up")
                 _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
                 _ip("-n", host.netns, "link", "set", "eth0", "up")
@@ -165,8 +208,9 @@ class Network:
             raise
         return net
 
-    def spawn(self, host: Host, argv: Sequence[str], env: dict[str, str], *, resolv_conf: str | None = None,
-              **popen: object) -> subprocess.Popen[str]:
+    def spawn(
+        self, host: Host, argv: Sequence[str], env: dict[str, str], *, resolv_conf: str | None = None, **popen: object
+    ) -> subprocess.Popen[str]:
         """Start `argv` on `host` (see Host.command); `close()` kills it."""
         command = host.command(argv, resolv_conf=resolv_conf)
         proc: subprocess.Popen[str] = subprocess.Popen(command, env=env, text=True, **popen)  # type: ignore[call-overload]

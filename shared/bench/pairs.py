@@ -86,8 +86,7 @@ def fake_bases(num_ranks: int, num_regions: int, region_bytes: int, side: int) -
     """Made-up, non-overlapping region addresses, for byte and descriptor counts without memory."""
     stride = 1 << max(20, (region_bytes - 1).bit_length())
     return [
-        np.array([((side * 64 + r) << 40) + j * stride for j in range(num_regions)], dtype=np.int64)
-        for r in range(num_ranks)
+        np.array([((side * 64 + r) << 40) + j * stride for j in range(num_regions)], dtype=np.int64) for r in range(num_ranks)
     ]
 
 

@@ -31,9 +31,7 @@ class Progress:
         self._draw(force=True)
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.finish()
 
     def advance(self, steps: int = 1, note: str = "") -> None:

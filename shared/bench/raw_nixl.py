@@ -64,7 +64,13 @@ class RawTarget:
     """The raw_target process: P plain agents with R regions of `region_bytes` each."""
 
     def __init__(
-        self, ranks: int, regions: int, region_bytes: int, name: str = "bench-raw-target", *, huge_pages: bool = True,
+        self,
+        ranks: int,
+        regions: int,
+        region_bytes: int,
+        name: str = "bench-raw-target",
+        *,
+        huge_pages: bool = True,
         launch: Sequence[str] = (),
     ) -> None:
         cmd = [

@@ -104,8 +104,9 @@ async def run_transfer(
     target: RawTarget | None = None
     reader: RawReader | None = None
     try:
-        target = RawTarget(cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages,
-                           launch=prefill_launch)
+        target = RawTarget(
+            cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages, launch=prefill_launch
+        )
         reader = RawReader(target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks), huge_pages=cfg.huge_pages)
         pairs = pair_lists(
             plan,
@@ -118,14 +119,20 @@ async def run_transfer(
             pairs, request_blocks(decode, cfg.prompt_tokens + MAX_TOKENS), request_blocks(prefill, tokens), tokens
         )
         identical = [
-            reader.prepare(r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.pair.lists.remote, r.local_idx, r.remote_idx)
+            reader.prepare(
+                r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.pair.lists.remote, r.local_idx, r.remote_idx
+            )
             for r in reads
         ]
-        coalesced = [_coalesced(reader, target, r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.local_idx) for r in reads]
+        coalesced = [
+            _coalesced(reader, target, r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.local_idx) for r in reads
+        ]
         sections = total_sections(reads)
         copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages)
         progress.advance(1, "measuring")
-        samples, service, matches = await _rounds(cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress)
+        samples, service, matches = await _rounds(
+            cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress
+        )
     finally:
         progress.finish()
         if reader is not None:
@@ -133,14 +140,18 @@ async def run_transfer(
         if target is not None:
             target.close()
         pair.stop()
-    config = asdict(cfg) | {
-        "transferred_tokens": tokens,
-        "prefill_block_size": prefill.block_size,
-        "decode_block_size": decode.block_size,
-        "prefill_blocks": p_blocks,
-        "decode_blocks": d_blocks,
-        "engine": "synthetic",
-    } | ({"hosts": link} if link is not None else {})
+    config = (
+        asdict(cfg)
+        | {
+            "transferred_tokens": tokens,
+            "prefill_block_size": prefill.block_size,
+            "decode_block_size": decode.block_size,
+            "prefill_blocks": p_blocks,
+            "decode_blocks": d_blocks,
+            "engine": "synthetic",
+        }
+        | ({"hosts": link} if link is not None else {})
+    )
     return build_result(
         config=config,
         sections=service.sections or sections,

@@ -22,8 +22,7 @@ class BlocksExhausted(RuntimeError):
 
     def __init__(self, requested: int, free: int, total: int, holders: int) -> None:
         super().__init__(
-            f"cache full: {requested} blocks requested, {free} of {total} free "
-            f"({total - free} held by {holders} requests)"
+            f"cache full: {requested} blocks requested, {free} of {total} free ({total - free} held by {holders} requests)"
         )
         self.requested = requested
         self.free = free

@@ -156,7 +156,9 @@ def state_digests(
     return out
 
 
-def compare_digests(layout: EngineLayout, expected: Sequence[SectionDigest], got: Sequence[SectionDigest]) -> list[DigestMismatch]:
+def compare_digests(
+    layout: EngineLayout, expected: Sequence[SectionDigest], got: Sequence[SectionDigest]
+) -> list[DigestMismatch]:
     """Every (rank, section, group) whose digests differ, or that only one side has."""
     want = {(d.rank, d.section, d.group): d.digest for d in expected}
     have = {(d.rank, d.section, d.group): d.digest for d in got}

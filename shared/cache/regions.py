@@ -30,8 +30,7 @@ class RankCache:
     ) -> None:
         if num_regions < 1 or num_blocks < 1 or page_bytes < 1:
             raise ValueError(
-                f"need at least one region, block and byte: got {num_regions} regions, "
-                f"{num_blocks} blocks, {page_bytes} B pages"
+                f"need at least one region, block and byte: got {num_regions} regions, {num_blocks} blocks, {page_bytes} B pages"
             )
         self.num_regions = num_regions
         self.num_blocks = num_blocks
@@ -79,9 +78,7 @@ class RankCache:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         if byte_offset < 0 or byte_offset + nbytes > self.page_bytes:
-            raise ValueError(
-                f"view of {nbytes} B at offset {byte_offset} does not fit a {self.page_bytes} B page"
-            )
+            raise ValueError(f"view of {nbytes} B at offset {byte_offset} does not fit a {self.page_bytes} B page")
         start = self._block(block) * self.page_bytes + byte_offset
         if start % itemsize:
             raise ValueError(f"offset {byte_offset} is not aligned to {dtype} ({itemsize} B)")

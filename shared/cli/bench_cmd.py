@@ -105,7 +105,9 @@ def _run_async(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         return runner.run(coro)
 
 
-def _finish(args: argparse.Namespace, result: dict[str, Any], table: str, chart: Callable[[], list[tuple[str, Any]]] | None) -> int:
+def _finish(
+    args: argparse.Namespace, result: dict[str, Any], table: str, chart: Callable[[], list[tuple[str, Any]]] | None
+) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -179,13 +181,21 @@ def _transfer(args: argparse.Namespace) -> int:
     command = _command("transfer", args, TRANSFER_FLAGS)
     if link is not None:
         command += " --hosts" + "".join(f" --link-{k} {link[k]}" for k in ("rate", "delay") if link.get(k))
-    result = _run_async(run_transfer(cfg, command=command, show_progress=not args.no_progress,
-                                     prefill_launch=launch, prefill_host=prefill_host, link=link))
+    result = _run_async(
+        run_transfer(
+            cfg, command=command, show_progress=not args.no_progress, prefill_launch=launch, prefill_host=prefill_host, link=link
+        )
+    )
 
     def chart() -> list[tuple[str, Any]]:
         labels, values = chart_rows(result)
         title = f"READ throughput, {cfg.model} TP {cfg.prefill_tp}->{cfg.decode_tp}, {cfg.prompt_tokens}-token prompt"
-        return [(args.plot, Chart(title, "", "GB/s", [Series("GB/s", list(range(len(values))), values)], kind="bar", categories=labels))]
+        return [
+            (
+                args.plot,
+                Chart(title, "", "GB/s", [Series("GB/s", list(range(len(values))), values)], kind="bar", categories=labels),
+            )
+        ]
 
     return _finish(args, result, format_table(result), chart)
 
@@ -276,21 +286,35 @@ def register(subparsers: Any) -> None:
         _add(p, "prefill-tp", 1, "prefill TP size", type=_positive, metavar="P")
         _add(p, "decode-tp", 1, "decode TP size", type=_positive, metavar="D")
 
-    t = sub.add_parser("transfer", help="our READ path vs raw NIXL and memcpy (real services, real-model sizes)",
-                       description=_doc("shared.bench.transfer"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser(
+        "transfer",
+        help="our READ path vs raw NIXL and memcpy (real services, real-model sizes)",
+        description=_doc("shared.bench.transfer"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add(t, "model", "nemotron-3-nano-30b-a3b", "model preset or config.json path", metavar="PRESET")
     tp_flags(t)
     _add(t, "prompt-tokens", 2048, "prompt length N (N - 1 tokens are transferred for SSM models)", type=_positive, metavar="N")
     _add(t, "requests", 10, "measured requests (each interleaved with one round of every baseline)", type=_positive, metavar="K")
     _add(t, "warmup", 1, "unmeasured rounds first (connection wire-up, first-touch)", type=_non_negative, metavar="N")
     _add(t, "kernel-block-size", 16, "attention kernel block size, both sides", type=_positive, metavar="TOKENS")
-    t.add_argument("--check-state", action="store_true",
-                   help="decode verifies every transferred byte (slower requests; READ time unchanged)")
-    _add(t, "huge-pages", "on", "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
-         type=_on_off, metavar="on|off")
-    t.add_argument("--hosts", action="store_true",
-                   help="prefill on a second host: two Linux namespace hosts on a private bridge, UCX over TCP "
-                        "(needs root; shared/bench/hosts.py)")
+    t.add_argument(
+        "--check-state", action="store_true", help="decode verifies every transferred byte (slower requests; READ time unchanged)"
+    )
+    _add(
+        t,
+        "huge-pages",
+        "on",
+        "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
+        type=_on_off,
+        metavar="on|off",
+    )
+    t.add_argument(
+        "--hosts",
+        action="store_true",
+        help="prefill on a second host: two Linux namespace hosts on a private bridge, UCX over TCP "
+        "(needs root; shared/bench/hosts.py)",
+    )
     t.add_argument("--link-rate", metavar="RATE", help="with --hosts: shape the link to RATE (tc syntax, e.g. 10gbit)")
     t.add_argument("--link-delay", metavar="DELAY", help="with --hosts and --link-rate: one-way delay (e.g. 100us)")
     t.add_argument("--inside-hosts", help=argparse.SUPPRESS)  # set by --hosts for the run on the decode host
@@ -298,43 +322,78 @@ def register(subparsers: Any) -> None:
     _common(t)
     t.set_defaults(func=_guarded(_transfer))
 
-    c = sub.add_parser("control", help="control-plane cost of one request with a tiny state",
-                       description=_doc("shared.bench.control"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "control",
+        help="control-plane cost of one request with a tiny state",
+        description=_doc("shared.bench.control"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add(c, "model", "tiny-mamba2", "model preset (a tiny one keeps the state tiny)", metavar="PRESET")
     tp_flags(c)
     _add(c, "prompt-tokens", 8, "prompt length", type=_positive, metavar="N")
     _add(c, "requests", 200, "measured requests", type=_positive, metavar="K")
     _add(c, "warmup", 20, "unmeasured requests first", type=_non_negative, metavar="N")
     where = c.add_mutually_exclusive_group()
-    where.add_argument("--breakdown", action="store_true",
-                       help="also time a separate pass step by step (stream, allocation, thread hops, post, notification) "
-                            "and print the floor of the design measured in the same run")
-    where.add_argument("--separate-processes", action="store_true",
-                       help="run the prefill service in a process of its own, as deployed (default: both in this "
-                            "process, which lets --breakdown time them step by step)")
+    where.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time a separate pass step by step (stream, allocation, thread hops, post, notification) "
+        "and print the floor of the design measured in the same run",
+    )
+    where.add_argument(
+        "--separate-processes",
+        action="store_true",
+        help="run the prefill service in a process of its own, as deployed (default: both in this "
+        "process, which lets --breakdown time them step by step)",
+    )
     _common(c, plot=False)
     c.set_defaults(func=_guarded(_control))
 
-    e = sub.add_parser("e2e", help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
-                       description=_doc("shared.bench.e2e"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    e = sub.add_parser(
+        "e2e",
+        help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
+        description=_doc("shared.bench.e2e"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add(e, "model", "tiny-mamba2", "model preset", metavar="PRESET")
-    _add(e, "engine", "reference", "reference (tiny models, real math) or synthetic (real-model sizes, no math)",
-         choices=("reference", "synthetic"))
+    _add(
+        e,
+        "engine",
+        "reference",
+        "reference (tiny models, real math) or synthetic (real-model sizes, no math)",
+        choices=("reference", "synthetic"),
+    )
     _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
-    _add(e, "prompt-tokens", 128, "prompt length (2048 for the TTFT target; the reference engine takes seconds per prompt)",
-         type=_positive, metavar="N")
+    _add(
+        e,
+        "prompt-tokens",
+        128,
+        "prompt length (2048 for the TTFT target; the reference engine takes seconds per prompt)",
+        type=_positive,
+        metavar="N",
+    )
     _add(e, "max-tokens", 32, "tokens generated per request", type=_positive, metavar="N")
     _add(e, "requests-per-level", 0, "requests per level and setup (0: max(4, 2 x concurrency))", type=_non_negative, metavar="K")
     _add(e, "warmup", 2, "unmeasured requests per setup before the first level", type=_non_negative, metavar="N")
-    _add(e, "interleave", 2, "parts per level, run alternately on the two setups (= requests: one by one)",
-         type=_positive, metavar="N")
+    _add(
+        e,
+        "interleave",
+        2,
+        "parts per level, run alternately on the two setups (= requests: one by one)",
+        type=_positive,
+        metavar="N",
+    )
     tp_flags(e)
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
     _common(e)
     e.set_defaults(func=_guarded(_e2e))
 
-    d = sub.add_parser("descids", help="micro-benchmark of per-request descriptor ids (read_indices)",
-                       description=_doc("shared.bench.descids"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "descids",
+        help="micro-benchmark of per-request descriptor ids (read_indices)",
+        description=_doc("shared.bench.descids"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add(d, "model", "nemotron-3-nano-30b-a3b", "model preset", metavar="PRESET")
     _add(d, "blocks", 100_000, "kernel blocks of the request, in every attention group", type=_positive, metavar="B")
     tp_flags(d)

@@ -149,8 +149,11 @@ async def run(args: argparse.Namespace) -> int:
     failed = False
     for model in args.model:
         if not args.json:
-            print(f"running {model}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, "
-                  f"{args.requests} requests, {args.engine} engine ...", flush=True)
+            print(
+                f"running {model}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, "
+                f"{args.requests} requests, {args.engine} engine ...",
+                flush=True,
+            )
         try:
             row, results = await demo_model(args, model)
         except ServiceStartError as e:
@@ -160,8 +163,11 @@ async def run(args: argparse.Namespace) -> int:
         for r in results:
             if not r.exact:
                 failed = True
-                why = r.error or ("state not verified" if r.summary is None or not r.summary.state_verified
-                                  else f"tokens {r.token_ids} != colocated {r.expected}")
+                why = r.error or (
+                    "state not verified"
+                    if r.summary is None or not r.summary.state_verified
+                    else f"tokens {r.token_ids} != colocated {r.expected}"
+                )
                 print(f"MISMATCH {model} prompt of {len(r.prompt.encode())} bytes: {why}", file=sys.stderr)
         failed = failed or bool(row["errors"])
     if args.json:
@@ -171,7 +177,9 @@ async def run(args: argparse.Namespace) -> int:
         print_table(rows)
         print()
         exact = "exact" if args.engine == "reference" else "every byte verified"
-        print(f"{'FAILED' if failed else 'OK'}: {sum(r['exact'] for r in rows)}/{sum(r['requests'] for r in rows)} requests {exact}")
+        print(
+            f"{'FAILED' if failed else 'OK'}: {sum(r['exact'] for r in rows)}/{sum(r['requests'] for r in rows)} requests {exact}"
+        )
     return 1 if failed else 0
 
 
@@ -182,11 +190,19 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", action="append", metavar="PRESET",
-                   help="model preset; repeat for several (default: every tiny reference model)")
-    p.add_argument("--engine", choices=("reference", "synthetic"), default="reference",
-                   help="reference: tiny seeded model, tokens compared with a colocated run (default); "
-                        "synthetic: verifiable patterns at real-model sizes")
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="PRESET",
+        help="model preset; repeat for several (default: every tiny reference model)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("reference", "synthetic"),
+        default="reference",
+        help="reference: tiny seeded model, tokens compared with a colocated run (default); "
+        "synthetic: verifiable patterns at real-model sizes",
+    )
     p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
     p.add_argument("--decode-tp", type=int, default=4, help="decode TP size (default 4)")
     p.add_argument("--prefill-block-size", type=int, default=0, help="prefill logical block size (default: minimum)")
@@ -194,8 +210,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per model (default 16)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per request (default 24)")
-    p.add_argument("--num-blocks", type=int, default=0,
-                   help="cache blocks per engine (default 256 with the reference engine, 24 with synthetic: real pages are MiBs)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="cache blocks per engine (default 256 with the reference engine, 24 with synthetic: real pages are MiBs)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=lambda a: asyncio.run(run(_defaults(a))))
 

@@ -78,18 +78,38 @@ def register(subparsers: Any) -> None:
         help="no services: run prefill and decode of the model in this process (the baseline "
         "disaggregated runs must equal); needs --model; prints the same shape of output",
     )
-    p.add_argument("--model", default=_env("model"), metavar="PRESET|DIR",
-                   help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2, or with --engine hf a "
-                        f"checkpoint directory (env {ENV_PREFIX}MODEL)")
-    p.add_argument("--engine", choices=("reference", "hf"), default=_env("engine", "reference"),
-                   help=f"with --colocated: reference (tiny-*) or hf (a Hugging Face checkpoint; env {ENV_PREFIX}ENGINE)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=_env("dtype"),
-                   help="with --colocated --engine hf: compute dtype (default: the checkpoint's)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=_env("device", "cpu"),
-                   help="with --colocated --engine hf: where the model runs (default cpu)")
-    p.add_argument("--boundary", choices=("n-1", "full"), default="n-1",
-                   help="with --colocated --engine hf: n-1 (prefill N-1 tokens, step the last: what the services "
-                        "run today) or full (prefill all N, sample the first token from it); default n-1")
+    p.add_argument(
+        "--model",
+        default=_env("model"),
+        metavar="PRESET|DIR",
+        help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2, or with --engine hf a "
+        f"checkpoint directory (env {ENV_PREFIX}MODEL)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("reference", "hf"),
+        default=_env("engine", "reference"),
+        help=f"with --colocated: reference (tiny-*) or hf (a Hugging Face checkpoint; env {ENV_PREFIX}ENGINE)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=_env("dtype"),
+        help="with --colocated --engine hf: compute dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=_env("device", "cpu"),
+        help="with --colocated --engine hf: where the model runs (default cpu)",
+    )
+    p.add_argument(
+        "--boundary",
+        choices=("n-1", "full"),
+        default="n-1",
+        help="with --colocated --engine hf: n-1 (prefill N-1 tokens, step the last: what the services "
+        "run today) or full (prefill all N, sample the first token from it); default n-1",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="with --colocated --engine hf: 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --colocated --engine hf: nucleus sampling (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="with --colocated --engine hf: 0 = off (default)")
@@ -169,8 +189,9 @@ def _colocated_hf(args: argparse.Namespace) -> dict[str, Any]:
     prompt = tokenizer.encode(args.prompt) if args.prompt is not None else list(args.prompt_ids)
     if not prompt:
         raise ValueError("--prompt: empty prompt, at least one token is needed")
-    checkpoint = HfCheckpoint(args.model, dtype=compute_dtype(args.model, args.dtype),
-                              device="cuda:0" if args.device == "cuda" else "cpu")
+    checkpoint = HfCheckpoint(
+        args.model, dtype=compute_dtype(args.model, args.dtype), device="cuda:0" if args.device == "cuda" else "cpu"
+    )
     if any(t >= checkpoint.vocab_size for t in prompt):
         raise ValueError(f"--prompt-ids: token ids must be < {checkpoint.vocab_size}")
     result = colocated_generate(checkpoint, prompt, args.max_tokens, boundary=args.boundary, sampling=sampling)
@@ -191,7 +212,9 @@ def _colocated(args: argparse.Namespace) -> dict[str, Any]:
     from shared.layout.presets import TINY_PRESETS
 
     if args.model not in TINY_PRESETS:
-        raise ValueError(f"--model: --colocated runs the reference models ({', '.join(sorted(TINY_PRESETS))}), got {args.model!r}")
+        raise ValueError(
+            f"--model: --colocated runs the reference models ({', '.join(sorted(TINY_PRESETS))}), got {args.model!r}"
+        )
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = encode(args.prompt) if args.prompt is not None else list(args.prompt_ids)

@@ -54,9 +54,7 @@ def register(subparsers: Any) -> None:
         help="build and verify the transfer plan for a prefill/decode TP pair",
         description="Which bytes each decode rank reads from which prefill rank, verified on byte intervals.",
     )
-    plan.add_argument(
-        "--model", default=_env("model"), help="preset name, config.json path, or a directory with config.json"
-    )
+    plan.add_argument("--model", default=_env("model"), help="preset name, config.json path, or a directory with config.json")
     plan.add_argument("--prefill-tp", type=int, default=_env("prefill-tp", int), help="prefill tensor-parallel size")
     plan.add_argument("--decode-tp", type=int, default=_env("decode-tp", int), help="decode tensor-parallel size")
     for name in ("kv", "conv", "ssm"):
@@ -177,9 +175,7 @@ def _fail(reason: str) -> int:
 
 def _layouts(spec: ModelSpec, args: argparse.Namespace, p_tp: int, d_tp: int) -> tuple[EngineLayout, EngineLayout]:
     def side(tp: int, kernel: int | None) -> EngineLayout:
-        return build_engine_layout(
-            spec, tp, block_size=args.block_size, kernel_block_size=kernel, alignment=args.alignment
-        )
+        return build_engine_layout(spec, tp, block_size=args.block_size, kernel_block_size=kernel, alignment=args.alignment)
 
     return side(p_tp, args.prefill_kernel_block_size), side(d_tp, args.decode_kernel_block_size)
 

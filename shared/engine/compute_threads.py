@@ -31,6 +31,4 @@ def pin_intra_op_threads(count: int = DEFAULT_INTRA_OP_THREADS) -> None:
 
 def compute_executor(name: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS) -> ThreadPoolExecutor:
     """One worker thread for model calls, its torch thread count set before it runs anything."""
-    return ThreadPoolExecutor(
-        1, thread_name_prefix=name, initializer=pin_intra_op_threads, initargs=(intra_op_threads,)
-    )
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=pin_intra_op_threads, initargs=(intra_op_threads,))

@@ -48,7 +48,11 @@ def make_engine(
             raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
         resolved = compute_dtype(model_dir, dtype)
         return HfEngine.load(
-            layout, ranks, model_dir, dtype=resolved, device="cuda:0" if device == "cuda" else device,
+            layout,
+            ranks,
+            model_dir,
+            dtype=resolved,
+            device="cuda:0" if device == "cuda" else device,
             boundary="full" if boundary == "full" else "n-1",
         )
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")

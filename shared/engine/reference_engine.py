@@ -23,8 +23,14 @@ from shared.layout.page import EngineLayout
 
 
 class ReferenceDecodeSession:
-    def __init__(self, engine: ReferenceEngine, prompt: Sequence[int], num_computed: int,
-                 store: PagedStateStore, ensure_capacity: EnsureCapacity) -> None:
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        prompt: Sequence[int],
+        num_computed: int,
+        store: PagedStateStore,
+        ensure_capacity: EnsureCapacity,
+    ) -> None:
         self._engine = engine
         self._store = store
         self._ensure = ensure_capacity
@@ -69,8 +75,9 @@ class ReferenceEngine:
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
 
-    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
-                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+    ) -> DecodeSession:
         return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity)
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:

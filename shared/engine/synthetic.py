@@ -71,8 +71,9 @@ class SyntheticEngine:
         for layer in self.spec.ssm_layers:
             store.write_ssm(layer, *self.expected_ssm(prompt, layer))
 
-    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
-                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+    ) -> DecodeSession:
         return SyntheticDecodeSession(self, prompt, num_computed, blocks, ensure_capacity)
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
@@ -98,8 +99,14 @@ class SyntheticEngine:
 
 
 class SyntheticDecodeSession:
-    def __init__(self, engine: SyntheticEngine, prompt: Sequence[int], num_computed: int,
-                 blocks: RequestBlocks, ensure_capacity: EnsureCapacity) -> None:
+    def __init__(
+        self,
+        engine: SyntheticEngine,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+    ) -> None:
         self._engine = engine
         self._prompt = list(prompt)
         self._pos = num_computed

@@ -66,7 +66,9 @@ async def json_body(request: Request) -> Any:
 def check_model(info: ServiceInfo, model: str | None) -> str:
     """The served model; a request naming another one is 404 (OpenAI's model_not_found)."""
     if model is not None and model != info.model_id:
-        raise NotFound(f"model {model!r} is not served here; this service serves {info.model_id!r}", field="model", reason="MODEL_NOT_FOUND")
+        raise NotFound(
+            f"model {model!r} is not served here; this service serves {info.model_id!r}", field="model", reason="MODEL_NOT_FOUND"
+        )
     return info.model_id
 
 
@@ -83,7 +85,9 @@ def build_app(info: ServiceInfo, routes: Sequence[BaseRoute] = ()) -> Starlette:
     async def health(request: Request) -> Response:
         if info.ready():
             return Response(status_code=200)
-        return JSONResponse(error_body(f"{info.role} is not ready", "service_unavailable_error", None, "not_ready"), status_code=503)
+        return JSONResponse(
+            error_body(f"{info.role} is not ready", "service_unavailable_error", None, "not_ready"), status_code=503
+        )
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(info.registry), media_type=CONTENT_TYPE_LATEST)

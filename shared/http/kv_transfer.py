@@ -91,7 +91,9 @@ def _str(params: Mapping[str, Any], key: str, *path: str) -> str:
     return value
 
 
-def _int(params: Mapping[str, Any], key: str, *path: str, low: int, high: int | None = None, default: int | None = None) -> int | None:
+def _int(
+    params: Mapping[str, Any], key: str, *path: str, low: int, high: int | None = None, default: int | None = None
+) -> int | None:
     value = params.get(key)
     if value is None:
         return default
@@ -105,11 +107,15 @@ def _int(params: Mapping[str, Any], key: str, *path: str, low: int, high: int | 
 
 def _block_ids(value: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(value, list) or not value:
-        raise InvalidArgument("must be a non-empty list with one list of block ids per KV-cache group", field=_name("remote_block_ids"))
+        raise InvalidArgument(
+            "must be a non-empty list with one list of block ids per KV-cache group", field=_name("remote_block_ids")
+        )
     groups = []
     for g, ids in enumerate(value):
         if not isinstance(ids, list):
-            raise InvalidArgument("must be a list of block ids (one list per group, never flattened)", field=_name("remote_block_ids", g))
+            raise InvalidArgument(
+                "must be a list of block ids (one list per group, never flattened)", field=_name("remote_block_ids", g)
+            )
         for i, block in enumerate(ids):
             if not _is_int(block) or block < 0:
                 raise InvalidArgument(f"must be an integer >= 0, got {block!r}", field=_name("remote_block_ids", g, i))
@@ -123,7 +129,9 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         raise InvalidArgument("must be true for a decode of remotely prefilled state", field=_name("do_remote_prefill"))
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and (isinstance(expiry, bool) or not isinstance(expiry, (int, float)) or not math.isfinite(expiry)):
-        raise InvalidArgument(f"must be a number (seconds since the epoch), got {expiry!r}", field=_name("remote_blocks_expiry_time"))
+        raise InvalidArgument(
+            f"must be a number (seconds since the epoch), got {expiry!r}", field=_name("remote_blocks_expiry_time")
+        )
     for key in ("dcp_size", "pp_size"):
         if _int(params, key, low=1, default=1) != 1:
             raise InvalidArgument("only 1 is supported", field=_name(key))
@@ -133,7 +141,9 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     extra = extra or {}
     version = _int(extra, "version", EXTRA, low=1, default=EXTRA_VERSION)
     if version != EXTRA_VERSION:
-        raise InvalidArgument(f"version {version} is not understood (this engine speaks {EXTRA_VERSION})", field=_name(EXTRA, "version"))
+        raise InvalidArgument(
+            f"version {version} is not understood (this engine speaks {EXTRA_VERSION})", field=_name(EXTRA, "version")
+        )
     incarnation = extra.get("incarnation")
     if incarnation is not None and not isinstance(incarnation, str):
         raise InvalidArgument("must be a hex string", field=_name(EXTRA, "incarnation"))

@@ -231,7 +231,9 @@ def _content(value: object, where: str) -> str:
         parts: list[str] = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidArgument("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", field=f"{where}[{i}]")
+                raise InvalidArgument(
+                    'only text content parts ({"type": "text", "text": ...}) are supported', field=f"{where}[{i}]"
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidArgument("must be a string or a list of text parts", field=where)

@@ -36,14 +36,10 @@ def region_descriptors(
         out = np.empty((num, 2), dtype=np.int64)
     if block_major:
         view = out.reshape(len(bases), len(block_offsets), len(piece_offsets), 2)
-        np.add(
-            (bases[:, None] + block_offsets[None, :])[:, :, None], piece_offsets[None, None, :], out=view[..., 0]
-        )
+        np.add((bases[:, None] + block_offsets[None, :])[:, :, None], piece_offsets[None, None, :], out=view[..., 0])
         view[..., 1] = piece_sizes[None, None, :]
     else:
         view = out.reshape(len(bases), len(piece_offsets), len(block_offsets), 2)
-        np.add(
-            (bases[:, None] + piece_offsets[None, :])[:, :, None], block_offsets[None, None, :], out=view[..., 0]
-        )
+        np.add((bases[:, None] + piece_offsets[None, :])[:, :, None], block_offsets[None, None, :], out=view[..., 0])
         view[..., 1] = piece_sizes[None, :, None]
     return out

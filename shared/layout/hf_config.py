@@ -102,9 +102,7 @@ class _Reader:
             return self.get_int("attention_head_dim")
         hidden, heads = self.get_int("hidden_size"), self.get_int("num_attention_heads")
         if hidden % heads:
-            raise LayoutError(
-                f"{self.model_type} config: missing key 'head_dim' and hidden_size % num_attention_heads != 0"
-            )
+            raise LayoutError(f"{self.model_type} config: missing key 'head_dim' and hidden_size % num_attention_heads != 0")
         return hidden // heads
 
     def attention(self, *, rope: bool) -> AttentionDims:
@@ -120,8 +118,7 @@ class _Reader:
             return tuple(table[str(v)] for v in values)
         except KeyError as e:
             raise LayoutError(
-                f"{self.model_type} config: key {key!r} has unknown layer type {e.args[0]!r} "
-                f"(known: {', '.join(sorted(table))})"
+                f"{self.model_type} config: key {key!r} has unknown layer type {e.args[0]!r} (known: {', '.join(sorted(table))})"
             ) from None
 
     def model_dtype(self) -> DType:
@@ -150,9 +147,7 @@ def _nemotron_h(r: _Reader) -> tuple[tuple[LayerKind, ...], AttentionDims, SSMDi
         pattern = str(r.first("hybrid_override_pattern"))
         bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
         if bad:
-            raise LayoutError(
-                f"nemotron_h config: key 'hybrid_override_pattern' has unknown letters {bad} (known: M * - E)"
-            )
+            raise LayoutError(f"nemotron_h config: key 'hybrid_override_pattern' has unknown letters {bad} (known: M * - E)")
         kinds = tuple(_NEMOTRON_PATTERN[c] for c in pattern)
     ssm = Mamba2Dims(
         num_heads=r.get_int("mamba_num_heads"),
@@ -210,9 +205,7 @@ def _mamba2_hf(r: _Reader, *, width: Callable[[], int]) -> Mamba2Dims:
     def auto_head() -> int:
         intermediate = width()
         if intermediate % heads:
-            raise LayoutError(
-                f"{r.model_type} config: mamba_n_heads {heads} does not divide the mamba width {intermediate}"
-            )
+            raise LayoutError(f"{r.model_type} config: mamba_n_heads {heads} does not divide the mamba width {intermediate}")
         return intermediate // heads
 
     return Mamba2Dims(
@@ -287,9 +280,7 @@ def parse_config(
     if model_type is None:
         raise LayoutError("config: missing key 'model_type'")
     if model_type not in _PARSERS:
-        raise LayoutError(
-            f"config: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+        raise LayoutError(f"config: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if model_type in _WRAPPERS:
         # Multimodal wrapper: the language model lives in text_config; dtypes may sit on either level.
         text = cfg.get("text_config")

@@ -31,9 +31,7 @@ def load_model(
         )
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.isfile(path):
-        raise LayoutError(
-            f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path"
-        )
+        raise LayoutError(f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)

@@ -156,9 +156,7 @@ def _first_holder(needed: IntArray, holders: list[IntArray]) -> tuple[IntArray, 
     return owner, position
 
 
-def _run(
-    what: str, local_pos: IntArray, remote_pos: IntArray, unit: int, local_base: int, remote_base: int
-) -> ByteRead | None:
+def _run(what: str, local_pos: IntArray, remote_pos: IntArray, unit: int, local_base: int, remote_base: int) -> ByteRead | None:
     """Local positions / remote positions of consecutive elements -> one contiguous ByteRead."""
     if len(local_pos) == 0:
         return None

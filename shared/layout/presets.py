@@ -54,6 +54,7 @@ TINY_PRESETS: dict[str, ModelSpec] = {
     "tiny-mamba1": _tiny("tiny-mamba1", Mamba1Dims(d_inner=96, d_state=8, dt_rank=8)),
 }
 
+
 # Published configurations (hybrid-models.md section 2.1), written as the config.json keys
 # the real checkpoints carry so that presets and config files go through one parser. Only the
 # keys that shape the cache (and a few for the reference math) are listed.

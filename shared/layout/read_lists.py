@@ -267,12 +267,8 @@ def build_read_lists(
         fa_unit_tokens=c,
         fa_pieces=fa_pieces,
         mamba_pieces=len(mamba),
-        local_geometry=SideGeometry(
-            local_num_blocks, dec.physical_per_logical, dec.kernel_block_size // c, local_fa
-        ),
-        remote_geometry=SideGeometry(
-            remote_num_blocks, pre.physical_per_logical, pre.kernel_block_size // c, remote_fa
-        ),
+        local_geometry=SideGeometry(local_num_blocks, dec.physical_per_logical, dec.kernel_block_size // c, local_fa),
+        remote_geometry=SideGeometry(remote_num_blocks, pre.physical_per_logical, pre.kernel_block_size // c, remote_fa),
         local=local,
         remote=remote,
     )
@@ -283,8 +279,7 @@ def _units(geometry: SideGeometry, logical_ids: IntArray, num_units: int, side: 
     per_logical = geometry.physical_per_logical * geometry.units_per_kernel_block
     if len(logical_ids) * per_logical < num_units:
         raise LayoutError(
-            f"{side} group {group}: {len(logical_ids)} blocks hold {len(logical_ids) * per_logical} FA units, "
-            f"{num_units} needed"
+            f"{side} group {group}: {len(logical_ids)} blocks hold {len(logical_ids) * per_logical} FA units, {num_units} needed"
         )
     if logical_ids.min() < 0 or logical_ids.max() >= geometry.num_logical_blocks:
         raise LayoutError(f"{side} group {group}: block id outside [0, {geometry.num_logical_blocks})")
@@ -372,7 +367,9 @@ def read_indices(
     else:
         local_buf, remote_buf = buffers(total)
         if min(len(local_buf), len(remote_buf)) < total or local_buf.dtype != np.int32 or remote_buf.dtype != np.int32:
-            raise LayoutError(f"buffers({total}) returned {local_buf.dtype}[{len(local_buf)}] and {remote_buf.dtype}[{len(remote_buf)}]")
+            raise LayoutError(
+                f"buffers({total}) returned {local_buf.dtype}[{len(local_buf)}] and {remote_buf.dtype}[{len(remote_buf)}]"
+            )
         local_idx, remote_idx = local_buf[:total], remote_buf[:total]
     at = 0
     for starts, local_off, remote_off in parts:

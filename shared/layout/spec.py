@@ -104,9 +104,7 @@ class ModelSpec:
     def ssm_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("ssm", "parallel"))
 
-    def with_dtypes(
-        self, kv: DType | None = None, conv: DType | None = None, ssm: DType | None = None
-    ) -> ModelSpec:
+    def with_dtypes(self, kv: DType | None = None, conv: DType | None = None, ssm: DType | None = None) -> ModelSpec:
         return replace(
             self,
             kv_dtype=kv or self.kv_dtype,

@@ -141,9 +141,7 @@ def verify_plan(plan: TransferPlan) -> list[str]:
                 ssm.append((read.ssm.local_offset, read.ssm.local_offset + read.ssm.size, p))
                 errors += _inside(what, read.ssm, ps.ssm_offset, ps.ssm_offset + ps.ssm_bytes, p)
                 remote_rows = ssm_row_index(spec, pre.tp, p)
-                errors += _element_errors(
-                    what, read.ssm, ds.ssm_row_bytes, ds.ssm_offset, ps.ssm_offset, local_rows, remote_rows
-                )
+                errors += _element_errors(what, read.ssm, ds.ssm_row_bytes, ds.ssm_offset, ps.ssm_offset, local_rows, remote_rows)
                 total += read.ssm.size
         errors += _cover_errors(f"{tag} FA K/V half", fa, 0, ds.kv_heads_per_rank * head_unit)
         for s in range(ds.num_sections):

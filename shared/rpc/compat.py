@@ -98,7 +98,11 @@ def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssu
     need(len(msg.groups) >= 1, "groups", "must list the KV-cache groups")
     for g, group in enumerate(msg.groups):
         need(group.kind != pb.GROUP_KIND_UNSPECIFIED, f"groups[{g}].kind", "must be set")
-        need(0 < len(group.layer_indices) <= msg.num_regions, f"groups[{g}].layer_indices", f"must have 1..{msg.num_regions} layers")
+        need(
+            0 < len(group.layer_indices) <= msg.num_regions,
+            f"groups[{g}].layer_indices",
+            f"must have 1..{msg.num_regions} layers",
+        )
     need(len(msg.ranks) == msg.tp_size, "ranks", f"{len(msg.ranks)} ranks for tp_size {msg.tp_size}")
     for r, rank in enumerate(msg.ranks):
         need(rank.tp_rank == r, f"ranks[{r}].tp_rank", f"is {rank.tp_rank}, expected {r} (ranks in order)")
@@ -160,7 +164,9 @@ def derived_issues(msg: pb.EngineLayout, rebuilt: EngineLayout) -> list[FieldIss
         have = _fields(rank)
         for name, value in want.items():
             if have.get(name) != value:
-                issues.append(FieldIssue(f"ranks[{r}].{name}", "advertised value differs from the layout derived from its parameters"))
+                issues.append(
+                    FieldIssue(f"ranks[{r}].{name}", "advertised value differs from the layout derived from its parameters")
+                )
     return issues
 
 

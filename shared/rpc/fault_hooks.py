@@ -69,7 +69,9 @@ def warn_if_active() -> None:
     if os.environ.get(CORRUPT_ENV_VAR):
         log.warning("%s is set: TEST-ONLY corruption of %r after digests", CORRUPT_ENV_VAR, os.environ[CORRUPT_ENV_VAR])
     if _PAUSES:
-        log.warning("%s is set: TEST-ONLY pauses %s", ENV_VAR, ", ".join(f"{p.step} {p.seconds:g}s {p.request_prefix!r}" for p in _PAUSES))
+        log.warning(
+            "%s is set: TEST-ONLY pauses %s", ENV_VAR, ", ".join(f"{p.step} {p.seconds:g}s {p.request_prefix!r}" for p in _PAUSES)
+        )
 
 
 async def pause(step: str, request_id: str) -> None:

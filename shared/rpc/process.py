@@ -16,9 +16,7 @@ log = logging.getLogger(__name__)
 
 def configure_logging(level: str) -> None:
     # Logs go to stderr: stdout carries only the LISTENING line scripts parse.
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:

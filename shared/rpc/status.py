@@ -51,11 +51,7 @@ def to_grpc_status(error: ServiceError) -> grpc.Status:
 def to_rpc_status(error: ServiceError) -> status_pb2.Status:
     """The google.rpc.Status of `error`: what a handler aborts with, and what a JobFailure carries."""
     details = [
-        _pack(
-            error_details_pb2.ErrorInfo(
-                reason=error.reason, domain=ERROR_DOMAIN, metadata={"fields": ",".join(error.fields)}
-            )
-        )
+        _pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata={"fields": ",".join(error.fields)}))
     ]
     if error.issues and error.status == "INVALID_ARGUMENT":
         details.append(

@@ -59,7 +59,10 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
             from shared.engine.hf.model_spec import hf_model_spec
 
             spec = hf_model_spec(
-                settings.model, dtype=settings.dtype, kv_dtype=settings.kv_dtype, conv_dtype=settings.conv_dtype,
+                settings.model,
+                dtype=settings.dtype,
+                kv_dtype=settings.kv_dtype,
+                conv_dtype=settings.conv_dtype,
                 ssm_dtype=settings.ssm_dtype,
             )
         else:
@@ -133,8 +136,7 @@ class EngineHost:
         devices = [f"cuda:{r}" if settings.device == "cuda" else "cpu" for r in range(settings.tp)]
         caches = await asyncio.to_thread(
             lambda: [
-                RankCache(layout.num_regions, num_blocks, layout.page_bytes, d, huge_pages=settings.huge_pages)
-                for d in devices
+                RankCache(layout.num_regions, num_blocks, layout.page_bytes, d, huge_pages=settings.huge_pages) for d in devices
             ]
         )
         agents: list[RankAgent] = []
@@ -164,7 +166,12 @@ class EngineHost:
                 await agent.aclose()
             raise
         message = engine_layout_message(
-            layout, role=settings.role, engine_id=settings.engine_id, incarnation=incarnation, num_logical_blocks=num_blocks, ranks=ranks
+            layout,
+            role=settings.role,
+            engine_id=settings.engine_id,
+            incarnation=incarnation,
+            num_logical_blocks=num_blocks,
+            ranks=ranks,
         )
         log.info(
             "%s engine %s: model %s, tp %d, %d blocks of %d tokens (%d B pages x %d regions per rank) on %s",
@@ -221,7 +228,10 @@ class EngineHost:
     def grow(self, blocks: RequestBlocks, num_tokens: int) -> RequestBlocks:
         """Add attention blocks so `num_tokens` tokens fit (decode, as the sequence grows)."""
         need = self.blocks_per_group(num_tokens)
-        extra = [max(0, n - len(have)) if g.kind == "attention" else 0 for n, have, g in zip(need, blocks.block_ids, self.layout.groups)]
+        extra = [
+            max(0, n - len(have)) if g.kind == "attention" else 0
+            for n, have, g in zip(need, blocks.block_ids, self.layout.groups)
+        ]
         if not any(extra):
             return blocks
         try:
@@ -253,7 +263,9 @@ class EngineHost:
             except ResourceExhausted as e:
                 left = deadline - loop.time()
                 if left <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
-                    raise ResourceExhausted(f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL") from None
+                    raise ResourceExhausted(
+                        f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL"
+                    ) from None
                 freed = self._freed
                 with contextlib.suppress(TimeoutError):  # full still: the loop says so
                     await asyncio.wait_for(freed.wait(), left)

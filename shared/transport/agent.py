@@ -63,8 +63,7 @@ NotifSink = Callable[[dict[str, list[bytes]]], None]
 # What each NIXL status most likely means here, so an error message says what to do;
 # (operation, status) entries win over status-only ones.
 _HINTS: dict[str | tuple[str, str], str] = {
-    "nixlRemoteDisconnectError": "the peer process died or the connection was lost; "
-    "remove it and handshake again",
+    "nixlRemoteDisconnectError": "the peer process died or the connection was lost; remove it and handshake again",
     "nixlNotFoundError": "unknown agent, or descriptors outside its registered memory "
     "(stale metadata after a peer restart? prepare the lists again)",
     "nixlInvalidParamError": "invalid descriptors or indices",
@@ -170,13 +169,9 @@ class RankAgent:
             raise
 
     @classmethod
-    async def create(
-        cls, engine_id: str, rank: int, *, incarnation: str | None = None, num_threads: int = 0
-    ) -> RankAgent:
+    async def create(cls, engine_id: str, rank: int, *, incarnation: str | None = None, num_threads: int = 0) -> RankAgent:
         """Build an agent without blocking the event loop (the first one takes ~0.4 s)."""
-        return await asyncio.to_thread(
-            functools.partial(cls, engine_id, rank, incarnation=incarnation, num_threads=num_threads)
-        )
+        return await asyncio.to_thread(functools.partial(cls, engine_id, rank, incarnation=incarnation, num_threads=num_threads))
 
     @property
     def place(self) -> MemoryPlace:
@@ -581,9 +576,7 @@ class RankAgent:
         return False
 
     def _get_new_notifs(self) -> dict[str, list[bytes]]:
-        notifs: dict[str, list[bytes]] = self._nixl(
-            "get notifications", "", self._agent.get_new_notifs
-        )
+        notifs: dict[str, list[bytes]] = self._nixl("get notifications", "", self._agent.get_new_notifs)
         return notifs
 
     def _send_notif(self, name: str, msg: bytes) -> None:

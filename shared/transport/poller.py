@@ -207,9 +207,7 @@ class CompletionPoller:
 
     # ---- internals ----
 
-    def _settle(
-        self, future: asyncio.Future[ReadResult], post: asyncio.Future[Xfer], result: XferState | TransportError
-    ) -> None:
+    def _settle(self, future: asyncio.Future[ReadResult], post: asyncio.Future[Xfer], result: XferState | TransportError) -> None:
         if future.done():
             return  # timed out, cancelled or closed meanwhile
         xfer = post.result()  # the post finished before its READ could be settled

@@ -48,8 +48,11 @@ def apply_patch(objects: list[Object], patch: Object, directory: Path) -> None:
         raise Unsupported(f"{directory}: only inline JSON patches with a kind/name target are handled: {patch}")
     target = patch["target"]
     ops = yaml.safe_load(patch["patch"])
-    matched = [o for o in objects if o["kind"] == target.get("kind", o["kind"])
-               and re.fullmatch(target.get("name", ".*"), o["metadata"]["name"])]
+    matched = [
+        o
+        for o in objects
+        if o["kind"] == target.get("kind", o["kind"]) and re.fullmatch(target.get("name", ".*"), o["metadata"]["name"])
+    ]
     if not matched:
         raise ValueError(f"{directory}: patch target {target} matches nothing")
     for obj in matched:

@@ -151,8 +151,11 @@ def test_router_discovers_prefill_and_decode_pods_by_label(kustomization: str) -
         assert terms.items() <= pods[role].items(), f"--{role}-selector misses the {role} pods"
         assert not terms.items() <= pods[other].items(), f"--{role}-selector also matches the {other} pods"
         assert not terms.items() <= pod_labels(router).items()
-        http = [p["containerPort"] for p in container_of(by_kind(objects, "Deployment", f"hybrid-pd-{role}"))["ports"]
-                if p["name"] == "http"]
+        http = [
+            p["containerPort"]
+            for p in container_of(by_kind(objects, "Deployment", f"hybrid-pd-{role}"))["ports"]
+            if p["name"] == "http"
+        ]
         assert http == [int(args[args.index("--service-discovery-port") + 1])]
     # It watches pods in its own namespace: a Role bound to its service account.
     role = by_kind(objects, "Role", "hybrid-pd-router")

@@ -222,5 +222,3 @@ async def peer_status(decode: Service) -> Any:
     async with grpc.aio.insecure_channel(decode.address) as channel:
         reply = await dpb_grpc.DecodeServiceStub(channel).GetLayout(dpb.GetLayoutRequest(), timeout=5)
     return list(reply.peers)
-
-

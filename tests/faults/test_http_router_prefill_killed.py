@@ -31,7 +31,9 @@ def http_base(service: Service) -> str:
 
 
 def expected(prompt: str) -> str:
-    return bytes(colocated_generate(get_preset("tiny-mamba2"), list(prompt.encode()), MAX_TOKENS)).decode("utf-8", errors="replace")
+    return bytes(colocated_generate(get_preset("tiny-mamba2"), list(prompt.encode()), MAX_TOKENS)).decode(
+        "utf-8", errors="replace"
+    )
 
 
 async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
@@ -57,9 +59,7 @@ async def test_prefill_killed_under_the_router() -> None:
         start_many, Spec("prefill", REFERENCE, pauses="before_manifest:5"), Spec("prefill", REFERENCE)
     )
     peers = tuple(a for p in prefills for a in ("--prefill", p.address))
-    decodes = await asyncio.to_thread(
-        start_many, *(Spec("decode", (*REFERENCE, "--http-port", "0", *peers)) for _ in range(2))
-    )
+    decodes = await asyncio.to_thread(start_many, *(Spec("decode", (*REFERENCE, "--http-port", "0", *peers)) for _ in range(2)))
     try:
         for d in decodes:
             await d.wait_serving()

@@ -83,8 +83,15 @@ class Driver:
 
     def __init__(self, network: Network, host: Host) -> None:
         self.host = host
-        self.proc = network.spawn(host, [sys.executable, "-m", "tests.hosts.driver"], host_env(),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=1)
+        self.proc = network.spawn(
+            host,
+            [sys.executable, "-m", "tests.hosts.driver"],
+            host_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=1,
+        )
         self._ids = itertools.count()
         self._pending: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self._lock = threading.Lock()
@@ -120,10 +127,12 @@ class Driver:
             raise RuntimeError(f"driver {op}: {reply['error']}")
         return reply
 
-    async def generate(self, decode: HostService, request_id: str, prompt: Sequence[int], max_tokens: int,
-                       timeout: float = 60.0) -> dict[str, Any]:
-        return await self.call("generate", target=decode.address, request_id=request_id, prompt=list(prompt),
-                               max_tokens=max_tokens, timeout=timeout)
+    async def generate(
+        self, decode: HostService, request_id: str, prompt: Sequence[int], max_tokens: int, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        return await self.call(
+            "generate", target=decode.address, request_id=request_id, prompt=list(prompt), max_tokens=max_tokens, timeout=timeout
+        )
 
     async def metrics(self, service: HostService) -> dict[str, float]:
         return (await self.call("metrics", url=service.metrics_url))["samples"]  # type: ignore[no-any-return]
@@ -145,8 +154,7 @@ class Driver:
             await asyncio.sleep(0.1)
         raise AssertionError(f"{service.role} on {service.host.name} {status} after {timeout} s\n{service.tail()}")
 
-    async def wait_metric(self, service: HostService, name: str, check: Callable[[float], bool],
-                          timeout: float = 20.0) -> float:
+    async def wait_metric(self, service: HostService, name: str, check: Callable[[float], bool], timeout: float = 20.0) -> float:
         deadline = time.monotonic() + timeout
         value = float("nan")
         while time.monotonic() < deadline:
@@ -175,15 +183,36 @@ class Cluster:
         """Where a service started on `host` listens."""
         return f"{host.address}:{PORTS[role]}"
 
-    def start(self, role: str, host: Host, *args: str, env: dict[str, str] | None = None,
-              timeout: float = 90.0, resolv_conf: str | None = None) -> HostService:
+    def start(
+        self,
+        role: str,
+        host: Host,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 90.0,
+        resolv_conf: str | None = None,
+    ) -> HostService:
         """Start a service on `host` and wait for its LISTENING line (metrics come first);
         `resolv_conf` gives it a resolver of its own (tests/hosts/dns.py)."""
-        argv = [sys.executable, "-m", f"{role}_svc", "--host", host.address, "--port", str(PORTS[role]),
-                "--metrics-port", str(METRICS_PORT),
-                "--engine-id", f"{role}-{host.name}", "--log-level", "WARNING", *args]
-        proc = self.network.spawn(host, argv, host_env(env), resolv_conf=resolv_conf, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
+        argv = [
+            sys.executable,
+            "-m",
+            f"{role}_svc",
+            "--host",
+            host.address,
+            "--port",
+            str(PORTS[role]),
+            "--metrics-port",
+            str(METRICS_PORT),
+            "--engine-id",
+            f"{role}-{host.name}",
+            "--log-level",
+            "WARNING",
+            *args,
+        ]
+        proc = self.network.spawn(
+            host, argv, host_env(env), resolv_conf=resolv_conf, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         assert proc.stdout is not None
         output: list[str] = []
         found: dict[str, int] = {}
@@ -207,8 +236,9 @@ class Cluster:
                 raise AssertionError(f"{role} on {host.name} did not listen (rc {proc.poll()}):\n" + "\n".join(output[-30:]))
         return HostService(role, host, proc, found["port"], found["metrics"], output)
 
-    def start_many(self, *specs: tuple[str, Host, Sequence[str]] | tuple[str, Host, Sequence[str], dict[str, str]]
-                   ) -> list[HostService]:
+    def start_many(
+        self, *specs: tuple[str, Host, Sequence[str]] | tuple[str, Host, Sequence[str], dict[str, str]]
+    ) -> list[HostService]:
         """Start several services at once (each spends seconds importing torch and NIXL);
         a spec is (role, host, args) or (role, host, args, env)."""
         with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:

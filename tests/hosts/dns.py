@@ -35,11 +35,27 @@ class DnsServer:
         self.resolv_conf = str(directory / "resolv.conf")
         Path(self.resolv_conf).write_text(f"nameserver {host.address}\noptions timeout:1 attempts:2\n")
         self.records: dict[str, list[str]] = {}
-        self.proc = network.spawn_helper(host, [
-            "dnsmasq", "--keep-in-foreground", "--no-resolv", "--no-hosts", "--no-negcache", "--user=root",
-            f"--listen-address={host.address}", "--bind-interfaces", "--port=53", "--local-ttl=0",
-            f"--addn-hosts={self.hosts_file}", f"--local=/{self.DOMAIN}/", "--bogus-priv", "--log-facility=-",
-        ], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = network.spawn_helper(
+            host,
+            [
+                "dnsmasq",
+                "--keep-in-foreground",
+                "--no-resolv",
+                "--no-hosts",
+                "--no-negcache",
+                "--user=root",
+                f"--listen-address={host.address}",
+                "--bind-interfaces",
+                "--port=53",
+                "--local-ttl=0",
+                f"--addn-hosts={self.hosts_file}",
+                f"--local=/{self.DOMAIN}/",
+                "--bogus-priv",
+                "--log-facility=-",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         # Answering once it has bound its socket: wait for the port to be listened on.
         deadline = time.monotonic() + 10
         while f"{host.address}:53" not in host.run("ss", "-lun"):

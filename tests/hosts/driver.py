@@ -37,8 +37,7 @@ async def generate(req: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     tokens: list[int] = []
     summary = dpb.GenerateSummary()
-    request = dpb.GenerateRequest(request_id=req["request_id"], prompt_token_ids=req["prompt"],
-                                  max_tokens=req["max_tokens"])
+    request = dpb.GenerateRequest(request_id=req["request_id"], prompt_token_ids=req["prompt"], max_tokens=req["max_tokens"])
     async with grpc.aio.insecure_channel(req["target"]) as channel:
         try:
             async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=req.get("timeout", 60)):
@@ -49,8 +48,14 @@ async def generate(req: dict[str, Any]) -> dict[str, Any]:
             status, message = "OK", ""
         except grpc.aio.AioRpcError as e:
             status, message = e.code().name, e.details() or ""
-    return {"status": status, "message": message, "tokens": tokens, "seconds": time.monotonic() - started,
-            "state_verified": summary.state_verified, "num_transferred_tokens": summary.num_transferred_tokens}
+    return {
+        "status": status,
+        "message": message,
+        "tokens": tokens,
+        "seconds": time.monotonic() - started,
+        "state_verified": summary.state_verified,
+        "num_transferred_tokens": summary.num_transferred_tokens,
+    }
 
 
 def scrape(url: str) -> dict[str, Any]:
@@ -77,8 +82,12 @@ async def health(req: dict[str, Any]) -> dict[str, Any]:
 async def peers(req: dict[str, Any]) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(req["target"]) as channel:
         reply = await dpb_grpc.DecodeServiceStub(channel).GetLayout(dpb.GetLayoutRequest(), timeout=5)
-    return {"peers": [{"target": p.target, "state": dpb.PeerState.Name(p.state), "engine_id": p.engine_id,
-                       "last_error": p.last_error} for p in reply.peers]}
+    return {
+        "peers": [
+            {"target": p.target, "state": dpb.PeerState.Name(p.state), "engine_id": p.engine_id, "last_error": p.last_error}
+            for p in reply.peers
+        ]
+    }
 
 
 async def handle(req: dict[str, Any]) -> None:

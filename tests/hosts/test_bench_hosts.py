@@ -20,10 +20,31 @@ def test_bench_transfer_across_hosts() -> None:
 
     namespaces_or_skip()
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli.main", "bench", "transfer", "--hosts", "--link-rate", "10gbit",
-         "--link-delay", "100us", "--model", "tiny-mamba2", "--prompt-tokens", "64", "--requests", "2", "--json",
-         "--no-progress"],
-        capture_output=True, text=True, timeout=280, cwd=CHECKOUT, env={"PYTHONPATH": str(CHECKOUT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "bench",
+            "transfer",
+            "--hosts",
+            "--link-rate",
+            "10gbit",
+            "--link-delay",
+            "100us",
+            "--model",
+            "tiny-mamba2",
+            "--prompt-tokens",
+            "64",
+            "--requests",
+            "2",
+            "--json",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=CHECKOUT,
+        env={"PYTHONPATH": str(CHECKOUT), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)

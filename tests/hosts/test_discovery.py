@@ -40,8 +40,17 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, D
         dns.set(NAME, [a.address])
         hold = {"HYBRID_PD_TEST_PAUSE": f"before_manifest:{HOLD_SECONDS:g}:hold-"}
         prefill_a, prefill_b = c.start_many(("prefill", a, COMMON, hold), ("prefill", b, COMMON, hold))
-        decode = c.start("decode", decode_host, *COMMON, "--check-state", "--prefill", f"{NAME}:{PORTS['prefill']}",
-                         "--discovery-seconds", str(DISCOVERY_SECONDS), resolv_conf=dns.resolv_conf)
+        decode = c.start(
+            "decode",
+            decode_host,
+            *COMMON,
+            "--check-state",
+            "--prefill",
+            f"{NAME}:{PORTS['prefill']}",
+            "--discovery-seconds",
+            str(DISCOVERY_SECONDS),
+            resolv_conf=dns.resolv_conf,
+        )
         yield c, dns, [prefill_a, prefill_b], decode
 
 

@@ -58,8 +58,14 @@ def cluster() -> Iterator[tuple[Cluster, dict[str, tuple[HostService, HostServic
             prefill_host, decode_host = c.hosts[2 * i], c.hosts[2 * i + 1]
             common = ["--model", model, "--engine", "reference", "--num-blocks", "96"]
             specs.append(("prefill", prefill_host, [*common, "--tp", str(p)], UCX_PORT_ENV))
-            specs.append(("decode", decode_host, [*common, "--tp", str(d), "--check-state",
-                                                  "--prefill", c.address("prefill", prefill_host)], UCX_PORT_ENV))
+            specs.append(
+                (
+                    "decode",
+                    decode_host,
+                    [*common, "--tp", str(d), "--check-state", "--prefill", c.address("prefill", prefill_host)],
+                    UCX_PORT_ENV,
+                )
+            )
         services = c.start_many(*specs)
         yield c, {model: (services[2 * i], services[2 * i + 1]) for i, (model, _, _) in enumerate(PAIRS)}
 
@@ -81,8 +87,9 @@ def transferred(samples: dict[str, float]) -> float:
 
 
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", PAIRS, ids=[f"{m}-P{p}-D{d}" for m, p, d in PAIRS])
-async def test_tokens_equal_colocated_across_hosts(cluster: tuple[Cluster, dict[str, tuple[HostService, HostService]]],
-                                                   model: str, prefill_tp: int, decode_tp: int) -> None:
+async def test_tokens_equal_colocated_across_hosts(
+    cluster: tuple[Cluster, dict[str, tuple[HostService, HostService]]], model: str, prefill_tp: int, decode_tp: int
+) -> None:
     c, services = cluster
     prefill, decode = services[model]
     await run_family(c, model, prefill_tp, decode_tp, decode, "x")
@@ -92,8 +99,7 @@ async def test_tokens_equal_colocated_across_hosts(cluster: tuple[Cluster, dict[
     received = sum(conn.bytes_received for conn in connections)
     assert received >= moved, f"only {received} B arrived over TCP from the prefill host for {moved:.0f} B transferred"
     # One end of every data-plane connection is a UCX listener, inside the pinned range.
-    assert connections and all(conn.remote_port in UCX_PORTS or conn.local_port in UCX_PORTS
-                               for conn in connections), connections
+    assert connections and all(conn.remote_port in UCX_PORTS or conn.local_port in UCX_PORTS for conn in connections), connections
     await c.driver.wait_metric(prefill, "hybrid_pd_blocks_in_use", lambda v: v == 0)
     await c.driver.wait_metric(decode, "hybrid_pd_blocks_in_use", lambda v: v == 0)
 

@@ -39,9 +39,21 @@ def pair() -> Iterator[tuple[Cluster, HostService, HostService]]:
         prefill_host, decode_host = c.hosts
         prefill, decode = c.start_many(
             ("prefill", prefill_host, [*COMMON, "--tp", str(PREFILL_TP), "--lease-seconds", str(LEASE_SECONDS)]),
-            ("decode", decode_host, [*COMMON, "--tp", "1", "--check-state", "--read-timeout-seconds",
-                                     str(READ_TIMEOUT_SECONDS), "--prefill", c.address("prefill", prefill_host)],
-             {"HYBRID_PD_TEST_PAUSE": f"before_read:{PAUSE_SECONDS:g}:cut-"}),
+            (
+                "decode",
+                decode_host,
+                [
+                    *COMMON,
+                    "--tp",
+                    "1",
+                    "--check-state",
+                    "--read-timeout-seconds",
+                    str(READ_TIMEOUT_SECONDS),
+                    "--prefill",
+                    c.address("prefill", prefill_host),
+                ],
+                {"HYBRID_PD_TEST_PAUSE": f"before_read:{PAUSE_SECONDS:g}:cut-"},
+            ),
         )
         yield c, prefill, decode
 
@@ -75,8 +87,11 @@ async def test_link_cut_during_a_read(pair: tuple[Cluster, HostService, HostServ
         assert outcome["status"] == "UNAVAILABLE", outcome
         assert "prefill-h0" in outcome["message"], outcome  # names the peer
         assert seconds < BOUND_SECONDS, f"UNAVAILABLE after {seconds:.1f} s (bound {BOUND_SECONDS:g} s)"
-        print(f"\n[measured] link cut during a READ -> UNAVAILABLE after {seconds * 1000:.0f} ms "
-              f"(READ deadline {READ_TIMEOUT_SECONDS:g} s, bound {BOUND_SECONDS:g} s)", file=sys.stderr)
+        print(
+            f"\n[measured] link cut during a READ -> UNAVAILABLE after {seconds * 1000:.0f} ms "
+            f"(READ deadline {READ_TIMEOUT_SECONDS:g} s, bound {BOUND_SECONDS:g} s)",
+            file=sys.stderr,
+        )
         for gauge in ("hybrid_pd_blocks_in_use", "hybrid_pd_open_read_handles", "hybrid_pd_reads_in_flight"):
             await d.wait_metric(decode, gauge, lambda v: v == 0)
         await asyncio.sleep(LEASE_SECONDS)  # prefill hears nothing while the link is down

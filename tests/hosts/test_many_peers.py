@@ -35,8 +35,10 @@ def pool() -> Iterator[tuple[Cluster, list[HostService], list[HostService]]]:
         hold = {"HYBRID_PD_TEST_PAUSE": f"before_manifest:{HOLD_SECONDS:g}"}
         services = c.start_many(
             *[("prefill", h, [*COMMON, "--tp", "1"], hold if i == 1 else {}) for i, h in enumerate(prefill_hosts)],
-            *[("decode", h, [*COMMON, "--tp", "2", "--check-state", "--read-timeout-seconds", "3", *targets])
-              for h in decode_hosts],
+            *[
+                ("decode", h, [*COMMON, "--tp", "2", "--check-state", "--read-timeout-seconds", "3", *targets])
+                for h in decode_hosts
+            ],
         )
         yield c, services[:3], services[3:]
 
@@ -56,8 +58,9 @@ async def test_one_prefill_host_killed_under_load(pool: tuple[Cluster, list[Host
     for decode in decodes:
         assert (await d.metrics(decode))["hybrid_pd_remote_agents"] == 6
 
-    calls = [asyncio.ensure_future(d.generate(decodes[i % 2], f"load-{i}", list(range(1, 10 + i % 40)), 6))
-             for i in range(REQUESTS)]
+    calls = [
+        asyncio.ensure_future(d.generate(decodes[i % 2], f"load-{i}", list(range(1, 10 + i % 40)), 6)) for i in range(REQUESTS)
+    ]
     deadline = time.monotonic() + 30
     while not any("TEST PAUSE before_manifest" in line for line in p1.output):
         assert time.monotonic() < deadline, p1.tail()
@@ -73,8 +76,10 @@ async def test_one_prefill_host_killed_under_load(pool: tuple[Cluster, list[Host
     assert all(o["state_verified"] for o in ok)
     served = [await reads(c, p) - b for p, b in zip((p0, p2), before)]
     assert sum(served) == len(ok), f"h0 and h2 served {served}, {len(ok)} requests succeeded"
-    print(f"\n[measured] {len(ok)} of {REQUESTS} completed (h0 {served[0]:.0f}, h2 {served[1]:.0f}); "
-          f"{len(failed)} in flight on the killed host failed")
+    print(
+        f"\n[measured] {len(ok)} of {REQUESTS} completed (h0 {served[0]:.0f}, h2 {served[1]:.0f}); "
+        f"{len(failed)} in flight on the killed host failed"
+    )
 
     for decode in decodes:
         for gauge in ("hybrid_pd_blocks_in_use", "hybrid_pd_open_read_handles", "hybrid_pd_requests_in_flight"):

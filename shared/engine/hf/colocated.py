@@ -35,8 +35,14 @@ def finish(token: int, count: int, max_tokens: int, eos: frozenset[int]) -> Fini
 
 
 def colocated_generate(
-    checkpoint: HfCheckpoint, prompt: Sequence[int], max_tokens: int, *, boundary: str = "full",
-    sampling: SamplingParams = GREEDY, keep_logits: bool = False, stop_at_eos: bool = True,
+    checkpoint: HfCheckpoint,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    boundary: str = "full",
+    sampling: SamplingParams = GREEDY,
+    keep_logits: bool = False,
+    stop_at_eos: bool = True,
 ) -> Generation:
     if not prompt:
         raise ValueError("prompt: at least one token is needed")

@@ -46,7 +46,9 @@ def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
         layer = cache.layers[i]
         got = (isinstance(layer, DynamicLayer), isinstance(layer, LinearAttentionCacheLayerMixin))
         if got != (kind in ("attention", "parallel"), kind in ("ssm", "parallel")):
-            raise ValueError(f"{spec.name}: layer {i} is {kind!r} in config.json but transformers caches it as {type(layer).__name__}")
+            raise ValueError(
+                f"{spec.name}: layer {i} is {kind!r} in config.json but transformers caches it as {type(layer).__name__}"
+            )
 
 
 class HfEngine:
@@ -63,7 +65,9 @@ class HfEngine:
         self.tokenizer = HfTokenizer(checkpoint.directory)
         self.eos_token_ids = checkpoint.eos_token_ids
         if checkpoint.vocab_size != self.spec.vocab_size:
-            raise ValueError(f"{self.spec.name}: the model has {checkpoint.vocab_size} logits, config.json vocab_size {self.spec.vocab_size}")
+            raise ValueError(
+                f"{self.spec.name}: the model has {checkpoint.vocab_size} logits, config.json vocab_size {self.spec.vocab_size}"
+            )
         _check_layers(self.spec, checkpoint)
         # The dtypes transformers' cache holds: reads from blocks are cast back to them.
         self._kv_dtype = self._conv_dtype = checkpoint.dtype
@@ -71,7 +75,13 @@ class HfEngine:
 
     @classmethod
     def load(
-        cls, layout: EngineLayout, ranks: Sequence[RankViews], directory: str, *, dtype: str, device: str = "cpu",
+        cls,
+        layout: EngineLayout,
+        ranks: Sequence[RankViews],
+        directory: str,
+        *,
+        dtype: str,
+        device: str = "cpu",
         boundary: Boundary = "full",
     ) -> HfEngine:
         return cls(layout, ranks, HfCheckpoint(directory, dtype=dtype, device=device), boundary=boundary)
@@ -117,8 +127,14 @@ class HfEngine:
         return read_state(self._store(blocks), self.spec, length, (self._kv_dtype, self._conv_dtype, self._ssm_dtype))
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity,
-        *, sampling: SamplingParams = GREEDY, first_token: int | None = None,
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> HfDecodeSession:
         return HfDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling, first_token)
 
@@ -174,8 +190,14 @@ class HfDecodeSession:
     them; the recurrent states (fixed size) stay in the transformers cache."""
 
     def __init__(
-        self, engine: HfEngine, prompt: Sequence[int], num_computed: int, store: PagedStateStore,
-        ensure_capacity: EnsureCapacity, sampling: SamplingParams, first_token: int | None,
+        self,
+        engine: HfEngine,
+        prompt: Sequence[int],
+        num_computed: int,
+        store: PagedStateStore,
+        ensure_capacity: EnsureCapacity,
+        sampling: SamplingParams,
+        first_token: int | None,
     ) -> None:
         if not 0 <= num_computed <= len(prompt) or not prompt:
             raise ValueError(f"num_computed {num_computed} is outside the prompt's {len(prompt)} tokens")

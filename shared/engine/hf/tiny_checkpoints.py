@@ -43,19 +43,37 @@ TRAINING_TEXT = (
     "Hello world, hello again, and hello once more.",
 )
 _ATTN: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_COMMON: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, initializer_range=0.2,
-               max_position_embeddings=512, tie_word_embeddings=False)
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    initializer_range=0.2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def _mamba2_hf(n_groups: int) -> dict[str, Any]:
-    return dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=n_groups, mamba_d_state=16, mamba_d_conv=4,
-                mamba_expand=2, mamba_chunk_size=8)
+    return dict(
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=n_groups,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+    )
 
 
 def _gdn() -> dict[str, Any]:
-    return dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
-                linear_num_key_heads=4, linear_num_value_heads=8,
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    return dict(
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
 
 
 def _moe() -> dict[str, Any]:
@@ -74,31 +92,73 @@ def _config(family: str) -> Any:
     ids: dict[str, Any] = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
     builders: dict[str, Callable[[], Any]] = {
         "nemotron_h": lambda: tf.NemotronHConfig(
-            **_COMMON, **_ATTN, **ids, layers_block_type=["mamba", "attention", "mlp", "mamba"],
-            mamba_num_heads=8, mamba_head_dim=8, n_groups=1, ssm_state_size=16, conv_kernel=4, chunk_size=8,
-            expand=1),
-        "bamba": lambda: tf.BambaConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, attn_layer_indices=[1, 3],
-                                        **_mamba2_hf(1)),
+            **_COMMON,
+            **_ATTN,
+            **ids,
+            layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=1,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=8,
+            expand=1,
+        ),
+        "bamba": lambda: tf.BambaConfig(
+            **_COMMON, **_ATTN, **ids, num_hidden_layers=4, attn_layer_indices=[1, 3], **_mamba2_hf(1)
+        ),
         "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
-            **_COMMON, **_ATTN, **ids, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
-            position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
-            **_mamba2_hf(4)),
-        "falcon_h1": lambda: tf.FalconH1Config(**_COMMON, **_ATTN, **ids, num_hidden_layers=3, **_mamba2_hf(4),
-                                               mamba_d_ssm=128),
-        "jamba": lambda: tf.JambaConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, attn_layer_period=2,
-                                        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                                        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
-                                        mamba_expand=2, use_mamba_kernels=False),
+            **_COMMON,
+            **_ATTN,
+            **ids,
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            position_embedding_type="rope",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=64,
+            **_mamba2_hf(4),
+        ),
+        "falcon_h1": lambda: tf.FalconH1Config(**_COMMON, **_ATTN, **ids, num_hidden_layers=3, **_mamba2_hf(4), mamba_d_ssm=128),
+        "jamba": lambda: tf.JambaConfig(
+            **_COMMON,
+            **_ATTN,
+            **ids,
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+        ),
         "qwen3_next": lambda: tf.Qwen3NextConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, **_gdn(), **_moe()),
         "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(**_COMMON, **_ATTN, **ids, num_hidden_layers=4, **_gdn()),
         "qwen3_5_moe_text": lambda: tf.Qwen3_5MoeTextConfig(
-            **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, **_ATTN, **ids, num_hidden_layers=4,
-            **_gdn(), **_moe()),
+            **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+            **_ATTN,
+            **ids,
+            num_hidden_layers=4,
+            **_gdn(),
+            **_moe(),
+        ),
     }
     if family in ("qwen3_5", "qwen3_5_moe"):
         text = _config(family + "_text").to_dict()
-        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
-                      temporal_patch_size=1, spatial_merge_size=1)
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=4,
+            temporal_patch_size=1,
+            spatial_merge_size=1,
+        )
         cls = tf.Qwen3_5Config if family == "qwen3_5" else tf.Qwen3_5MoeConfig
         return cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
     if family not in builders:
@@ -125,11 +185,16 @@ def build_tokenizer(directory: str) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(TRAINING_TEXT, trainer=trainer)
-    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-                                   unk_token="<unk>", pad_token="<pad>")
+    fast = _transformers().PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token="<unk>", pad_token="<pad>"
+    )
     fast.save_pretrained(directory)
 
 

@@ -27,9 +27,7 @@ def prefill_part(model: ReferenceModel, prompt: Sequence[int], store: StateStore
     return n
 
 
-def decode_part(
-    model: ReferenceModel, last_prompt_token: int, pos: int, store: StateStore, max_tokens: int
-) -> list[int]:
+def decode_part(model: ReferenceModel, last_prompt_token: int, pos: int, store: StateStore, max_tokens: int) -> list[int]:
     """Decode side: compute `last_prompt_token` at `pos` (= N-1) from `store`, then generate."""
     return model.decode(last_prompt_token, pos, store, max_tokens)
 

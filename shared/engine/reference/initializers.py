@@ -61,6 +61,7 @@ def constant(value: float) -> Init:
 
 def log_uniform_a(low: float, high: float) -> Init:
     """A_log = log(U[low, high]) so that A = -exp(A_log) spans slow and fast decays."""
+
     def draw(gen: torch.Generator, shape: Shape) -> Tensor:
         return torch.log(uniform(low, high)(gen, shape))
 
@@ -69,6 +70,7 @@ def log_uniform_a(low: float, high: float) -> Init:
 
 def dt_bias(dt_min: float = 1e-2, dt_max: float = 1.0, floor: float = 1e-4) -> Init:
     """Bias whose softplus is dt, dt drawn log-uniform in [dt_min, dt_max] (Mamba init)."""
+
     def draw(gen: torch.Generator, shape: Shape) -> Tensor:
         u = torch.rand(shape, generator=gen, dtype=torch.float32)
         dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(floor)

@@ -99,9 +99,7 @@ class ReferenceModel:
         w = _sub(self.weights, layer_prefix(index))
         attn = Attention(self.spec.attention, _sub(w, "attn.")) if kind in ("attention", "parallel") else None
         ssm = build_ssm_mixer(self.spec, _sub(w, "ssm.")) if kind in ("ssm", "parallel") else None
-        return DecoderLayer(
-            index, kind, w.get("norm_mixer"), w["norm_mlp"], attn, ssm, w["mlp.w_gate_up"], w["mlp.w_down"]
-        )
+        return DecoderLayer(index, kind, w.get("norm_mixer"), w["norm_mlp"], attn, ssm, w["mlp.w_gate_up"], w["mlp.w_down"])
 
     def new_store(self) -> DenseStateStore:
         """A dense store for a new request (zero SSM state, no K/V)."""

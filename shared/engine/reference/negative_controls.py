@@ -104,9 +104,7 @@ def applicable_controls(model: ReferenceModel) -> dict[str, Corruption]:
     return {name: fn for name, fn in NEGATIVE_CONTROLS.items() if name in names}
 
 
-def generate_with_corruption(
-    model: ReferenceModel, prompt: Sequence[int], max_tokens: int, corruption: Corruption
-) -> list[int]:
+def generate_with_corruption(model: ReferenceModel, prompt: Sequence[int], max_tokens: int, corruption: Corruption) -> list[int]:
     """The N-1 protocol in one process with `corruption` applied to the state in between."""
     store = model.new_store()
     n = prefill_part(model, prompt, store)

@@ -92,8 +92,7 @@ class DenseStateStore:
         }
         conv_shape, ssm_shape = conv_state_shape(spec), ssm_state_shape(spec)
         self._ssm: dict[int, tuple[Tensor, Tensor]] = {
-            i: (torch.zeros(conv_shape, device=self.device), torch.zeros(ssm_shape, device=self.device))
-            for i in spec.ssm_layers
+            i: (torch.zeros(conv_shape, device=self.device), torch.zeros(ssm_shape, device=self.device)) for i in spec.ssm_layers
         }
 
     def write_kv(self, layer: int, pos: int, k: Tensor, v: Tensor) -> None:

@@ -54,13 +54,26 @@ async def service_pair(
     extra_decode: Sequence[str] = (),
     decode_factory: EngineFactory | None = None,
 ) -> AsyncIterator[RunningPair]:
-    common = ["--model", model, "--engine", engine, "--num-blocks", str(num_blocks), "--port", "0",
-              "--loop", "asyncio", "--log-level", "WARNING"]
+    common = [
+        "--model",
+        model,
+        "--engine",
+        engine,
+        "--num-blocks",
+        str(num_blocks),
+        "--port",
+        "0",
+        "--loop",
+        "asyncio",
+        "--log-level",
+        "WARNING",
+    ]
     prefill_settings = parse_settings("prefill", [*common, "--tp", str(prefill_tp), *extra_prefill], environ={})
     prefill = await PrefillApp.start(prefill_settings, engine_factory_for(engine))
     try:
         decode_settings = parse_settings(
-            "decode", [*common, "--tp", str(decode_tp), "--prefill", f"127.0.0.1:{prefill.port}", *extra_decode],
+            "decode",
+            [*common, "--tp", str(decode_tp), "--prefill", f"127.0.0.1:{prefill.port}", *extra_decode],
             environ={},
         )
         decode = await DecodeApp.start(decode_settings, decode_factory or engine_factory_for(engine))

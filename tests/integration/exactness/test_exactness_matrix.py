@@ -90,8 +90,9 @@ class CorruptingEngine(ReferenceEngine):
         super().__init__(layout, ranks)
         self.corruption = corruption
 
-    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks,
-                     ensure_capacity: EnsureCapacity) -> DecodeSession:
+    def start_decode(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+    ) -> DecodeSession:
         store = PagedStateStore(self.layout, self.ranks, blocks)
         self.corruption(self.model, store, prompt)
         return super().start_decode(prompt, num_computed, blocks, ensure_capacity)
@@ -123,9 +124,12 @@ def other_group_plan(plan: TransferPlan) -> TransferPlan:
         return dataclasses.replace(c, remote_offset=start + n - (c.remote_offset - start))
 
     ranks = [
-        dataclasses.replace(rank, reads=tuple(
-            dataclasses.replace(read, conv=tuple(other(c, s) for s, c in enumerate(read.conv))) for read in rank.reads
-        ))
+        dataclasses.replace(
+            rank,
+            reads=tuple(
+                dataclasses.replace(read, conv=tuple(other(c, s) for s, c in enumerate(read.conv))) for read in rank.reads
+            ),
+        )
         for rank in plan.ranks
     ]
     return dataclasses.replace(plan, ranks=tuple(ranks))

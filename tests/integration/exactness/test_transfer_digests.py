@@ -39,7 +39,9 @@ async def test_a_flipped_byte_fails_the_request_naming_its_section(
         telemetry = pair.decode.metrics.telemetry.exposition()
     assert failed.value.code() == grpc.StatusCode.DATA_LOSS
     details = failed.value.details() or ""
-    assert "victim-1" in details and f"prefill rank 0, {section} of layer group" in details and "read by decode ranks [0" in details
+    assert (
+        "victim-1" in details and f"prefill rank 0, {section} of layer group" in details and "read by decode ranks [0" in details
+    )
     assert f'hybrid_pd_digest_mismatches_total{{section="{section}"}} 1.0' in telemetry
     others = {"fa", "conv", "ssm"} - {section}
     assert all(f'hybrid_pd_digest_mismatches_total{{section="{s}"}} 0.0' in telemetry for s in others)

@@ -65,7 +65,9 @@ class Reply:
         return json.loads(self.body)
 
 
-def request(url: str, body: object | bytes | None = None, method: str | None = None, headers: dict[str, str] | None = None) -> Reply:
+def request(
+    url: str, body: object | bytes | None = None, method: str | None = None, headers: dict[str, str] | None = None
+) -> Reply:
     """A plain HTTP call (blocking: run it in a thread); error statuses are returned, not raised."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
@@ -77,7 +79,9 @@ def request(url: str, body: object | bytes | None = None, method: str | None = N
 
 
 async def start_pair(*decode_flags: str, ready: bool = True) -> HttpPair:
-    prefill = await PrefillApp.start(parse_settings("prefill", [*COMMON, "--engine-id", "http-prefill"], environ={}), engine_factory_for("reference"))
+    prefill = await PrefillApp.start(
+        parse_settings("prefill", [*COMMON, "--engine-id", "http-prefill"], environ={}), engine_factory_for("reference")
+    )
     settings = parse_settings(
         "decode", [*COMMON, "--engine-id", "http-decode", "--prefill", f"127.0.0.1:{prefill.port}", *decode_flags], environ={}
     )

@@ -37,7 +37,10 @@ async def test_render_on_both_workers(http_pair: HttpPair) -> None:
         [rendered] = reply.json()
         assert rendered["token_ids"] == list(b"hello world") and rendered["model"] == MODEL
         assert rendered["request_id"] == "cmpl-abc" and rendered["sampling_params"]["max_tokens"] == 5
-        chat = await post(url(http_pair, role, "/v1/chat/completions/render"), {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.25})
+        chat = await post(
+            url(http_pair, role, "/v1/chat/completions/render"),
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.25},
+        )
         assert chat.status == 200
         assert chat.json()["token_ids"] == list(b"<|user|>\nhi\n<|assistant|>\n")
         assert chat.json()["sampling_params"]["temperature"] == 0.25
@@ -47,11 +50,16 @@ async def test_render_on_both_workers(http_pair: HttpPair) -> None:
 
 async def test_prefill_leg_is_validated_and_refused_clearly(http_pair: HttpPair) -> None:
     leg = RENDER_BODY | {"max_tokens": 1, "min_tokens": 1} | PREFILL_LEG
-    reply = await post(url(http_pair, "prefill", "/v1/completions"), leg, **{"X-Request-Id": "___prefill_addr_x___decode_addr_y_1"})
+    reply = await post(
+        url(http_pair, "prefill", "/v1/completions"), leg, **{"X-Request-Id": "___prefill_addr_x___decode_addr_y_1"}
+    )
     assert reply.status == 501 and reply.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
     plain = await post(url(http_pair, "prefill", "/v1/completions"), RENDER_BODY)
     assert plain.status == 400 and plain.json()["error"]["param"] == "kv_transfer_params"
-    both = await post(url(http_pair, "prefill", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": True}})
+    both = await post(
+        url(http_pair, "prefill", "/v1/completions"),
+        RENDER_BODY | {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": True}},
+    )
     assert both.status == 400 and both.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
     assert http_pair.prefill.host.allocator.num_used == 0
 
@@ -63,11 +71,15 @@ async def test_decode_leg_is_validated_and_refused_clearly(http_pair: HttpPair) 
     )  # fmt: skip
     bad = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params | {"pp_size": 1.0}})
     assert bad.status == 400 and bad.json()["error"]["param"] == "kv_transfer_params.pp_size"
-    flat = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params | {"remote_block_ids": [1, 2]}})
+    flat = await post(
+        url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params | {"remote_block_ids": [1, 2]}}
+    )
     assert flat.status == 400 and flat.json()["error"]["param"] == "kv_transfer_params.remote_block_ids[0]"
     good = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params})
     assert good.status == 501 and good.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
     # Without the remote-prefill flag, a leftover params object does not change anything.
-    plain = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": {"do_remote_prefill": False}})
+    plain = await post(
+        url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": {"do_remote_prefill": False}}
+    )
     assert plain.status == 200 and plain.json()["choices"][0]["text"] == http_pair.expected_text("hello world", 5)
     await http_pair.blocks_freed()

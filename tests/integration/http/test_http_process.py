@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def test_http_port_line_then_listening_then_clean_exit() -> None:
-    service = start_service("prefill", ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "64", "--http-port", "0"])
+    service = start_service(
+        "prefill", ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "64", "--http-port", "0"]
+    )
     try:
         lines = [line for line in service.output if re.match(r"(HTTP|LISTENING) port=\d+$", line)]
         assert [line.split()[0] for line in lines] == ["HTTP", "LISTENING"]

@@ -20,7 +20,8 @@ async def test_first_event_leaves_early_and_a_hang_up_cancels(http_pair: HttpPai
     reader, writer = await asyncio.open_connection("127.0.0.1", decode.shell.http_port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")

@@ -59,10 +59,14 @@ async def cluster() -> AsyncIterator[tuple[list[PrefillApp], list[DecodeApp]]]:
     decodes: list[DecodeApp] = []
     try:
         for i in range(2):
-            prefills.append(await PrefillApp.start(parse_settings("prefill", [*COMMON, "--engine-id", f"rp{i}"], environ={}), factory))
+            prefills.append(
+                await PrefillApp.start(parse_settings("prefill", [*COMMON, "--engine-id", f"rp{i}"], environ={}), factory)
+            )
         peers = [a for p in prefills for a in ("--prefill", f"127.0.0.1:{p.port}")]
         for i in range(2):
-            decodes.append(await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"rd{i}", *peers], environ={}), factory))
+            decodes.append(
+                await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"rd{i}", *peers], environ={}), factory)
+            )
         for d in decodes:
             await d.wait_ready(30)
         yield prefills, decodes
@@ -136,9 +140,7 @@ async def test_router_in_front_of_decode_engines_serves_32_concurrent_requests()
             await wait_routing(base)
             async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
                 texts = await asyncio.gather(*(one(client, i) for i in range(32)))
-        want = [
-            expected(decodes[0], f"request {i}:" if i % 4 < 2 else chat_prompt(f"request {i}:"), 6) for i in range(32)
-        ]
+        want = [expected(decodes[0], f"request {i}:" if i % 4 < 2 else chat_prompt(f"request {i}:"), 6) for i in range(32)]
         assert texts == want
         served = [d.metrics.registry.get_sample_value("hybrid_pd_requests_total", {"status": "OK"}) or 0 for d in decodes]
         assert sum(served) == 32 and all(s > 0 for s in served), served

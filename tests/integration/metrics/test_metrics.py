@@ -47,7 +47,10 @@ async def test_metrics_after_requests() -> None:
     assert decode['hybrid_pd_requests_total{status="OK"}'] == 4
     assert any(k.startswith("hybrid_pd_handshakes_total") and v >= 1 for k, v in prefill.items())
     for samples in (decode, prefill):  # one value per engine, not one per rank (they are all the same)
-        assert sorted(k for k in samples if k.startswith("hybrid_pd_blocks_")) == ["hybrid_pd_blocks_in_use", "hybrid_pd_blocks_total"]
+        assert sorted(k for k in samples if k.startswith("hybrid_pd_blocks_")) == [
+            "hybrid_pd_blocks_in_use",
+            "hybrid_pd_blocks_total",
+        ]
     ids = {r.summary.request_id for r in results}
     for samples in (decode, prefill):
         for key in samples:

@@ -24,18 +24,41 @@ from shared.runtime.engine_host import engine_factory_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
-COMMON = ["--engine", "hf", "--num-blocks", "32", "--port", "0", "--host", "127.0.0.1", "--loop", "asyncio",
-          "--log-level", "WARNING", "--heartbeat-seconds", "1.0"]
+COMMON = [
+    "--engine",
+    "hf",
+    "--num-blocks",
+    "32",
+    "--port",
+    "0",
+    "--host",
+    "127.0.0.1",
+    "--loop",
+    "asyncio",
+    "--log-level",
+    "WARNING",
+    "--heartbeat-seconds",
+    "1.0",
+]
 
 
 @asynccontextmanager
-async def hf_pair(prefill_dir: str, decode_dir: str, p_tp: int, d_tp: int, *, ready: bool = True,
-                  ) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
+async def hf_pair(
+    prefill_dir: str,
+    decode_dir: str,
+    p_tp: int,
+    d_tp: int,
+    *,
+    ready: bool = True,
+) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
     ps = parse_settings("prefill", [*COMMON, "--model", prefill_dir, "--tp", str(p_tp)], environ={})
     prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
     try:
-        ds = parse_settings("decode", [*COMMON, "--model", decode_dir, "--tp", str(d_tp), "--check-state",
-                                       "--prefill", f"127.0.0.1:{prefill.port}"], environ={})
+        ds = parse_settings(
+            "decode",
+            [*COMMON, "--model", decode_dir, "--tp", str(d_tp), "--check-state", "--prefill", f"127.0.0.1:{prefill.port}"],
+            environ={},
+        )
         decode = await DecodeApp.start(ds, engine_factory_for("hf", ds))
         try:
             if ready:
@@ -52,7 +75,8 @@ async def _generate(port: int, prompt: list[int], max_tokens: int) -> tuple[list
     summary = dpb.GenerateSummary()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = dpb_grpc.DecodeServiceStub(channel).Generate(
-            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60)
+            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60
+        )
         async for reply in call:
             if reply.HasField("chunk"):
                 ids.extend(reply.chunk.token_ids)
@@ -79,20 +103,18 @@ async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
             assert summary.prompt_token_count == len(prompt)
 
 
-async def test_different_weights_are_refused_naming_the_fingerprint(
-    hf_checkpoint: Callable[[str], str], tmp_path: Path
-) -> None:
+async def test_different_weights_are_refused_naming_the_fingerprint(hf_checkpoint: Callable[[str], str], tmp_path: Path) -> None:
     other = build_checkpoint("jamba", str(tmp_path / "jamba"), seed=1)  # same config, other weights
     async with (
         hf_pair(hf_checkpoint("jamba"), other, 1, 1, ready=False) as (_, decode),
         grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel,
     ):
-            stub = dpb_grpc.DecodeServiceStub(channel)
-            for _ in range(300):
-                status = (await stub.GetLayout(dpb.GetLayoutRequest(), timeout=5)).peers[0]
-                if status.state == dpb.PEER_STATE_FAILED:
-                    break
-                await asyncio.sleep(0.02)
+        stub = dpb_grpc.DecodeServiceStub(channel)
+        for _ in range(300):
+            status = (await stub.GetLayout(dpb.GetLayoutRequest(), timeout=5)).peers[0]
+            if status.state == dpb.PEER_STATE_FAILED:
+                break
+            await asyncio.sleep(0.02)
     assert status.state == dpb.PEER_STATE_FAILED
     assert "FAILED_PRECONDITION" in status.last_error and "model.fingerprint" in status.last_error
     assert "model.name" not in status.last_error  # the same config: only the weights differ

@@ -144,7 +144,9 @@ async def test_drain_finishes_in_flight_and_refuses_new(start_prefill: Any, star
     await until(lambda: decode.shell.lifecycle.draining.is_set())
     late = channel_to(decode.port)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in dpb_grpc.DecodeServiceStub(late).Generate(dpb.GenerateRequest(prompt_token_ids=[1], max_tokens=1), timeout=5):
+        async for _ in dpb_grpc.DecodeServiceStub(late).Generate(
+            dpb.GenerateRequest(prompt_token_ids=[1], max_tokens=1), timeout=5
+        ):
             pass
     assert describe(err.value).status == "UNAVAILABLE"
     tokens = list(first.chunk.token_ids)
@@ -185,7 +187,9 @@ async def test_decode_heartbeats_keep_a_held_request_alive(
     decode = await start_decode(prefill.port, "--check-state")
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
     tokens = []
-    async for response in stub.Generate(dpb.GenerateRequest(request_id="held-1", prompt_token_ids=[4, 5, 6], max_tokens=4), timeout=20):
+    async for response in stub.Generate(
+        dpb.GenerateRequest(request_id="held-1", prompt_token_ids=[4, 5, 6], max_tokens=4), timeout=20
+    ):
         tokens += response.chunk.token_ids
     assert tokens == stamp.expected_tokens([4, 5, 6], 4, decode.host.spec.vocab_size)
     await until(lambda: prefill.host.allocator.num_used == 0)

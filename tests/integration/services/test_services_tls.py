@@ -36,7 +36,23 @@ def certs(tmp_path: Path) -> dict[str, str]:
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
     ext = tmp_path / "ext.cnf"
     ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1", "-extfile", str(ext))
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        cert,
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+    )
     return {"cert": cert, "key": key, "ca": ca}
 
 

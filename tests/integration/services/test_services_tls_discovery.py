@@ -38,8 +38,23 @@ def make_certs(directory: Path, dns_name: str) -> list[str]:
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={dns_name}")
     ext = directory / "ext.cnf"
     ext.write_text(f"subjectAltName=DNS:{dns_name}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "1",
-            "-extfile", str(ext))
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        cert,
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+    )
     return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
 
 

@@ -46,7 +46,9 @@ async def test_pair_moves_every_byte(
     decode = await start_decode(
         prefill.port, "--model", model, "--tp", str(d_tp), "--num-blocks", "256", "--check-state", *decode_flags, engine=synthetic
     )
-    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([1, 2, 15, 16, 17, 40, 3, 90, 31, 32, 33, 47, 48, 49, 5, 64])]  # 16 concurrent
+    prompts = [
+        [(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([1, 2, 15, 16, 17, 40, 3, 90, 31, 32, 33, 47, 48, 49, 5, 64])
+    ]  # 16 concurrent
     summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=4)
     link = decode.peers.peers[0].link
     assert sum(link.readers_per_prefill_rank()) == len(link.pairs) == max(p_tp, d_tp)
@@ -73,12 +75,16 @@ GROUP_PAIRS = [
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("p_tp", "d_tp"), GROUP_PAIRS)
-async def test_nano_at_tp16_moves_every_byte(start_prefill: Any, start_decode: Any, channel_to: Any, p_tp: int, d_tp: int) -> None:
+async def test_nano_at_tp16_moves_every_byte(
+    start_prefill: Any, start_decode: Any, channel_to: Any, p_tp: int, d_tp: int
+) -> None:
     """Nemotron-3-Nano's 8 SSM groups at TP 16 (each group on 2 ranks), real-model state sizes."""
     synthetic = engine_factory_for("synthetic")
     model = "nemotron-3-nano-30b-a3b"
     prefill = await start_prefill("--model", model, "--tp", str(p_tp), "--num-blocks", "12", engine=synthetic)
-    decode = await start_decode(prefill.port, "--model", model, "--tp", str(d_tp), "--num-blocks", "12", "--check-state", engine=synthetic)
+    decode = await start_decode(
+        prefill.port, "--model", model, "--tp", str(d_tp), "--num-blocks", "12", "--check-state", engine=synthetic
+    )
     prompts = [[(3 * i + j) % 256 for j in range(n)] for i, n in enumerate([2, 300, 700])]
     summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=2)
     link = decode.peers.peers[0].link
@@ -116,7 +122,9 @@ async def test_reused_id_arrays_never_carry_another_requests_ids(
     monkeypatch.setattr(id_buffers.IdBufferPool, "give", counted_give)
     synthetic = engine_factory_for("synthetic")
     prefill = await start_prefill("--model", "tiny-gdn", "--tp", "2", "--num-blocks", "256", engine=synthetic)
-    decode = await start_decode(prefill.port, "--model", "tiny-gdn", "--tp", "1", "--num-blocks", "256", "--check-state", engine=synthetic)
+    decode = await start_decode(
+        prefill.port, "--model", "tiny-gdn", "--tp", "1", "--num-blocks", "256", "--check-state", engine=synthetic
+    )
     prompts = [[(5 * i + j) % 256 for j in range(n)] for i, n in enumerate([90, 3, 47, 64, 17, 33, 2, 80] * 2)]
     for _ in range(2):  # the second round starts with every array back in the pool
         summaries = await run_batch(channel_to(decode.port), prompts, max_tokens=2)

@@ -158,9 +158,7 @@ class Initiator:
         local = await self.agent.prep_local(
             all_block_descs(self.cache.base_addresses(), self.cache.num_blocks, self.cache.page_bytes)
         )
-        remote = await self.agent.prep_remote(
-            name, target.descs(self.cache.num_blocks, self.cache.page_bytes), target.place
-        )
+        remote = await self.agent.prep_remote(name, target.descs(self.cache.num_blocks, self.cache.page_bytes), target.place)
         return name, local, remote
 
     async def close(self) -> None:

@@ -87,9 +87,7 @@ async def test_contiguous_and_scattered_reads_move_exact_bytes_and_notify_the_ta
 
 @pytest.mark.faults
 @pytest.mark.asyncio
-async def test_read_from_a_killed_peer_fails_with_a_clear_error(
-    spawn_target: Spawn, make_initiator: Spawn
-) -> None:
+async def test_read_from_a_killed_peer_fails_with_a_clear_error(spawn_target: Spawn, make_initiator: Spawn) -> None:
     target = await spawn_target()
     initiator = await make_initiator()
     name, local, remote = await initiator.connect(target)
@@ -129,9 +127,7 @@ async def test_read_from_a_frozen_peer_ends_at_its_deadline_and_releases_the_han
 
 @pytest.mark.faults
 @pytest.mark.asyncio
-async def test_restarted_peer_is_removed_readded_and_read_again(
-    spawn_target: Spawn, make_initiator: Spawn
-) -> None:
+async def test_restarted_peer_is_removed_readded_and_read_again(spawn_target: Spawn, make_initiator: Spawn) -> None:
     # Same engine id, rank and incarnation: the restarted rank reuses the agent name.
     first, restarted = await asyncio.gather(
         spawn_target(engine_id="prefill", incarnation="fixed", seed=1),
@@ -179,9 +175,7 @@ async def test_event_loop_keeps_ticking_during_a_256_mib_read(
     ticking = asyncio.ensure_future(ticker())
     await asyncio.sleep(0.01)
     started = time.perf_counter()
-    result = await initiator.poller.read(
-        initiator.agent, local, np.arange(blocks), remote, np.arange(blocks), b"big", timeout=10
-    )
+    result = await initiator.poller.read(initiator.agent, local, np.arange(blocks), remote, np.arange(blocks), b"big", timeout=10)
     finished = time.perf_counter()
     reading = False
     await ticking

@@ -25,7 +25,9 @@ def test_every_benchmark_has_a_handler_and_defaults() -> None:
     for name in ("transfer", "control", "e2e", "descids"):
         args = p.parse_args(["bench", name])
         assert callable(args.func)
-    t = p.parse_args(["bench", "transfer", "--model", "qwen3.5-0.8b", "--prefill-tp", "2", "--decode-tp", "4", "--prompt-tokens", "512"])
+    t = p.parse_args(
+        ["bench", "transfer", "--model", "qwen3.5-0.8b", "--prefill-tp", "2", "--decode-tp", "4", "--prompt-tokens", "512"]
+    )
     assert (t.model, t.prefill_tp, t.decode_tp, t.prompt_tokens, t.requests) == ("qwen3.5-0.8b", 2, 4, 512, 10)
     e = p.parse_args(["bench", "e2e", "--concurrency", "1,4,16"])
     assert e.concurrency == (1, 4, 16)

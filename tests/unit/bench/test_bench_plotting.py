@@ -46,7 +46,9 @@ def test_an_unknown_suffix_gets_a_png_and_says_so(tmp_path: Path) -> None:
     assert sibling(tmp_path / "out.png", "ttft") == tmp_path / "out-ttft.png"
 
 
-def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_without_matplotlib_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Fake: matplotlib is installed here, so its absence is simulated.
     monkeypatch.setattr(plotting, "available", lambda: False)
     target = tmp_path / "x.png"
@@ -65,8 +67,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
     "chart",
     [
         LINES,  # log2 x, a nan point
-        Chart("GB/s", "", "GB/s", [Series("GB/s", [0, 1, 2], [3.2, 8.0, 3.2])], kind="bar", categories=["ours", "memcpy", "ours"]),
-        Chart("bytes", "prompt tokens", "MB", [Series("K/V", [1024, 2048, 4096], [0.5, 10.0, 1000.0])], log2_x=True, log10_y=True),
+        Chart(
+            "GB/s", "", "GB/s", [Series("GB/s", [0, 1, 2], [3.2, 8.0, 3.2])], kind="bar", categories=["ours", "memcpy", "ours"]
+        ),
+        Chart(
+            "bytes", "prompt tokens", "MB", [Series("K/V", [1024, 2048, 4096], [0.5, 10.0, 1000.0])], log2_x=True, log10_y=True
+        ),
         Chart("linear", "x", "y", [Series("a", [0.5, 1.5, 3.0], [-1.0, 0.0, 2.5])]),
     ],
     ids=["line-log2x", "bar", "log2x-log10y", "line-linear"],

@@ -59,8 +59,11 @@ async def test_refresh_adds_and_retires_to_match(monkeypatch: pytest.MonkeyPatch
     d = Discovery(("pool.test:9", "10.9.9.9:9"), peers, interval=1.0)
     assert d.dynamic
     await d.refresh()
-    assert sorted(peers.calls) == [("add", "10.0.0.1:9", "pool.test"), ("add", "10.0.0.2:9", "pool.test"),
-                                   ("add", "10.9.9.9:9", None)]
+    assert sorted(peers.calls) == [
+        ("add", "10.0.0.1:9", "pool.test"),
+        ("add", "10.0.0.2:9", "pool.test"),
+        ("add", "10.9.9.9:9", None),
+    ]
     peers.calls.clear()
     await d.refresh()
     assert peers.calls == []  # nothing changed, nothing done

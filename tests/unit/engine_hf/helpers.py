@@ -36,11 +36,17 @@ def spec_of(directory: str, dtype: str = "fp32") -> ModelSpec:
     return hf_model_spec(directory, dtype=dtype)
 
 
-def engine(directory: str, tp: int, *, dtype: str = "fp32", boundary: Boundary = "full",
-           block_size: int | None = None, kernel_block_size: int | None = None) -> HfEngine:
+def engine(
+    directory: str,
+    tp: int,
+    *,
+    dtype: str = "fp32",
+    boundary: Boundary = "full",
+    block_size: int | None = None,
+    kernel_block_size: int | None = None,
+) -> HfEngine:
     layout = build_engine_layout(spec_of(directory, dtype), tp, block_size=block_size, kernel_block_size=kernel_block_size)
-    ranks = [RankViews(layout, RankCache(layout.num_regions, NUM_BLOCKS, layout.page_bytes, huge_pages=False))
-             for _ in range(tp)]
+    ranks = [RankViews(layout, RankCache(layout.num_regions, NUM_BLOCKS, layout.page_bytes, huge_pages=False)) for _ in range(tp)]
     return HfEngine(layout, ranks, checkpoint(directory, dtype), boundary=boundary)
 
 
@@ -67,9 +73,13 @@ def transfer(prefill: HfEngine, p_blocks: RequestBlocks, decode: HfEngine, d_blo
         for read in rank_plan.reads:
             p = read.prefill_rank
             lists = build_read_lists(
-                plan, d, p,
-                local_bases=decode.ranks[d].cache.base_addresses(), remote_bases=prefill.ranks[p].cache.base_addresses(),
-                local_num_blocks=NUM_BLOCKS, remote_num_blocks=NUM_BLOCKS,
+                plan,
+                d,
+                p,
+                local_bases=decode.ranks[d].cache.base_addresses(),
+                remote_bases=prefill.ranks[p].cache.base_addresses(),
+                local_num_blocks=NUM_BLOCKS,
+                remote_num_blocks=NUM_BLOCKS,
             )
             local_idx, remote_idx = read_indices(lists, d_blocks.block_ids, p_blocks.block_ids, num_tokens)
             for li, ri in zip(local_idx.tolist(), remote_idx.tolist()):
@@ -90,8 +100,13 @@ class Run:
 
 
 def disaggregated(
-    prefill: HfEngine, decode: HfEngine, prompt: list[int], max_tokens: int, *,
-    sampling: SamplingParams = GREEDY, tamper: Callable[[HfEngine, RequestBlocks], None] | None = None,
+    prefill: HfEngine,
+    decode: HfEngine,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    sampling: SamplingParams = GREEDY,
+    tamper: Callable[[HfEngine, RequestBlocks], None] | None = None,
 ) -> Run:
     """Tokens (and per-token logits; None for the one prefill sampled) of the disaggregated run;
     `tamper(decode, blocks)` may change decode's blocks after the transfer (negative controls)."""
@@ -109,8 +124,12 @@ def disaggregated(
     def grow(num_tokens: int) -> RequestBlocks:
         blocks = state["blocks"]
         need = -(-num_tokens // decode.layout.block_size)
-        ids = [np.concatenate([have, [next(spare) for _ in range(need - len(have))]]) if g.kind == "attention"
-               and need > len(have) else have for have, g in zip(blocks.block_ids, decode.layout.groups)]
+        ids = [
+            np.concatenate([have, [next(spare) for _ in range(need - len(have))]])
+            if g.kind == "attention" and need > len(have)
+            else have
+            for have, g in zip(blocks.block_ids, decode.layout.groups)
+        ]
         state["blocks"] = RequestBlocks(blocks.request_id, ids)
         return state["blocks"]
 

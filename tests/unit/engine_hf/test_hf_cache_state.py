@@ -94,9 +94,7 @@ def test_blocks_hold_the_state_without_losing_a_bit(
 
 
 @pytest.mark.parametrize("family", ["granitemoehybrid", "qwen3_next"])
-def test_decode_grows_its_blocks_and_mirrors_every_new_k_v_into_them(
-    family: str, hf_checkpoint: Callable[[str], str]
-) -> None:
+def test_decode_grows_its_blocks_and_mirrors_every_new_k_v_into_them(family: str, hf_checkpoint: Callable[[str], str]) -> None:
     directory = hf_checkpoint(family)
     eng = engine(directory, 2)
     bs = eng.layout.block_size

@@ -73,8 +73,24 @@ def test_generate_colocated_with_the_hf_engine(
     hf_checkpoint: Callable[[str], str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     directory = hf_checkpoint("falcon_h1")
-    assert main(["generate", "--colocated", "--engine", "hf", "--model", directory, "--prompt", "hello world",
-                 "--max-tokens", "6", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--colocated",
+                "--engine",
+                "hf",
+                "--model",
+                directory,
+                "--prompt",
+                "hello world",
+                "--max-tokens",
+                "6",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     prompt = HfTokenizer(directory).encode("hello world")
     want = colocated_generate(checkpoint(directory), prompt, 6, boundary="n-1")
@@ -82,8 +98,7 @@ def test_generate_colocated_with_the_hf_engine(
     assert out["text"] == HfTokenizer(directory).decode(want.token_ids)
     assert main(["generate", "--colocated", "--engine", "hf", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 1
     assert "INVALID_ARGUMENT: --model" in capsys.readouterr().err
-    assert main(["generate", "--colocated", "--engine", "hf", "--model", directory, "--prompt", "x",
-                 "--top-p", "0"]) == 1
+    assert main(["generate", "--colocated", "--engine", "hf", "--model", directory, "--prompt", "x", "--top-p", "0"]) == 1
     assert "top_p" in capsys.readouterr().err
 
 

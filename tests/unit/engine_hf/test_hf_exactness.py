@@ -45,5 +45,6 @@ def test_disaggregated_equals_colocated_at_every_tp_pair(family: str, hf_checkpo
         sampled_prompt = _prompt(9)
         want = colocated_generate(ckpt, sampled_prompt, 6, sampling=SAMPLED, stop_at_eos=False).token_ids
         assert want != colocated_generate(ckpt, sampled_prompt, 6, stop_at_eos=False).token_ids  # really sampled
-        assert disaggregated(engine(directory, p_tp), engine(directory, d_tp), sampled_prompt, 6,
-                             sampling=SAMPLED).tokens == want, (family, p_tp, d_tp, "sampled")
+        assert (
+            disaggregated(engine(directory, p_tp), engine(directory, d_tp), sampled_prompt, 6, sampling=SAMPLED).tokens == want
+        ), (family, p_tp, d_tp, "sampled")

@@ -23,9 +23,10 @@ MAX_TOKENS = 8
 
 
 def _generate(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
 def _upto_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
@@ -62,6 +63,5 @@ def test_n_minus_1_is_close_to_generate_in_fp32(family: str, hf_checkpoint: Call
     run = disaggregated(engine(directory, 1, boundary="n-1"), engine(directory, 2, boundary="n-1"), prompt, MAX_TOKENS)
     got = _upto_eos(run.tokens, ckpt.eos_token_ids)
     assert got == want_tokens
-    worst = max(float((logits.float() - want).abs().max()) for logits, want in zip(run.logits, want_logits)
-                if logits is not None)
+    worst = max(float((logits.float() - want).abs().max()) for logits, want in zip(run.logits, want_logits) if logits is not None)
     assert 0 < worst < 1e-4  # close (fp32 rounding at these logit scales), and not bit-identical

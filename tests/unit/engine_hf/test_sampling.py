@@ -35,8 +35,14 @@ def test_top_k_and_top_p_keep_only_their_tokens() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"), ({"seed": -1}, "seed")],
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": -1}, "seed"),
+    ],
 )
 def test_bad_parameters_name_their_field(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):

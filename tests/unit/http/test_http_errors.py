@@ -37,7 +37,12 @@ def test_status_and_retry_after(error: ServiceError, status: int, retry_after: s
 def test_field_is_the_param() -> None:
     body = http_error(InvalidArgument("must be >= 1", field="max_tokens")).body
     assert body == {
-        "error": {"message": "max_tokens: must be >= 1", "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_argument"}
+        "error": {
+            "message": "max_tokens: must be >= 1",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "invalid_argument",
+        }
     }
 
 

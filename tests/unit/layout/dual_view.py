@@ -83,9 +83,7 @@ def dual_view(layout: EngineLayout, bases: Sequence[int] | npt.ArrayLike, num_lo
     )
 
 
-def descriptor_ids(
-    layout: EngineLayout, num_logical_blocks: int, block_ids_per_group: Sequence[npt.ArrayLike]
-) -> IntArray:
+def descriptor_ids(layout: EngineLayout, num_logical_blocks: int, block_ids_per_group: Sequence[npt.ArrayLike]) -> IntArray:
     """Dual-view descriptor ids of the given logical block ids (one array per group)."""
     if len(block_ids_per_group) != len(layout.groups):
         raise LayoutError(f"expected block ids for {len(layout.groups)} groups, got {len(block_ids_per_group)}")

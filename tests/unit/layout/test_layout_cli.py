@@ -62,8 +62,22 @@ def test_plan_with_groups_replicated_across_ranks(capsys: pytest.CaptureFixture[
 
 
 def test_plan_json_from_a_config_file(capsys: pytest.CaptureFixture[str]) -> None:
-    code = run(["plan", "--model", str(DATA / "granitemoehybrid.json"), "--prefill-tp", "4", "--decode-tp", "2",
-                "--kv-dtype", "fp8", "--decode-kernel-block-size", "16", "--json"])
+    code = run(
+        [
+            "plan",
+            "--model",
+            str(DATA / "granitemoehybrid.json"),
+            "--prefill-tp",
+            "4",
+            "--decode-tp",
+            "2",
+            "--kv-dtype",
+            "fp8",
+            "--decode-kernel-block-size",
+            "16",
+            "--json",
+        ]
+    )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "hybrid-pd.plan/v1" and doc["verified"] and doc["tp_ratio"] == -2
@@ -76,7 +90,21 @@ def test_plan_json_from_a_config_file(capsys: pytest.CaptureFixture[str]) -> Non
         (["--model", "granite-4.0-h-tiny", "--prefill-tp", "2", "--decode-tp", "8"], "query heads 12"),
         (["--model", "nope", "--prefill-tp", "1", "--decode-tp", "1"], "neither a preset"),
         (["--model", "tiny-gdn", "--prefill-tp", "1"], "missing --decode-tp"),
-        (["--model", "tiny-gdn", "--prefill-tp", "1", "--decode-tp", "1", "--block-size", "100", "--decode-kernel-block-size", "16"], "does not divide"),
+        (
+            [
+                "--model",
+                "tiny-gdn",
+                "--prefill-tp",
+                "1",
+                "--decode-tp",
+                "1",
+                "--block-size",
+                "100",
+                "--decode-kernel-block-size",
+                "16",
+            ],
+            "does not divide",
+        ),
     ],
 )
 def test_plan_invalid_input_exits_2_with_one_line(argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,12 @@ def reference_descs(lay: EngineLayout, bases: list[int], ids_per_group: list[lis
                     for logical in ids_per_group[g]:
                         for k in range(lay.physical_per_logical):
                             b = logical * lay.physical_per_logical + k
-                            out.append((bases[j] + b * lay.kernel_page_bytes + half * lay.kernel_page_bytes // 2, lay.kernel_page_bytes // 2))
+                            out.append(
+                                (
+                                    bases[j] + b * lay.kernel_page_bytes + half * lay.kernel_page_bytes // 2,
+                                    lay.kernel_page_bytes // 2,
+                                )
+                            )
             else:
                 pieces = [*zip(s.section_offsets, s.section_bytes), (s.conv_bytes, s.ssm_bytes)]
                 for offset, size in pieces:

@@ -166,7 +166,14 @@ def test_unsupported_model_type_and_bad_values() -> None:
     with pytest.raises(LayoutError, match="mamba_d_state"):
         parse_config(bad, name="x")
     assert set(SUPPORTED_MODEL_TYPES) == {
-        "nemotron_h", "jamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "falcon_h1", "bamba"
+        "nemotron_h",
+        "jamba",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "granitemoehybrid",
+        "falcon_h1",
+        "bamba",
     }
 
 

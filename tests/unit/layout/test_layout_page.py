@@ -106,7 +106,10 @@ def test_grouping_nano_pads_the_short_group() -> None:
 
 def test_grouping_uses_the_largest_bucket_when_close() -> None:
     # 4 attention and 5 SSM layers: 5 < 1.5 * 4, so g = 5 (one group each, attention padded).
-    spec = dataclasses.replace(get_preset("tiny-mamba2"), layer_kinds=tuple(["ssm", "attention", "ssm", "attention", "ssm", "attention", "ssm", "attention", "ssm"]))
+    spec = dataclasses.replace(
+        get_preset("tiny-mamba2"),
+        layer_kinds=tuple(["ssm", "attention", "ssm", "attention", "ssm", "attention", "ssm", "attention", "ssm"]),
+    )
     groups = hma_groups(spec)
     assert [len(g.layers) for g in groups] == [5, 4]
     assert build_engine_layout(spec, 1).num_regions == 5

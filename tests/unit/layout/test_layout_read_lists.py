@@ -278,13 +278,18 @@ def test_a_long_contiguous_request_still_merges_to_one_descriptor_per_fa_region(
     assert wire_descriptors(rl, li[is_fa], ri[is_fa]) == fa_regions
 
 
-@pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-mamba2-g1", "tiny-gdn", "tiny-mamba1", "nemotron-3-nano-30b-a3b", "falcon-h1-1.5b"])
+@pytest.mark.parametrize(
+    "name", ["tiny-mamba2", "tiny-mamba2-g1", "tiny-gdn", "tiny-mamba1", "nemotron-3-nano-30b-a3b", "falcon-h1-1.5b"]
+)
 def test_bytes_from_counts_equal_the_sum_over_the_ids(name: str) -> None:
     spec = get_preset(name)
     checked = 0
     for p_tp, d_tp, p_kernel, d_kernel in [(1, 1, 16, 16), (1, 2, 16, 16), (2, 1, 16, 32), (2, 4, 32, 16), (4, 2, 16, 16)]:
         try:
-            plan = build_plan(build_engine_layout(spec, p_tp, kernel_block_size=p_kernel), build_engine_layout(spec, d_tp, kernel_block_size=d_kernel))
+            plan = build_plan(
+                build_engine_layout(spec, p_tp, kernel_block_size=p_kernel),
+                build_engine_layout(spec, d_tp, kernel_block_size=d_kernel),
+            )
         except LayoutError:
             continue  # TP does not divide this model's heads
         for d in range(d_tp):
@@ -294,7 +299,12 @@ def test_bytes_from_counts_equal_the_sum_over_the_ids(name: str) -> None:
                 read = plan.ranks[d].read_from(p)
                 for tokens in (0, 1, 17, plan.decode.block_size + 3, 3 * min(plan.decode.block_size, plan.prefill.block_size)):
                     local = blocks(plan, list(range(-(-tokens // plan.decode.block_size) or 1)), 8)
-                    remote = [np.array(list(range(-(-tokens // plan.prefill.block_size) or 1))) if g.kind == "attention" else np.array([8]) for g in plan.prefill.groups]
+                    remote = [
+                        np.array(list(range(-(-tokens // plan.prefill.block_size) or 1)))
+                        if g.kind == "attention"
+                        else np.array([8])
+                        for g in plan.prefill.groups
+                    ]
                     li, _ = read_indices(rl, local, remote, tokens)
                     reads_ssm = read.ssm is not None
                     assert rl.bytes_for(tokens, reads_ssm) == rl.bytes_by_section(li, reads_ssm), (p_tp, d_tp, d, p, tokens)

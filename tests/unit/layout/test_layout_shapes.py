@@ -60,9 +60,14 @@ def test_documented_state_shapes(
         assert s.section_bytes == proj_bytes
 
 
-@pytest.mark.parametrize(("hv", "tp", "conv", "ssm", "dims"), [(32, 1, 8192, (32, 128, 128), (2048, 2048, 4096)),
-                                                               (48, 1, 10240, (48, 128, 128), (2048, 2048, 6144)),
-                                                               (48, 8, 1280, (6, 128, 128), (256, 256, 768))])
+@pytest.mark.parametrize(
+    ("hv", "tp", "conv", "ssm", "dims"),
+    [
+        (32, 1, 8192, (32, 128, 128), (2048, 2048, 4096)),
+        (48, 1, 10240, (48, 128, 128), (2048, 2048, 6144)),
+        (48, 8, 1280, (6, 128, 128), (256, 256, 768)),
+    ],
+)
 def test_documented_qwen35_larger_gdn_shapes(hv: int, tp: int, conv: int, ssm: tuple[int, ...], dims: tuple[int, ...]) -> None:
     base = get_preset("qwen3.5-0.8b")
     att = dataclasses.replace(base.attention, num_heads=24, num_kv_heads=8)
@@ -115,10 +120,34 @@ def test_documented_nano_state_bytes() -> None:
 @pytest.mark.parametrize(
     ("model", "convs", "sections", "ssm_rows", "total"),
     [
-        ("tiny-mamba2", (256, 128, 64, 32), ((96, 80, 80), (48, 40, 40), (24, 20, 20), (12, 10, 10)), (16, 8, 4, 2), (6912, 3456, 1728, 864)),
-        ("tiny-mamba2-g1", (116, 68, 44, 32), ((96, 10, 10), (48, 10, 10), (24, 10, 10), (12, 10, 10)), (16, 8, 4, 2), (5232, 2736, 1488, 864)),
-        ("tiny-mamba2-g2", (136, 68, 44, 32), ((96, 20, 20), (48, 10, 10), (24, 10, 10), (12, 10, 10)), (16, 8, 4, 2), (5472, 2736, 1488, 864)),
-        ("tiny-gdn", (352, 176, 88, 44), ((96, 96, 160), (48, 48, 80), (24, 24, 40), (12, 12, 20)), (16, 8, 4, 2), (11904, 5952, 2976, 1488)),
+        (
+            "tiny-mamba2",
+            (256, 128, 64, 32),
+            ((96, 80, 80), (48, 40, 40), (24, 20, 20), (12, 10, 10)),
+            (16, 8, 4, 2),
+            (6912, 3456, 1728, 864),
+        ),
+        (
+            "tiny-mamba2-g1",
+            (116, 68, 44, 32),
+            ((96, 10, 10), (48, 10, 10), (24, 10, 10), (12, 10, 10)),
+            (16, 8, 4, 2),
+            (5232, 2736, 1488, 864),
+        ),
+        (
+            "tiny-mamba2-g2",
+            (136, 68, 44, 32),
+            ((96, 20, 20), (48, 10, 10), (24, 10, 10), (12, 10, 10)),
+            (16, 8, 4, 2),
+            (5472, 2736, 1488, 864),
+        ),
+        (
+            "tiny-gdn",
+            (352, 176, 88, 44),
+            ((96, 96, 160), (48, 48, 80), (24, 24, 40), (12, 12, 20)),
+            (16, 8, 4, 2),
+            (11904, 5952, 2976, 1488),
+        ),
         ("tiny-mamba1", (96, 48, 24, 12), ((96,), (48,), (24,), (12,)), (96, 48, 24, 12), (4224, 2112, 1056, 528)),
     ],
 )
@@ -227,7 +256,9 @@ def specs(draw: st.DrawFn) -> ModelSpec:
     ssm: Mamba2Dims | GDNDims | Mamba1Dims
     if family == "mamba2":
         heads = draw(st.sampled_from([8, 16]))
-        ssm = Mamba2Dims(heads, draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([2, 3])))
+        ssm = Mamba2Dims(
+            heads, draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([2, 3]))
+        )
     elif family == "gdn":
         hk = draw(st.sampled_from([8, 16]))
         ssm = GDNDims(hk, hk * draw(st.sampled_from([1, 2])), draw(st.sampled_from([2, 3])), draw(st.sampled_from([1, 2])))

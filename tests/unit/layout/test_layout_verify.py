@@ -83,9 +83,15 @@ def test_simulator_catches_proportional_bc_offsets(p: int, d: int) -> None:
 
 
 GROUP_CASES = [
-    ("tiny-mamba2-g2", 2, 4), ("tiny-mamba2-g2", 1, 4), ("tiny-mamba2-g2", 4, 2), ("tiny-mamba2-g2", 8, 4),
-    ("tiny-mamba2-g2", 2, 8), ("nemotron-3-nano-30b-a3b", 8, 16), ("nemotron-3-nano-30b-a3b", 16, 8),
-    ("nemotron-3-nano-30b-a3b", 4, 16), ("nemotron-h-8b", 16, 2),
+    ("tiny-mamba2-g2", 2, 4),
+    ("tiny-mamba2-g2", 1, 4),
+    ("tiny-mamba2-g2", 4, 2),
+    ("tiny-mamba2-g2", 8, 4),
+    ("tiny-mamba2-g2", 2, 8),
+    ("nemotron-3-nano-30b-a3b", 8, 16),
+    ("nemotron-3-nano-30b-a3b", 16, 8),
+    ("nemotron-3-nano-30b-a3b", 4, 16),
+    ("nemotron-h-8b", 16, 2),
 ]
 
 
@@ -165,13 +171,35 @@ def first_read(rank: RankPlan, **changes: object) -> RankPlan:
 @pytest.mark.parametrize(
     ("label", "change", "message"),
     [
-        ("ssm shifted one row", lambda r: first_read(r, ssm=dataclasses.replace(r.reads[0].ssm, remote_offset=r.reads[0].ssm.remote_offset + 960)), "SSM"),
+        (
+            "ssm shifted one row",
+            lambda r: first_read(r, ssm=dataclasses.replace(r.reads[0].ssm, remote_offset=r.reads[0].ssm.remote_offset + 960)),
+            "SSM",
+        ),
         ("x missing", lambda r: first_read(r, conv=(None, *r.reads[0].conv[1:])), "never written"),
-        ("B and C swapped", lambda r: first_read(r, conv=(r.reads[0].conv[0], r.reads[0].conv[2], r.reads[0].conv[1])), "conv section"),
-        ("read twice", lambda r: dataclasses.replace(r, reads=(*r.reads, dataclasses.replace(r.reads[-1], prefill_rank=r.reads[-1].prefill_rank))), "allowed once"),
-        ("FA from the wrong head", lambda r: first_read(r, fa=dataclasses.replace(r.reads[0].fa, remote_offset=r.reads[0].fa.remote_offset + 1024)), "FA"),
+        (
+            "B and C swapped",
+            lambda r: first_read(r, conv=(r.reads[0].conv[0], r.reads[0].conv[2], r.reads[0].conv[1])),
+            "conv section",
+        ),
+        (
+            "read twice",
+            lambda r: dataclasses.replace(
+                r, reads=(*r.reads, dataclasses.replace(r.reads[-1], prefill_rank=r.reads[-1].prefill_rank))
+            ),
+            "allowed once",
+        ),
+        (
+            "FA from the wrong head",
+            lambda r: first_read(r, fa=dataclasses.replace(r.reads[0].fa, remote_offset=r.reads[0].fa.remote_offset + 1024)),
+            "FA",
+        ),
         ("FA missing", lambda r: first_read(r, fa=None), "FA K/V half"),
-        ("source not a candidate", lambda r: dataclasses.replace(r, reads=(dataclasses.replace(r.reads[0], prefill_rank=3),)), "allowed"),
+        (
+            "source not a candidate",
+            lambda r: dataclasses.replace(r, reads=(dataclasses.replace(r.reads[0], prefill_rank=3),)),
+            "allowed",
+        ),
     ],
 )
 def test_verifier_catches_wrong_plans(label: str, change: object, message: str) -> None:
@@ -184,7 +212,11 @@ def test_verifier_catches_wrong_plans(label: str, change: object, message: str) 
 def test_simulator_catches_a_shifted_ssm_offset() -> None:
     plan = plan_for(get_preset("tiny-gdn"), 2, 2)
     shift = plan.decode.shapes.ssm_row_bytes
-    bad = mutate(plan, 0, lambda r: first_read(r, ssm=dataclasses.replace(r.reads[0].ssm, remote_offset=r.reads[0].ssm.remote_offset + shift)))
+    bad = mutate(
+        plan,
+        0,
+        lambda r: first_read(r, ssm=dataclasses.replace(r.reads[0].ssm, remote_offset=r.reads[0].ssm.remote_offset + shift)),
+    )
     assert any("SSM state differs" in m for m in simulate_transfer(bad, num_tokens=5))
 
 
@@ -204,7 +236,9 @@ def specs(draw: st.DrawFn) -> ModelSpec:
     att = dataclasses.replace(base.attention, num_heads=8, num_kv_heads=kv, head_dim=draw(st.sampled_from([2, 3])))
     ssm: Mamba2Dims | GDNDims | Mamba1Dims = draw(
         st.one_of(
-            st.builds(Mamba2Dims, st.sampled_from([8, 16]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 8]), st.sampled_from([2, 3])),
+            st.builds(
+                Mamba2Dims, st.sampled_from([8, 16]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 8]), st.sampled_from([2, 3])
+            ),
             st.builds(GDNDims, st.just(8), st.sampled_from([8, 16]), st.sampled_from([2, 3]), st.sampled_from([1, 2])),
             st.builds(Mamba1Dims, st.sampled_from([8, 16]), st.sampled_from([2, 3]), st.just(2)),
         )
@@ -234,7 +268,14 @@ def specs(draw: st.DrawFn) -> ModelSpec:
     seed=st.integers(0, 1000),
 )
 def test_simulated_transfer_round_trips(
-    spec: ModelSpec, p: int, d: int, alignment: int, kernels: tuple[int | None, int | None], tokens: int, contiguous: bool, seed: int
+    spec: ModelSpec,
+    p: int,
+    d: int,
+    alignment: int,
+    kernels: tuple[int | None, int | None],
+    tokens: int,
+    contiguous: bool,
+    seed: int,
 ) -> None:
     assume(valid_tp(spec, p) and valid_tp(spec, d))
     prefill = build_engine_layout(spec, p, alignment=alignment, kernel_block_size=kernels[0])
@@ -257,7 +298,9 @@ def test_simulated_transfer_round_trips(
 )
 def test_simulated_transfer_real_models(name: str, p: int, d: int, kernels: tuple[int | None, int | None]) -> None:
     spec = PRESETS[name]
-    plan = build_plan(build_engine_layout(spec, p, kernel_block_size=kernels[0]), build_engine_layout(spec, d, kernel_block_size=kernels[1]))
+    plan = build_plan(
+        build_engine_layout(spec, p, kernel_block_size=kernels[0]), build_engine_layout(spec, d, kernel_block_size=kernels[1])
+    )
     assert simulate_transfer(plan, num_tokens=33, spare_blocks=1) == []
 
 
@@ -279,10 +322,26 @@ def test_plan_json_schema() -> None:
     plan = plan_for(get_preset("tiny-mamba2-g1"), 4, 2)
     doc = plan_to_json(plan)
     assert list(doc) == ["schema", "model", "family", "tp_ratio", "prefill", "decode", "ranks", "verified", "violations"]
-    assert (doc["schema"], doc["model"], doc["family"], doc["tp_ratio"], doc["verified"]) == (SCHEMA, "tiny-mamba2-g1", "mamba2", -2, True)
+    assert (doc["schema"], doc["model"], doc["family"], doc["tp_ratio"], doc["verified"]) == (
+        SCHEMA,
+        "tiny-mamba2-g1",
+        "mamba2",
+        -2,
+        True,
+    )
     assert set(doc["prefill"]) == {
-        "tp", "kv_heads_per_rank", "block_size", "kernel_block_size", "physical_per_logical", "page_bytes",
-        "fa_bytes_per_token", "conv_bytes", "ssm_bytes", "section_dims", "section_bytes", "num_regions",
+        "tp",
+        "kv_heads_per_rank",
+        "block_size",
+        "kernel_block_size",
+        "physical_per_logical",
+        "page_bytes",
+        "fa_bytes_per_token",
+        "conv_bytes",
+        "ssm_bytes",
+        "section_dims",
+        "section_bytes",
+        "num_regions",
     }
     assert doc["decode"]["section_dims"] == [48, 10, 10]
     rank = doc["ranks"][0]

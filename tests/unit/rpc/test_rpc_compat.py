@@ -12,7 +12,9 @@ from shared.rpc.compat import check_pair, malformed_issues, pairing_issues
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 
 
-def message(role: str, tp: int, *, model: str = "tiny-mamba2", kv: str | None = None, block_size: int | None = None) -> pb.EngineLayout:
+def message(
+    role: str, tp: int, *, model: str = "tiny-mamba2", kv: str | None = None, block_size: int | None = None
+) -> pb.EngineLayout:
     spec = get_preset(model).with_dtypes(kv=kv)  # type: ignore[arg-type]
     layout = build_engine_layout(spec, tp, block_size=block_size, kernel_block_size=16)
     ranks = [RankMemory(f"{role}-r{r}", b"meta", "cpu", 0, tuple(range(1000, 1000 + layout.num_regions))) for r in range(tp)]

@@ -25,8 +25,6 @@ RAISES: dict[str, BaseException] = {
 }
 
 
-
-
 async def _unary_handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     raise RAISES[request.decode()]
 

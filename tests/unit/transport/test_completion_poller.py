@@ -71,9 +71,7 @@ async def test_a_read_that_cannot_finish_ends_at_its_deadline_and_the_peer_recov
 async def test_cancelling_a_read_in_flight_releases_its_handle(pair: Any) -> None:
     poller = CompletionPoller()
     try:
-        reading = asyncio.ensure_future(
-            poller.read(pair.reader, pair.local, [0], pair.remote, [0], b"x", timeout=30)
-        )
+        reading = asyncio.ensure_future(poller.read(pair.reader, pair.local, [0], pair.remote, [0], b"x", timeout=30))
         await eventually(lambda: poller.in_flight == 1)
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -91,9 +89,7 @@ async def test_cancelling_a_read_while_it_is_posted_releases_its_handle(pair: An
     release = threading.Event()
     blocker = pair.reader._owner.submit(release.wait)  # the post queues behind this job
     try:
-        reading = asyncio.ensure_future(
-            poller.read(pair.reader, pair.local, [0], pair.remote, [0], b"x", timeout=30)
-        )
+        reading = asyncio.ensure_future(poller.read(pair.reader, pair.local, [0], pair.remote, [0], b"x", timeout=30))
         await asyncio.sleep(0.05)  # the post is queued on the owner thread, not run yet
         assert not reading.done()
         reading.cancel()
