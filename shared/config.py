@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from shared.version import version
+
 ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
@@ -356,6 +358,7 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
         epilog=f"Every flag can also be set with an environment variable {ENV_PREFIX}<FLAG> "
         f"(upper case, '-' -> '_'); a flag on the command line wins over the environment.",
     )
+    parser.add_argument("--version", action="version", version=f"{prog} {version()}")
     for flag in flags_for(role):
         default = DEFAULT_PORTS[role] if flag.name == "port" else flag.default
         options = getattr(flag.parse, "options", None)

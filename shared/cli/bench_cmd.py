@@ -131,9 +131,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
                 return 2
         try:
             return fn(args)
-        except KeyboardInterrupt:
-            return 130
-        except Exception as e:  # a benchmark that cannot run says why, in one line
+        except Exception as e:  # one line saying why; Ctrl-C is no Exception: main() ends it (130)
             print(f"hybrid-pd bench {args.bench_command}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
 

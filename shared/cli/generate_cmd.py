@@ -51,6 +51,17 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def positive_count(text: str) -> int:
+    """argparse type: an integer >= 1 (the message names the value; argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -68,7 +79,7 @@ def register(subparsers: Any) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized by the service)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="prompt token ids, e.g. 72,101,108")
-    p.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
+    p.add_argument("--max-tokens", type=positive_count, default=16, metavar="N", help="tokens to generate (default 16)")
     p.add_argument("--request-id", default="", help="request id (default: the service makes one)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

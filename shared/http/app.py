@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -21,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 from shared.errors import InvalidArgument, NotFound, ServiceError
 from shared.http.errors import HttpError, error_body, http_error, internal_error
 from shared.http.objects import model_list
+from shared.version import version
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +70,6 @@ def check_model(info: ServiceInfo, model: str | None) -> str:
             f"model {model!r} is not served here; this service serves {info.model_id!r}", field="model", reason="MODEL_NOT_FOUND"
         )
     return info.model_id
-
-
-def version() -> str:
-    try:
-        return metadata.version("hybrid-pd")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def build_app(info: ServiceInfo, routes: Sequence[BaseRoute] = ()) -> Starlette:

@@ -31,6 +31,10 @@ def load_model(
         )
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if not os.path.isfile(path):
+        if os.path.isdir(name_or_path):
+            raise LayoutError(f"{path} does not exist: a checkpoint directory needs its config.json")
+        if os.sep in name_or_path or name_or_path.endswith(".json"):
+            raise LayoutError(f"{name_or_path} does not exist")
         raise LayoutError(f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json path")
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,0 +1,64 @@
+"""The command line meets bad input and Ctrl-C with one line and an exit code, never a traceback;
+every command answers --version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shared.cli.main import main
+from shared.config import build_parser
+from shared.layout.models import load_model
+from shared.layout.spec import LayoutError
+from shared.version import version
+
+
+def test_version_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"hybrid-pd {version()}"
+    for role in ("prefill", "decode"):
+        with pytest.raises(SystemExit) as done:
+            build_parser(role).parse_args(["--version"])  # type: ignore[arg-type]
+        assert done.value.code == 0 and capsys.readouterr().out.strip() == f"{role}-svc {version()}"
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "many"])
+def test_a_bad_max_tokens_names_the_flag(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--colocated", "--model", "tiny-mamba2", "--prompt", "hi", "--max-tokens", value])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "--max-tokens" in err and ">= 1" in err and "Traceback" not in err
+
+
+def test_a_missing_config_file_is_named(tmp_path: os.PathLike[str]) -> None:
+    missing = os.path.join(str(tmp_path), "missing", "config.json")
+    with pytest.raises(LayoutError, match=f"^{missing} does not exist$"):
+        load_model(missing)
+    with pytest.raises(LayoutError, match="config.json does not exist: a checkpoint directory"):
+        load_model(str(tmp_path))
+
+
+def test_an_error_inside_a_command_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: os.PathLike[str]) -> None:
+    missing = os.path.join(str(tmp_path), "nope.json")
+    code = main(["plan", "--model", missing, "--prefill-tp", "1", "--decode-tp", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
+
+
+def test_ctrl_c_ends_with_one_line_and_130() -> None:
+    """A real SIGINT to a real long-running command (a descriptor-id sweep)."""
+    command = [sys.executable, "-m", "shared.cli.main", "bench", "descids", "--blocks", "100000", "--repeat", "100000"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
+    time.sleep(3)  # imports done, the sweep running
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "hybrid-pd bench: interrupted"
