@@ -159,7 +159,8 @@ class EngineHost:
                 )
                 for agent, cache in zip(agents, caches)
             ]
-            engine = engine_factory(layout, caches)
+            # Off the event loop: loading a checkpoint takes seconds the loop must keep serving.
+            engine = await asyncio.to_thread(engine_factory, layout, caches)
         except BaseException:
             await poller.aclose()
             for agent in agents:
