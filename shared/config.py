@@ -13,6 +13,7 @@ import argparse
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,10 +392,31 @@ class SettingsError(ValueError):
 
 
 def _parse_value(flag: Flag, raw: str, source: str) -> object:
+    """`source`: the environment variable the value came from, or "" for the command line."""
     try:
         return flag.parse(raw)
     except ValueError as e:
-        raise SettingsError(f"--{flag.name} ({source}) = {raw!r}: {e}") from None
+        where = f" (from {source})" if source else ""
+        raise SettingsError(f"--{flag.name}{where} = {raw!r}: {e}") from None
+
+
+# Variables the services read that are not flags (TEST-ONLY hooks, the test suite's switch).
+NOT_FLAGS = ("HYBRID_PD_TEST_PAUSE", "HYBRID_PD_TEST_CORRUPT", "HYBRID_PD_SLOW")
+
+
+def environment_warnings(role: Role, environ: Mapping[str, str]) -> list[str]:
+    """One line per HYBRID_PD_* variable this service ignores: unknown names (a typo?) and the
+    other service's flags."""
+    own = {f.env for f in flags_for(role)}
+    other: Role = "decode" if role == "prefill" else "prefill"
+    theirs = {f.env for f in flags_for(other)} - own
+    out = []
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in own and n not in NOT_FLAGS):
+        if name in theirs:
+            out.append(f"{name} is a {other}-svc flag; {role}-svc ignores it")
+        else:
+            out.append(f"{name} is not a flag of {role}-svc (see --help); ignored")
+    return out
 
 
 def resolve(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[dict[str, object], dict[str, str]]:
@@ -405,7 +427,7 @@ def resolve(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) ->
         given = getattr(args, flag.dest)
         if given is not None:
             raws = given if flag.repeatable else [given]
-            parsed = [_parse_value(flag, r, f"--{flag.name}") for r in raws]
+            parsed = [_parse_value(flag, r, "") for r in raws]
             values[flag.dest] = tuple(parsed) if flag.repeatable else parsed[0]
             sources[flag.dest] = "flag"
         elif flag.env in environ and environ[flag.env].strip() != "":
@@ -517,8 +539,11 @@ def parse_settings(role: Role, argv: Sequence[str] | None = None, environ: Mappi
     """Parse argv + environment; on a bad value print usage and the reason, exit 2."""
     parser = build_parser(role)
     args = parser.parse_args(argv)
+    env = os.environ if environ is None else environ
+    for warning in environment_warnings(role, env):
+        print(f"{parser.prog}: warning: {warning}", file=sys.stderr)
     try:
-        return settings_from(role, args, os.environ if environ is None else environ)
+        return settings_from(role, args, env)
     except SettingsError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits

@@ -40,8 +40,8 @@ def test_decode_needs_a_prefill(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "needle"),
     [
-        (["--tp", "0"], {}, "--tp (--tp) = '0': must be >= 1"),
-        ([], {"HYBRID_PD_TP": "two"}, "--tp (HYBRID_PD_TP) = 'two'"),
+        (["--tp", "0"], {}, "--tp = '0': must be >= 1"),
+        ([], {"HYBRID_PD_TP": "two"}, "--tp (from HYBRID_PD_TP) = 'two'"),
         (["--device", "tpu"], {}, "must be one of cpu, cuda"),
         (["--port", "70000"], {}, "0..65535"),
         (["--memory-budget", "lots"], {}, "512MiB"),
@@ -63,7 +63,7 @@ def test_huge_pages_default_on_and_turn_off_by_flag_or_env(capsys: pytest.Captur
     assert parse_settings("decode", ["--prefill", "a:1"], environ={"HYBRID_PD_HUGE_PAGES": "off"}).huge_pages is False
     with pytest.raises(SystemExit):
         parse_settings("prefill", ["--huge-pages", "maybe"], environ={})
-    assert "--huge-pages (--huge-pages) = 'maybe'" in capsys.readouterr().err
+    assert "--huge-pages = 'maybe'" in capsys.readouterr().err
 
 
 def test_cache_size_flag_overrides_the_other_from_env() -> None:
@@ -91,3 +91,17 @@ def test_help_explains_every_flag_and_its_env(role: str) -> None:
         if role in flag.roles:
             assert f"--{flag.name}" in text
             assert flag.env in text
+
+
+def test_ignored_environment_variables_are_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    from shared.config import parse_settings
+
+    env = {"HYBRID_PD_TP": "2", "HYBRID_PD_PREFIL": "x:1", "HYBRID_PD_PREFILL": "h:1", "HYBRID_PD_TEST_PAUSE": ""}
+    settings = parse_settings("prefill", ["--port", "0"], environ=env)
+    err = capsys.readouterr().err
+    assert settings.tp == 2
+    assert "prefill-svc: warning: HYBRID_PD_PREFIL is not a flag of prefill-svc (see --help); ignored" in err
+    assert "prefill-svc: warning: HYBRID_PD_PREFILL is a decode-svc flag; prefill-svc ignores it" in err
+    assert "HYBRID_PD_TP" not in err and "HYBRID_PD_TEST_PAUSE" not in err
+    parse_settings("decode", ["--prefill", "h:1"], environ={"HYBRID_PD_TP": "1"})
+    assert capsys.readouterr().err == ""  # nothing ignored, nothing said
