@@ -224,7 +224,7 @@ async def test_client_cli_prints_status_and_exits_nonzero(cluster: Cluster) -> N
     c = cluster
     await c.ready()
     address = ["--decode", c.decode.address]
-    code, err = await cli(*address, "--prompt-ids", "1,2", "--max-tokens", "0")
+    code, err = await cli(*address, "--prompt-ids", "1,2", "--max-tokens", "1000000")  # more than the cache holds
     assert code == 1 and err.startswith("INVALID_ARGUMENT: max_tokens"), err
     code, err = await cli(*address, "--prompt-ids", "1,999999", "--max-tokens", "2")
     assert code == 1 and err.startswith("INVALID_ARGUMENT: prompt_token_ids"), err

@@ -47,6 +47,8 @@ async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_d
     channel = channel_to(decode.port)
     hog = asyncio.ensure_future(generate(channel, [1] * 8, 120, timeout=30))
     await until(lambda: decode.host.allocator.num_free == 0)
+    # Decode takes the hog's blocks before its job reaches prefill: count only after prefill ran it.
+    await until(lambda: prefill.host.engine.prefills == 1)
     prefills_before = prefill.host.engine.prefills
     started = time.monotonic()
     refused = await generate(channel, [2, 3, 4], 4, timeout=1.0)

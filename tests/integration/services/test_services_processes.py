@@ -49,7 +49,8 @@ def test_generate_json(pair: LocalPair, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_generate_failure_prints_status(pair: LocalPair, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = generate(capsys, pair, "--prompt-ids", "1,2", "--max-tokens", "0")
+    # More than decode's cache holds: refused by the service, naming the field.
+    code, _, err = generate(capsys, pair, "--prompt-ids", "1,2", "--max-tokens", "1000000")
     assert code == 1
     assert err.startswith("INVALID_ARGUMENT: max_tokens")
 
