@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from typing import Any
@@ -225,7 +226,10 @@ async def test_prefill_forgets_a_decode_engine_when_its_session_ends(
     start_prefill: Any, start_decode: Any, channel_to: Any
 ) -> None:
     prefill = await start_prefill()
-    decode = await start_decode(prefill.port, ready=False)
+    # The decode app only lends its layout: pointed at a port where no prefill listens, it opens
+    # no session of its own here (one it opened to this prefill would be counted too, whenever
+    # its connection happened to land: the test raced it under load).
+    decode = await start_decode(unused_port(), ready=False)
     session = RawSession(channel_to(prefill.port), decode.host.message)
     await session.open()
     await until(lambda: prefill.servicer.peers.open_sessions == 1)
@@ -268,3 +272,11 @@ async def test_client_deadline_aborts_the_prefill_job(start_prefill: Any, start_
     # The job was cancelled on prefill (no pin ever made), its blocks freed once the compute ended.
     await until(lambda: prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0)
     assert not prefill.pins.ended and len(prefill.pins) == 0
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
