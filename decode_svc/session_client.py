@@ -188,8 +188,13 @@ class SessionClient:
         loop = asyncio.get_running_loop()
         next_send = loop.time() + send_every
         while not self.closed.is_set():
+            due = loop.time() + tick
             await asyncio.sleep(tick)
             now = loop.time()
+            if now - due > interval:
+                # This process did not run for a while (CPU starved, stopped): the silence may be
+                # ours, and what the peer sent meanwhile is still unread. Give it a fresh window.
+                self._last_heard = max(self._last_heard, now)
             if now - self._last_heard > silence_limit:
                 log.warning("prefill %s silent for %.2fs: dropping the session", self.peer_name, now - self._last_heard)
                 if self._call is not None:

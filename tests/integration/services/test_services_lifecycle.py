@@ -280,3 +280,20 @@ def unused_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+async def test_a_stalled_process_does_not_declare_its_peer_dead(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    """Decode's event loop stops for twice the silence limit (as a CPU-starved or stopped process
+    would; here by blocking the loop both services share). The prefill said nothing in that time
+    only because nothing ran: the session must survive, and requests go on over it."""
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port)  # --heartbeat-seconds 1.0: silence limit 1.5 s
+    peer = decode.peers.peers[0]
+    session = peer.session
+    assert session is not None and peer.ready
+    time.sleep(3.0)  # the stall: nothing on this loop runs, timers come due late
+    await asyncio.sleep(2.0)  # more than a silence limit of normal running after it
+    assert peer.session is session and peer.ready, "the session was dropped after our own stall"
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=3), timeout=10):
+        pass

@@ -26,7 +26,7 @@ def test_bad_http_port_names_the_flag(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as info:
         parse_settings("decode", BASE, environ={"HYBRID_PD_HTTP_PORT": "70000"})
     assert info.value.code == 2
-    assert "--http-port (HYBRID_PD_HTTP_PORT)" in capsys.readouterr().err
+    assert "--http-port (from HYBRID_PD_HTTP_PORT)" in capsys.readouterr().err
 
 
 @pytest.mark.asyncio
