@@ -437,20 +437,6 @@ class RankAgent:
         settle: Settle | None = None,
     ) -> Xfer:
         tracing.mark(Step.POST_START)
-        xfer = self._post(local, local_idx, remote, remote_idx, notif, inline, settle)
-        tracing.mark(Step.POST_END)
-        return xfer
-
-    def _post(
-        self,
-        local: PreppedList,
-        local_idx: npt.ArrayLike,
-        remote: PreppedList,
-        remote_idx: npt.ArrayLike,
-        notif: bytes,
-        inline: bool,
-        settle: Settle | None,
-    ) -> Xfer:
         if local.peer or not remote.peer:
             raise ValueError("post_read takes a local prepared list, then a remote one")
         if local.released or remote.released:
@@ -508,6 +494,7 @@ class RankAgent:
         elif settle is not None:
             self._tracked[xfer] = settle
             xfer.tracked = True
+        tracing.mark(Step.POST_END)
         return xfer
 
     def _poll_one(self, xfer: Xfer) -> XferState | TransportError:
