@@ -38,7 +38,7 @@ from decode_svc.session_client import SessionClient
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, compare_digests, state_digests
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import DecodeSession, RequestBlocks
-from shared.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
 from shared.rpc import fault_hooks
@@ -155,7 +155,7 @@ class Generation:
     async def run(self, request: pb.GenerateRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
         req = validate(self.host, request)
         if req.request_id in self._active:
-            raise InvalidArgument(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
+            raise AlreadyExists(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
         self._active.add(req.request_id)
         try:
             async for response in self._run(req, time_remaining):

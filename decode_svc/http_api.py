@@ -208,7 +208,7 @@ class DecodeHttp:
         }
         early = EarlyStop()
         generated = Generated(
-            self.servicer.generate(grpc_request, None, early),
+            self.servicer.generate(grpc_request, None, early, peer=_client_of(request)),
             Outcome(prompt_tokens=len(ids)),
             StopMatcher(params.stop),
             early,
@@ -216,6 +216,11 @@ class DecodeHttp:
         )
         await generated.first()
         return generated, rid
+
+
+def _client_of(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client is not None else ""
 
 
 def _renamed(error: ServiceError, names: dict[str, str]) -> ServiceError:

@@ -1,9 +1,12 @@
-"""DecodeService handlers: thin proto <-> domain adapters (and the request counter by status)."""
+"""DecodeService handlers: thin proto <-> domain adapters, the request counter by status, and
+the one log line per finished request."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +17,18 @@ from decode_svc.generation import Generation
 from decode_svc.prefill_peer import PrefillPeers
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
+from shared.logs import context as log_context
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics
+from shared.rpc.proto_time import seconds
 from shared.runtime.engine_host import EngineHost
+
+log = logging.getLogger(__name__)
+# A cancellation this close to the client's deadline is the deadline (gRPC cancels the handler
+# when it passes; our own clock read at the start of the call runs a little ahead of it).
+DEADLINE_SLACK_SECONDS = 0.05
 
 
 @dataclass
@@ -51,35 +61,83 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         # aclosing: a call cancelled while this handler waits at its yield ends the generation now.
-        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+        async with contextlib.aclosing(self.generate(request, context.time_remaining(), peer=context.peer())) as responses:
             async for response in responses:
                 yield response
 
     async def generate(
-        self, request: pb.GenerateRequest, time_remaining: float | None, early_stop: EarlyStop | None = None
+        self,
+        request: pb.GenerateRequest,
+        time_remaining: float | None,
+        early_stop: EarlyStop | None = None,
+        *,
+        peer: str = "",
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The one entry both front doors (gRPC Generate and the HTTP API) call: refused while
-        draining, counted by final status. A consumer that closes this generator early counts as
-        CANCELLED, unless it set `early_stop.stopped` first (an HTTP stop sequence matched)."""
-        status = "INTERNAL"
+        draining, counted by final status, logged once when it ends. A consumer that closes this
+        generator early counts as CANCELLED, unless it set `early_stop.stopped` first (an HTTP
+        stop sequence matched), or as DEADLINE_EXCEEDED once the client's deadline has passed."""
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex  # named here, so every log line of the request carries it
+        log_context.bind_request(request.request_id, peer)
+        loop = asyncio.get_running_loop()
+        deadline = None if time_remaining is None else loop.time() + time_remaining
+        status, message = "INTERNAL", ""
+        summary: pb.GenerateSummary | None = None
         try:
             self.lifecycle.check_accepting("new requests")
-            async for response in self.generation.run(request, time_remaining):
-                yield response
+            with self.lifecycle.track():
+                async for response in self.generation.run(request, time_remaining):
+                    if response.HasField("summary"):
+                        summary = response.summary
+                    yield response
             status = "OK"
         except GeneratorExit:
-            status = "OK" if early_stop is not None and early_stop.stopped else "CANCELLED"
+            status = "OK" if early_stop is not None and early_stop.stopped else self._cut_status(deadline)
             raise
         except ServiceError as e:
-            status = e.status
+            status, message = e.status, e.message
             if e.reason != e.default_reason:
                 self.metrics.telemetry.failures.labels(reason=e.reason).inc()
             raise
         except asyncio.CancelledError:
-            status = "CANCELLED"  # the client went away or its deadline passed
+            if self.lifecycle.past_grace:  # cut by the end of the drain: say so, not "Cancelling all calls"
+                error = self.lifecycle.grace_ended_error()
+                status, message = error.status, error.message
+                raise error from None
+            status = self._cut_status(deadline)  # the client went away, or its deadline passed
             raise
         finally:
             self.metrics.telemetry.requests.labels(status=status).inc()
+            _log_finished(request, status, message, summary)
+
+    def _cut_status(self, deadline: float | None) -> str:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline - DEADLINE_SLACK_SECONDS:
+            return "DEADLINE_EXCEEDED"
+        if self.lifecycle.past_grace:
+            return "UNAVAILABLE"
+        return "CANCELLED"
 
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
         return pb.GetLayoutResponse(layout=self.host.message, peers=[p.status() for p in self.peers.peers])
+
+
+def _log_finished(request: pb.GenerateRequest, status: str, message: str, summary: pb.GenerateSummary | None) -> None:
+    """One INFO line per finished request, failed or not, with its numbers and status."""
+    fields: dict[str, object] = {"status": status, "prompt_tokens": len(request.prompt_token_ids) or None}
+    if summary is not None:
+        fields.update(
+            prompt_tokens=summary.prompt_token_count,
+            generated_tokens=summary.generated_token_count,
+            bytes_moved=summary.transfer.total_bytes,
+            reads=summary.transfer.read_count,
+            read_ms=round(seconds(summary.read_duration) * 1e3, 3),
+            prefill_ms=round(seconds(summary.prefill_duration) * 1e3, 3),
+            ttft_ms=round(seconds(summary.time_to_first_token) * 1e3, 3),
+            total_ms=round(seconds(summary.total_duration) * 1e3, 3),
+            prefill=summary.prefill_engine_id,
+        )
+    if message:
+        fields["error"] = message
+    fields = {k: v for k, v in fields.items() if v is not None}
+    log.info("request %s finished: %s", request.request_id, status, extra={"fields": fields})

@@ -29,7 +29,8 @@ from prefill_svc.jobs import JobRunner
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
 from shared import tracing
-from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from shared.logs import context as log_context
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.lifecycle import Lifecycle
@@ -220,17 +221,23 @@ class PrefillSession:
                 _failure(rid, Unavailable("prefill engine is draining; send the job elsewhere", reason="DRAINING"))
             )
             return
-        if not rid or rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
-            why = "must be non-empty" if not rid else "is already in flight on this session"
-            self._out.put_nowait(_failure(rid, InvalidArgument(why, field="job.request_id")))
+        if not rid:
+            self._out.put_nowait(_failure(rid, InvalidArgument("must be non-empty", field="job.request_id")))
+            return
+        if rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
+            self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
             return
         self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
 
     async def _run_job(self, job: pb.PrefillJob) -> None:
         rid = job.request_id
+        log_context.bind_request(rid, self.owner)  # this job's own task: every line of it names the request
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds(job.timeout) if job.HasField("timeout") else None
+        started = loop.time()
+        deadline = started + seconds(job.timeout) if job.HasField("timeout") else None
         credit_taken = False
+        status = "INTERNAL"
+        fields: dict[str, object] = {"prompt_tokens": len(job.prompt_token_ids)}
         try:
             now = loop.time()
             left = None if deadline is None else max(0.0, wait_deadline(deadline, now) - now)
@@ -251,9 +258,18 @@ class PrefillSession:
             )
             credit_taken = False  # now owned by the pin: returned when it ends
             self._out.put_nowait(pb.SessionResponse(manifest=manifest))
+            status = "OK"
+            fields.update(
+                computed_tokens=manifest.num_computed_tokens,
+                blocks=sum(len(g.block_ids) for g in manifest.groups),
+                prefill_ms=round(seconds(manifest.prefill_duration) * 1e3, 3),
+            )
         except ServiceError as e:
+            status = e.status
+            fields["error"] = e.message
             self._out.put_nowait(_failure(rid, e))
         except asyncio.CancelledError:
+            status = "CANCELLED"
             raise
         except Exception:
             log.exception("prefill job %s failed", rid)
@@ -262,6 +278,8 @@ class PrefillSession:
             if credit_taken:
                 self._credits.release()
             self._jobs.pop(rid, None)
+            fields.update(status=status, job_ms=round((loop.time() - started) * 1e3, 3))
+            log.info("job %s finished: %s", rid, status, extra={"fields": fields})
 
     def _credit_back(self, reason: str) -> None:
         self._credits.release()

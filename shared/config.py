@@ -66,6 +66,7 @@ class ServiceSettings:
     tls: TlsSettings
     loop: Literal["uvloop", "asyncio"]
     log_level: str
+    log_format: Literal["text", "json"] = "text"
     prefill: tuple[str, ...] = field(default=())  # decode only: prefill peers, used round-robin
     kv_dtype: str | None = None  # None: the model's default
     conv_dtype: str | None = None
@@ -303,6 +304,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
     Flag("log-level", choice("DEBUG", "INFO", "WARNING", "ERROR"), "log level", "INFO"),
     Flag(
+        "log-format",
+        choice("text", "json"),
+        "text: one readable line per event; json: one JSON object per line with timestamp, level, service, "
+        "engine_id and, while serving a request, request_id and peer",
+        "text",
+    ),
+    Flag(
         "check-state",
         boolean,
         "decode: after every READ compare the received state with what prefill must have written "
@@ -523,6 +531,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         tls=tls,
         loop="asyncio" if values["loop"] == "asyncio" else "uvloop",
         log_level=_req(values, "log_level", str),
+        log_format="json" if values["log_format"] == "json" else "text",
         prefill=prefill,
         check_state=bool(values.get("check_state", False)),
         huge_pages=bool(values.get("huge_pages", True)),

@@ -68,6 +68,13 @@ class NotFound(ServiceError):
     default_reason = "NOT_FOUND"
 
 
+class AlreadyExists(ServiceError):
+    """Something with this name is already there (a request id already in flight)."""
+
+    status = "ALREADY_EXISTS"
+    default_reason = "ALREADY_EXISTS"
+
+
 class FailedPrecondition(ServiceError):
     """The system is not in a state where this can work (incompatible peer, no handshake yet)."""
 
@@ -132,6 +139,7 @@ ERRORS_BY_STATUS: dict[str, type[ServiceError]] = {
     for cls in (
         InvalidArgument,
         NotFound,
+        AlreadyExists,
         FailedPrecondition,
         Aborted,
         ResourceExhausted,

@@ -28,7 +28,8 @@ from prefill_svc.app import PrefillApp
 from shared.bench.no_compute import NoComputeEngine
 from shared.config import parse_settings
 from shared.errors import InvalidArgument, ServiceError
-from shared.rpc.process import configure_logging, event_loop_factory
+from shared.logs.setup import configure_logging
+from shared.rpc.process import event_loop_factory
 
 
 class PrefillProcess:

@@ -17,6 +17,7 @@ from shared.errors import ServiceError
 _BY_STATUS: dict[str, tuple[int, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "NOT_FOUND": (404, "invalid_request_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
     "FAILED_PRECONDITION": (409, "invalid_request_error"),
     "ABORTED": (409, "conflict_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),

@@ -7,8 +7,10 @@ Drain sequence, on the first SIGTERM or SIGINT:
 3. the server keeps listening while the service's in-flight work finishes (`wait_idle`), for
    at most `grace` seconds: a call arriving now still gets a handler, and so a clear
    UNAVAILABLE, instead of being cut off by a server that is already stopping (CANCELLED);
-4. `server.stop(...)`: the listener closes; what is left (health Watch streams, stragglers past
-   the grace) gets at most FINAL_GRACE_SECONDS;
+4. past the grace, requests still running (those registered with `track()`) are cancelled and
+   end with our own UNAVAILABLE (reason DRAIN_GRACE_ENDED: "retry on another instance"), not
+   gRPC's "Cancelling all calls"; then `server.stop(...)`: the listener closes; what is left
+   (health Watch streams, Session streams) gets at most FINAL_GRACE_SECONDS;
 5. the caller closes its data plane and the process exits 0.
 A second signal skips the rest of the grace period.
 """
@@ -16,9 +18,10 @@ A second signal skips the rest of the grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 
@@ -37,6 +40,37 @@ class Lifecycle:
         self.draining = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._force = asyncio.Event()
+        self.past_grace = False  # set once the grace ran out and tracked requests are being cut
+        self._tracked: set[asyncio.Task[object]] = set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Mark the current task as one request the drain may cut at the end of its grace."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        self._tracked.add(task)
+        try:
+            yield
+        finally:
+            self._tracked.discard(task)
+
+    def grace_ended_error(self) -> Unavailable:
+        return Unavailable(
+            f"this service shut down before the request finished (its {self.grace_seconds:g}s drain grace ran out); "
+            "retry on another instance",
+            reason="DRAIN_GRACE_ENDED",
+        )
+
+    async def _cut_tracked(self) -> None:
+        """Cancel the requests still running; each turns the cancellation into grace_ended_error()."""
+        self.past_grace = True
+        cut = list(self._tracked)
+        for task in cut:
+            task.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=FINAL_GRACE_SECONDS)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -85,7 +119,11 @@ class Lifecycle:
                 await asyncio.wait({idle, force}, timeout=self.grace_seconds, return_when=asyncio.FIRST_COMPLETED)
                 if not idle.done():
                     idle.cancel()
-                    log.warning("in-flight work did not finish within the %.1fs grace: cutting it off", self.grace_seconds)
+                    log.warning(
+                        "in-flight work did not finish within the %.1fs grace: cutting off %d requests",
+                        self.grace_seconds, len(self._tracked),
+                    )  # fmt: skip
+                    await self._cut_tracked()
             left = max(0.0, min(end_of_grace - loop.time(), FINAL_GRACE_SECONDS))
             stop = asyncio.ensure_future(server.stop(None if self._force.is_set() else left))
             await asyncio.wait({stop, force}, return_when=asyncio.FIRST_COMPLETED)

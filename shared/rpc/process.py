@@ -10,13 +10,9 @@ from typing import Any
 
 from shared.config import ServiceSettings
 from shared.errors import InvalidArgument, ServiceError
+from shared.logs.setup import configure_logging
 
 log = logging.getLogger(__name__)
-
-
-def configure_logging(level: str) -> None:
-    # Logs go to stderr: stdout carries only the LISTENING line scripts parse.
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -28,7 +24,7 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def run_service(settings: ServiceSettings, serve: Callable[[ServiceSettings], Coroutine[Any, Any, None]]) -> int:
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format, service=f"{settings.role}-svc", engine_id=settings.engine_id)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory(settings.loop)) as runner:
             runner.run(serve(settings))

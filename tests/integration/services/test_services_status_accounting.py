@@ -1,0 +1,85 @@
+"""How requests end and are counted: a client deadline is DEADLINE_EXCEEDED (not CANCELLED), a
+duplicate in-flight request id is ALREADY_EXISTS, and a request cut by the end of the drain grace
+gets our own UNAVAILABLE, not gRPC's "Cancelling all calls"."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import grpc
+import pytest
+
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.rpc.status import describe
+
+stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+
+async def until(condition: Any, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def finished(app: Any, status: str) -> float:
+    return app.metrics.registry.get_sample_value("hybrid_pd_requests_total", {"status": status}) or 0.0
+
+
+async def test_a_client_deadline_counts_as_deadline_exceeded(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill(engine=stamp.SlowStamp)
+    decode = await start_decode(prefill.port, engine=stamp.SlowStamp)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=4), timeout=0.15):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await until(lambda: finished(decode, "DEADLINE_EXCEEDED") == 1)
+    assert finished(decode, "CANCELLED") == 0
+    # Negative control: a client that cancels before its deadline is CANCELLED.
+    call = stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=200), timeout=30)
+    await call.read()
+    call.cancel()
+    await until(lambda: finished(decode, "CANCELLED") == 1)
+    assert finished(decode, "DEADLINE_EXCEEDED") == 1
+
+
+async def test_a_duplicate_in_flight_request_id_is_already_exists(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, engine=stamp.SlowStamp)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    first = stub.Generate(dpb.GenerateRequest(request_id="twice", prompt_token_ids=[1, 2], max_tokens=200), timeout=30)
+    assert (await first.read()).WhichOneof("payload") == "chunk"  # in flight now
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(dpb.GenerateRequest(request_id="twice", prompt_token_ids=[1], max_tokens=1), timeout=10):
+            pass
+    failure = describe(err.value)
+    assert failure.status == "ALREADY_EXISTS" and failure.reason == "ALREADY_EXISTS", failure
+    assert failure.message.startswith("request_id: 'twice' is already in flight"), failure
+    first.cancel()
+    await until(lambda: decode.servicer.generation.in_flight == 0)
+    # Once the first has ended the id is free again.
+    async for _ in stub.Generate(dpb.GenerateRequest(request_id="twice", prompt_token_ids=[1], max_tokens=1), timeout=10):
+        pass
+
+
+async def test_a_request_cut_by_the_end_of_the_drain_grace_gets_our_unavailable(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, "--drain-seconds", "0.5", engine=stamp.SlowStamp)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    call = stub.Generate(dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=200), timeout=30)
+    assert (await call.read()).WhichOneof("payload") == "chunk"
+    await decode.stop()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    failure = describe(err.value)
+    assert failure.status == "UNAVAILABLE" and failure.reason == "DRAIN_GRACE_ENDED", failure
+    assert "drain grace ran out" in failure.message and "Cancelling" not in failure.message
+    assert finished(decode, "UNAVAILABLE") == 1 and finished(decode, "CANCELLED") == 0
