@@ -133,7 +133,7 @@ class PeerLink:
         this prefill works, not just its gRPC port. Skipped when the local cache has no room."""
         key = f"probe:{self.target}:{self.incarnation:x}"
         try:
-            local = await host.allocate_queued(key, 1, asyncio.get_running_loop().time() + 1.0)
+            local = await host.allocate_queued(key, 1, asyncio.get_running_loop().time() + 1.0, counted=False)
         except Exception as e:
             log.warning("no probe READ from prefill %s: %s", self.engine_id, e)
             return

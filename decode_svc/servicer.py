@@ -84,31 +84,42 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         deadline = None if time_remaining is None else loop.time() + time_remaining
         status, message = "INTERNAL", ""
         summary: pb.GenerateSummary | None = None
+        t = self.metrics.telemetry
+        started = last_token = loop.time()
+        tokens_seen = False
         try:
             self.lifecycle.check_accepting("new requests")
             with self.lifecycle.track():
                 async for response in self.generation.run(request, time_remaining):
                     if response.HasField("summary"):
                         summary = response.summary
+                    elif n := len(response.chunk.token_ids):
+                        now = loop.time()
+                        if tokens_seen:  # the first chunk's wait is the TTFT, not a gap
+                            for _ in range(n):
+                                t.inter_token_latency.observe((now - last_token) / n)
+                        tokens_seen, last_token = True, now
                     yield response
             status = "OK"
+            t.request_duration.observe(loop.time() - started)
         except GeneratorExit:
             status = "OK" if early_stop is not None and early_stop.stopped else self._cut_status(deadline)
             raise
         except ServiceError as e:
             status, message = e.status, e.message
             if e.reason != e.default_reason:
-                self.metrics.telemetry.failures.labels(reason=e.reason).inc()
+                t.failures.labels(reason=e.reason).inc()
             raise
         except asyncio.CancelledError:
             if self.lifecycle.past_grace:  # cut by the end of the drain: say so, not "Cancelling all calls"
                 error = self.lifecycle.grace_ended_error()
                 status, message = error.status, error.message
+                t.failures.labels(reason=error.reason).inc()
                 raise error from None
             status = self._cut_status(deadline)  # the client went away, or its deadline passed
             raise
         finally:
-            self.metrics.telemetry.requests.labels(status=status).inc()
+            t.requests.labels(status=status).inc()
             _log_finished(request, status, message, summary)
 
     def _cut_status(self, deadline: float | None) -> str:

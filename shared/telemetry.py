@@ -3,66 +3,143 @@
 Each service owns a `Telemetry` with its own registry (two services in one test process must
 not share counters) and serves it over HTTP on `--metrics-port`. Labels stay low-cardinality:
 sections, reasons, results and statuses; never request ids or ranks (block counts are per engine).
+
+Conventions (tests/unit/rpc/test_metric_names.py checks every exported name): counters end in
+`_total` (prometheus_client adds it), gauges and histograms never do, durations end in `_seconds`
+and sizes in `_bytes`. Per role: a series only the other role can move is not exported (the
+metric object still exists, unregistered, so shared code counts into it without checks). Label
+values known in advance (sections, statuses) are pre-created, so a rate() sees them from zero.
 """
 
 from __future__ import annotations
 
+import platform
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-# Transfers on DRAM take microseconds to a few hundred milliseconds; on GPUs similar.
-LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from shared.version import version
+
+# One READ or one post: microseconds to a few seconds (a READ over a slow link up to its deadline).
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A whole request, its first token, or its wait for cache: a 60k-token prompt's TTFT is ~16 s.
+REQUEST_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Between two tokens of one request: a decode step, or a chunk of them.
+TOKEN_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 SECTIONS = ("fa", "conv", "ssm")
+# gRPC statuses a request can end with here (pre-created on hybrid_pd_requests_total).
+STATUSES = (
+    "OK",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "INVALID_ARGUMENT",
+    "ALREADY_EXISTS",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "INTERNAL",
+)
+HANDSHAKE_RESULTS = ("ok", "invalid_argument", "failed_precondition", "unavailable")
+# Failure reasons with their own count (ErrorInfo reasons other than the status's default).
+FAILURE_REASONS = (
+    "BAD_MANIFEST",
+    "CACHE_FULL",
+    "DIGEST_MISMATCH",
+    "DRAINING",
+    "DRAIN_GRACE_ENDED",
+    "LEASE_EXPIRED",
+    "NO_CREDIT",
+    "NO_DIGESTS",
+    "NO_PREFILL_PEER",
+    "PEER_RESTARTED",
+    "PEER_UNAVAILABLE",
+    "READ_FAILED",
+    "READ_TIMEOUT",
+)
 
 
 class Telemetry:
     def __init__(self, role: str) -> None:
         self.role = role
         self.registry = CollectorRegistry()
-        r = self.registry
+        both = self.registry
+        decode = both if role == "decode" else None
+        prefill = both if role == "prefill" else None
+        self.build_info = Gauge(
+            "hybrid_pd_build_info", "Always 1; the labels say what runs", ["version", "role", "python"], registry=both
+        )
+        self.build_info.labels(version=version(), role=role, python=platform.python_version()).set(1)
+        # Both roles.
+        self.blocks_in_use = Gauge(  # per engine, not per rank: one allocator serves every rank with the same ids
+            "hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=both
+        )
+        self.blocks_capacity = Gauge("hybrid_pd_blocks_capacity", "Cache blocks of the engine (per rank)", registry=both)
+        self.queue_wait = Histogram(
+            "hybrid_pd_queue_wait_seconds",
+            "A request's (decode) or job's (prefill) wait for free cache blocks",
+            buckets=REQUEST_BUCKETS,
+            registry=both,
+        )
+        self.unknown_notifications = Counter(
+            "hybrid_pd_unknown_notifications", "NIXL notifications for unknown requests (ignored)", registry=both
+        )
+        # Prefill only.
+        self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=prefill)
+        self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
+        for result in HANDSHAKE_RESULTS:
+            self.handshakes.labels(result=result)
+        # Decode only.
         self.transferred_bytes = Counter(
-            "hybrid_pd_transferred_bytes", "Bytes moved by NIXL READs, by kind of state", ["section"], registry=r
+            "hybrid_pd_transferred_bytes", "Bytes moved by NIXL READs, by kind of state", ["section"], registry=decode
         )
         self.transfer_seconds = Histogram(
-            "hybrid_pd_transfer_seconds", "One READ: post to completion", buckets=LATENCY_BUCKETS, registry=r
+            "hybrid_pd_transfer_seconds", "One READ: post to completion", buckets=LATENCY_BUCKETS, registry=decode
         )
         self.post_seconds = Histogram(
-            "hybrid_pd_post_seconds", "One READ: make_prepped_xfer + transfer() call", buckets=LATENCY_BUCKETS, registry=r
+            "hybrid_pd_post_seconds", "One READ: make_prepped_xfer + transfer() call", buckets=LATENCY_BUCKETS, registry=decode
         )
         self.descriptors_per_read = Histogram(
             "hybrid_pd_descriptors_per_read",
             "Descriptors in one READ (before NIXL merges adjacent ones)",
             buckets=DESCRIPTOR_BUCKETS,
-            registry=r,
+            registry=decode,
         )
-        self.failures = Counter("hybrid_pd_failures", "Failed transfers and requests, by reason", ["reason"], registry=r)
-        # Per engine, not per rank: one allocator serves every rank with the same block ids.
-        self.blocks_in_use = Gauge(
-            "hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=r
-        )
-        self.blocks_total = Gauge("hybrid_pd_blocks_total", "Cache blocks of the engine (per rank)", registry=r)
-        self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=r)
-        self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=r)
-        self.requests = Counter("hybrid_pd_requests", "Requests finished, by gRPC status", ["status"], registry=r)
-        self.unknown_notifications = Counter(
-            "hybrid_pd_unknown_notifications", "NIXL notifications for unknown requests (ignored)", registry=r
-        )
+        self.failures = Counter("hybrid_pd_failures", "Failed requests, by reason", ["reason"], registry=decode)
+        self.requests = Counter("hybrid_pd_requests", "Requests finished, by gRPC status", ["status"], registry=decode)
         self.time_to_first_token = Histogram(
             "hybrid_pd_time_to_first_token_seconds",
             "Generate received to first token sent",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            buckets=REQUEST_BUCKETS,
+            registry=decode,
+        )
+        self.request_duration = Histogram(
+            "hybrid_pd_request_duration_seconds",
+            "Generate received to its last response, for requests that finished OK",
+            buckets=REQUEST_BUCKETS,
+            registry=decode,
+        )
+        self.inter_token_latency = Histogram(
+            "hybrid_pd_inter_token_latency_seconds",
+            "Between two tokens of one request (a chunk of n tokens counts n gaps of 1/n its time)",
+            buckets=TOKEN_BUCKETS,
+            registry=decode,
         )
         self.digest_mismatches = Counter(
             "hybrid_pd_digest_mismatches",
             "Transferred state whose digest differs from prefill's, by section",
             ["section"],
-            registry=r,
+            registry=decode,
         )
         for section in SECTIONS:
             self.transferred_bytes.labels(section=section)
             self.digest_mismatches.labels(section=section)
+        for status in STATUSES:
+            self.requests.labels(status=status)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason=reason)
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

@@ -48,7 +48,8 @@ class ServiceMetrics:
         t = self.telemetry
         # One allocator per engine (a request's block ids are the same on every rank): one value.
         t.blocks_in_use.set_function(lambda: host.allocator.num_used)
-        t.blocks_total.set_function(lambda: host.num_blocks)
+        t.blocks_capacity.set_function(lambda: host.num_blocks)
+        host.on_queue_wait = t.queue_wait.observe
         self.gauge(
             "hybrid_pd_open_read_handles", "NIXL READ handles not released yet (in flight, or a cancel that failed)",
             lambda: sum(agent.live_xfers for agent in host.agents),

@@ -116,6 +116,7 @@ class EngineHost:
     compute: ThreadPoolExecutor = field(default_factory=lambda: compute_executor("engine"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
 
     def __post_init__(self) -> None:
@@ -252,14 +253,18 @@ class EngineHost:
             self._freed = asyncio.Event()
         return freed
 
-    async def allocate_queued(self, key: str, num_tokens: int, deadline: float) -> RequestBlocks:
+    async def allocate_queued(self, key: str, num_tokens: int, deadline: float, *, counted: bool = True) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
-        time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once."""
+        time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
+        `counted`: the wait goes to `on_queue_wait` (requests and jobs; not start-up probes)."""
         loop = asyncio.get_running_loop()
+        started = loop.time()
         while True:
             try:
                 blocks = self.allocate(key, num_tokens)
                 tracing.mark(Step.ALLOCATED)
+                if counted and self.on_queue_wait is not None:
+                    self.on_queue_wait(loop.time() - started)
                 return blocks
             except ResourceExhausted as e:
                 left = deadline - loop.time()

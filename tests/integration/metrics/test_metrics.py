@@ -17,8 +17,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
 
+def scrape_text(port: int) -> str:
+    text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return text
+
+
 def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = scrape_text(port)
     samples: dict[str, float] = {}
     for line in text.splitlines():
         match = SAMPLE.match(line)
@@ -45,14 +50,85 @@ async def test_metrics_after_requests() -> None:
     assert decode["hybrid_pd_descriptors_per_read_count"] == 4
     assert decode["hybrid_pd_time_to_first_token_seconds_count"] == 4
     assert decode['hybrid_pd_requests_total{status="OK"}'] == 4
+    assert decode["hybrid_pd_request_duration_seconds_count"] == 4
+    assert decode["hybrid_pd_inter_token_latency_seconds_count"] == 4 * 2  # 3 tokens: 2 gaps each
+    assert decode["hybrid_pd_queue_wait_seconds_count"] == 4 and prefill["hybrid_pd_queue_wait_seconds_count"] == 4
+    # Buckets reach past a long prompt's TTFT (16 s seen at 60k tokens).
+    assert 'hybrid_pd_time_to_first_token_seconds_bucket{le="120.0"}' in decode
+    # Failure labels exist before any failure, so rate() starts from zero.
+    assert decode['hybrid_pd_requests_total{status="DEADLINE_EXCEEDED"}'] == 0
+    assert decode['hybrid_pd_failures_total{reason="CACHE_FULL"}'] == 0
+    for samples in (decode, prefill):
+        assert any(k.startswith("hybrid_pd_build_info{") and v == 1 for k, v in samples.items())
+    # Per role: prefill exports no decode-only series, and decode none of prefill's.
+    assert not any(k.startswith(("hybrid_pd_requests_total", "hybrid_pd_transferred_bytes")) for k in prefill)
+    assert not any(k.startswith(("hybrid_pd_handshakes_total", "hybrid_pd_lease_expiries")) for k in decode)
     assert any(k.startswith("hybrid_pd_handshakes_total") and v >= 1 for k, v in prefill.items())
     for samples in (decode, prefill):  # one value per engine, not one per rank (they are all the same)
         assert sorted(k for k in samples if k.startswith("hybrid_pd_blocks_")) == [
+            "hybrid_pd_blocks_capacity",
             "hybrid_pd_blocks_in_use",
-            "hybrid_pd_blocks_total",
         ]
     ids = {r.summary.request_id for r in results}
     for samples in (decode, prefill):
         for key in samples:
             assert key.startswith(("hybrid_pd_", "process_", "python_")), key
             assert not any(i in key for i in ids), f"request id in a label: {key}"
+
+
+TYPE_LINE = re.compile(r"^# TYPE (?P<name>\S+) (?P<kind>\S+)$")
+UNIT_WORDS = {"seconds": ("second", "duration", "latency", "time", "wait"), "bytes": ("byte", "memory")}
+
+
+def convention_problems(text: str) -> list[str]:
+    """Prometheus naming: counters end in _total, gauges and histograms do not; a duration ends
+    in _seconds and a size in _bytes (before _total); our own metrics start with hybrid_pd_."""
+    problems = []
+    for line in text.splitlines():
+        match = TYPE_LINE.match(line)
+        if not match:
+            continue
+        name, kind = match["name"], match["kind"]
+        if name.endswith("_created"):  # the client library's creation-time series of a counter or histogram
+            continue
+        if kind == "counter" and not name.endswith("_total"):
+            problems.append(f"counter {name} does not end in _total")
+        if kind in ("gauge", "histogram") and name.endswith(("_total", "_count", "_sum", "_bucket")):
+            problems.append(f"{kind} {name} ends like a counter or histogram series")
+        if not name.startswith("hybrid_pd_"):
+            if not name.startswith(("process_", "python_")):
+                problems.append(f"{name}: not ours and not the client library's")
+            continue
+        base = name.removesuffix("_total")
+        for unit, words in UNIT_WORDS.items():
+            if any(w in base.removeprefix("hybrid_pd_") for w in words) and not base.endswith(f"_{unit}"):
+                problems.append(f"{name} measures {unit} but does not end in _{unit}")
+    return problems
+
+
+def test_the_convention_check_catches_bad_names() -> None:
+    """Negative control: each rule fires on a name that breaks it."""
+    for bad in (
+        "# TYPE hybrid_pd_blocks_total gauge",
+        "# TYPE hybrid_pd_requests counter",
+        "# TYPE hybrid_pd_read_time histogram",
+        "# TYPE hybrid_pd_moved_bytes_count gauge",
+        "# TYPE somebody_else gauge",
+    ):
+        assert convention_problems(bad), bad
+    assert convention_problems("# TYPE hybrid_pd_transfer_seconds histogram\n# TYPE hybrid_pd_requests_total counter") == []
+
+
+@pytest.mark.asyncio
+async def test_every_exported_name_follows_the_conventions_on_both_roles() -> None:
+    flags = ["--metrics-port", "0"]
+    async with service_pair("tiny-mamba2", 1, 1, engine="synthetic", extra_prefill=flags, extra_decode=flags) as pair:
+        await pair.generate([1, 2, 3], 2)
+        assert pair.decode.shell.metrics_port and pair.prefill.shell.metrics_port
+        texts = {
+            "decode": await asyncio.to_thread(scrape_text, pair.decode.shell.metrics_port),
+            "prefill": await asyncio.to_thread(scrape_text, pair.prefill.shell.metrics_port),
+        }
+    for role, text in texts.items():
+        assert text.count("# TYPE hybrid_pd_") > 5, role
+        assert convention_problems(text) == [], role
