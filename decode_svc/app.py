@@ -93,6 +93,7 @@ class DecodeApp:
             self._on_peer_change,
             max_pinned_requests=self.settings.max_pinned_requests,
             server_name=server_name,
+            reconnect_max_seconds=self.settings.reconnect_max_seconds,
         )
 
     @property

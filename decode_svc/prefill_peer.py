@@ -3,7 +3,10 @@
 `run()` loops for the life of the service: handshake, link (add the prefill's agents, prepare
 the lists, probe READ), open the Session, serve until the stream ends; then drop the link
 (waiting for requests still reading through it, which fail with the session) so the remote
-agents are removed, and retry with exponential backoff and full jitter. Whatever fails in an
+agents are removed, and retry with exponential backoff and full jitter, up to
+`--reconnect-max-seconds`. A prefill that refuses our handshake as incompatible (another model
+or layout) will not change by itself soon: it is logged at ERROR once per distinct refusal and
+retried at the cap from then on; other failures log a WARNING (rate limited by the log filter). Whatever fails in an
 attempt is recorded in `last_error` (GetLayout shows it) and retried; nothing ends the loop but
 the service stopping. Requests only go to a peer in state READY.
 """
@@ -32,12 +35,20 @@ from shared.runtime.engine_host import EngineHost
 log = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_SECONDS = 0.1
-BACKOFF_MAX_SECONDS = 2.0
+BACKOFF_MAX_SECONDS = 2.0  # the default of --reconnect-max-seconds
 # A retired peer (its address vanished from DNS) waits this long for the requests still using it.
 RETIRE_WAIT_SECONDS = 120.0
 # A request that picked the peer just before it retired is not counted in flight until it has
 # sent its job; it re-picks if it sees the peer retiring first. This covers the gap between.
 RETIRE_GRACE_SECONDS = 1.0
+
+
+class HandshakeRefused(Exception):
+    """The prefill answered our Handshake with an error (FAILED_PRECONDITION: incompatible)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class PrefillPeer:
@@ -50,7 +61,11 @@ class PrefillPeer:
         *,
         max_pinned_requests: int = 0,
         server_name: str | None = None,
+        reconnect_max_seconds: float = BACKOFF_MAX_SECONDS,
     ) -> None:
+        self.reconnect_max_seconds = reconnect_max_seconds
+        self.attempts = 0  # connection attempts so far (tests, debugging)
+        self._refusal_logged = ""  # the incompatibility last logged at ERROR
         self.target = target
         self.server_name = server_name  # the DNS name `target` was found under (TLS checks it)
         self.retiring = False  # its address vanished: no new requests, then closed
@@ -128,6 +143,8 @@ class PrefillPeer:
     async def run(self) -> None:
         backoff = BACKOFF_INITIAL_SECONDS
         while True:
+            self.attempts += 1
+            incompatible = False
             # A fresh channel per attempt: it connects at once, so our backoff (with jitter) alone
             # decides when to retry, not the channel's own reconnect backoff on top of it.
             try:
@@ -135,10 +152,23 @@ class PrefillPeer:
                 stub = pb_grpc.PrefillServiceStub(self._channel)
                 await self._connect(stub)
                 backoff = BACKOFF_INITIAL_SECONDS
+                self._refusal_logged = ""
                 assert self.session is not None
                 await self.session.closed.wait()
                 self.last_error = self.session.close_reason
                 log.warning("%s", self.last_error)
+            except HandshakeRefused as e:
+                failure = describe(e.error)
+                self.last_error = f"{failure.status}: {failure.message}"
+                incompatible = failure.status == "FAILED_PRECONDITION"
+                if not incompatible:
+                    log.warning("prefill %s: %s", self.target, self.last_error)
+                elif self.last_error != self._refusal_logged:
+                    log.error(
+                        "prefill %s refuses this decode engine: %s (retrying every %gs)",
+                        self.target, self.last_error, self.reconnect_max_seconds,
+                    )  # fmt: skip
+                    self._refusal_logged = self.last_error
             except grpc.aio.AioRpcError as e:
                 failure = describe(e)
                 self.last_error = f"{failure.status}: {failure.message}"
@@ -152,14 +182,19 @@ class PrefillPeer:
             self._set_state(dpb.PEER_STATE_FAILED)
             await self._disconnect()
             await self._close_channel()
+            if incompatible:
+                backoff = self.reconnect_max_seconds  # it will not change by itself soon: retry slowly
             # Full jitter: peers that lost the same prefill do not reconnect in lockstep.
             await asyncio.sleep(random.uniform(0.5, 1.0) * backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+            backoff = min(backoff * 2, self.reconnect_max_seconds)
 
     async def _connect(self, stub: pb_grpc.PrefillServiceAsyncStub) -> None:
         self._set_state(dpb.PEER_STATE_CONNECTING)
         # Not wait_for_ready: an unreachable peer fails at once with the reason (our loop retries).
-        response = await stub.Handshake(pb.HandshakeRequest(layout=self.host.message), timeout=HANDSHAKE_TIMEOUT_SECONDS)
+        try:
+            response = await stub.Handshake(pb.HandshakeRequest(layout=self.host.message), timeout=HANDSHAKE_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as e:
+            raise HandshakeRefused(e) from None
         remote = response.layout
         self.link = await PeerLink.open(self.host, self.target, remote)
         session = SessionClient(stub, self.name)

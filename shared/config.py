@@ -77,6 +77,7 @@ class ServiceSettings:
     http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
+    reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
 
     @property
     def listen_address(self) -> str:
@@ -338,6 +339,15 @@ FLAGS: tuple[Flag, ...] = (
         metavar="HOST:PORT",
     ),
     Flag(
+        "reconnect-max-seconds",
+        positive_float,
+        "decode: a lost or unreachable prefill is retried with exponential backoff (from 0.1 s, full jitter) "
+        "up to this many seconds; one that refuses this engine as incompatible (other model or layout) is "
+        "retried at this interval and logged at ERROR once per distinct refusal",
+        2.0,
+        roles=("decode",),
+    ),
+    Flag(
         "discovery-seconds",
         non_negative_float,
         "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
@@ -537,6 +547,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_req(values, "discovery_seconds", float) if role == "decode" else 5.0,
+        reconnect_max_seconds=_req(values, "reconnect_max_seconds", float) if role == "decode" else 2.0,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
@@ -122,3 +123,22 @@ async def test_session_must_start_with_hello(start_prefill: Any, channel_to: Any
         await call.read()
     assert describe(err.value).status == "FAILED_PRECONDITION"
     assert prefill.host.allocator.num_used == 0
+
+
+async def test_an_incompatible_prefill_is_logged_once_at_error_and_retried_at_the_cap(
+    start_prefill: Any, start_decode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="decode_svc.prefill_peer")
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, "--model", "tiny-gdn", "--reconnect-max-seconds", "0.05", ready=False)
+    peer = decode.peers.peers[0]
+    assert peer.reconnect_max_seconds == 0.05
+    async with asyncio.timeout(20):
+        while peer.attempts < 5:
+            await asyncio.sleep(0.02)
+    mine = [r for r in caplog.records if r.name == "decode_svc.prefill_peer"]
+    errors = [r for r in mine if r.levelno == logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in mine]  # 5 refusals, one line
+    assert "refuses this decode engine: FAILED_PRECONDITION" in errors[0].getMessage()
+    assert "model.fingerprint" in errors[0].getMessage()
+    assert not [r for r in mine if r.levelno == logging.WARNING]
