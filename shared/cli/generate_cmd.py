@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -166,18 +168,39 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
         "token_ids": token_ids,
         "text": "".join(text),
         "prompt_token_count": summary.prompt_token_count if summary else None,
-        "summary": json_format.MessageToDict(summary, preserving_proto_field_name=True) if summary else None,
+        "summary": plain_numbers(summary, json_format.MessageToDict(summary, preserving_proto_field_name=True))
+        if summary
+        else None,
     }
     return result
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64}
+
+
+def plain_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
+    """Protobuf's JSON mapping writes 64-bit integers as strings and durations as "0.5s"; a
+    script reading `--json` wants numbers: integers as integers, durations as seconds."""
+    fields = message.DESCRIPTOR.fields_by_name
+    for key, value in data.items():
+        field = fields[key]
+        if field.type in _INT64 and isinstance(value, str):
+            data[key] = int(value)
+        elif field.message_type is not None and field.message_type.full_name == "google.protobuf.Duration":
+            data[key] = float(value.removesuffix("s"))
+        elif field.message_type is not None and isinstance(value, dict):
+            data[key] = plain_numbers(getattr(message, key), value)
+    return data
 
 
 def _summary_line(result: dict[str, Any]) -> str:
     s = result.get("summary") or {}
     transfer = s.get("transfer", {})
+    ttft = s.get("time_to_first_token")
     return (
         f"[{len(result['token_ids'])} tokens, request {result['request_id']}, prefill {s.get('prefill_engine_id', '?')}, "
         f"{int(transfer.get('total_bytes', 0))} B in {transfer.get('read_count', 0)} READs, "
-        f"time to first token {s.get('time_to_first_token', '?')}]"
+        f"time to first token {'?' if ttft is None else f'{ttft:.3f}s'}]"
     )
 
 

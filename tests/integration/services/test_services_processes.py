@@ -46,6 +46,9 @@ def test_generate_json(pair: LocalPair, capsys: pytest.CaptureFixture[str]) -> N
     summary = result["summary"]
     assert summary["state_verified"] is True
     assert summary["transfer"]["read_count"] == 2  # decode rank 0 reads from prefill ranks 0 and 1
+    # Numbers are numbers (protobuf's JSON mapping writes 64-bit ints and durations as strings).
+    assert isinstance(summary["transfer"]["total_bytes"], int) and summary["transfer"]["total_bytes"] > 0
+    assert isinstance(summary["time_to_first_token"], float) and summary["time_to_first_token"] > 0
 
 
 def test_generate_failure_prints_status(pair: LocalPair, capsys: pytest.CaptureFixture[str]) -> None:
