@@ -43,7 +43,7 @@ async def loopback_read(agent: RankAgent, cache: RankCache, poller: CompletionPo
         prepped.append(await agent.prep_local(np.array([[target.data_ptr(), n]], dtype=np.int64)))
         prepped.append(await agent.prep_remote(agent.name, np.array([[source.data_ptr(), n]], dtype=np.int64), cache.place))
         await poller.read(agent, prepped[0], [0], prepped[1], [0], key, timeout=timeout, fence=reads)
-        await asyncio.wait_for(asyncio.shield(wait), timeout)
+        await _notification(agent, poller, wait, timeout)
         if not torch.equal(target, source):
             raise RuntimeError(f"{int((target != source).sum())} of {n} bytes differ after the READ")
     except Exception as e:
@@ -61,3 +61,17 @@ async def loopback_read(agent: RankAgent, cache: RankCache, poller: CompletionPo
         source.zero_()
         target.zero_()
     return n
+
+
+async def _notification(agent: RankAgent, poller: CompletionPoller, wait: asyncio.Future[list[str]], timeout: float) -> None:
+    """Wait for the READ's notification; if it never comes, say whether the agent was pumped
+    meanwhile (a stuck owner thread) or was pumped and still received nothing (lost in UCX)."""
+    pumps, received = agent.pumps, poller.stats.notifs_received
+    try:
+        await asyncio.wait_for(asyncio.shield(wait), timeout)
+    except TimeoutError:
+        raise RuntimeError(
+            f"the READ completed but its notification did not arrive within {timeout:g} s; meanwhile the "
+            f"agent was pumped {agent.pumps - pumps} times and the process received "
+            f"{poller.stats.notifs_received - received} other notifications"
+        ) from None
