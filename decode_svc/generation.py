@@ -34,11 +34,14 @@ from decode_svc import tokenizer
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.reader import ReadStats, read_request
+from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
 from shared.cache.digest import compare_digests, state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
-from shared.engine.protocol import DecodeSession, RequestBlocks
+from shared.engine.protocol import RequestBlocks
+from shared.engine.sampling import SamplingParams
+from shared.engine.stopping import StopRule, steps
 from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
@@ -65,6 +68,8 @@ class RequestContext:
     prompt_field: str  # the request field the prompt came from, for messages
     deadline: float  # event-loop time: the client's deadline, or DEFAULT_TIMEOUT_SECONDS from arrival
     started: float  # time.monotonic() at arrival
+    sampling: SamplingParams  # the seed already picked when the request gave none
+    stop: StopRule  # max_tokens, the model's EOS ids (unless ignore_eos) and the request's stop ids
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     loop_now = asyncio.get_running_loop().time()
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
-    prompt = tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    prompt = tokenizer.for_engine(host.engine).encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
     prompt_field = "prompt" if request.prompt else "prompt_token_ids"
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
@@ -109,7 +114,8 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
-    return RequestContext(request_id, prompt, request.max_tokens, prompt_field, deadline, started)
+    options = decode_options(request, host.engine)
+    return RequestContext(request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop)
 
 
 def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) -> None:
@@ -245,17 +251,21 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
-        decoder = tokenizer.StreamDecoder()
+        decoder = tokenizer.for_engine(self.host.engine).stream()
         first_token_at: float | None = None
         generated = 0
         capacity = self._capacity(local)
-        decode = await compute.run(lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity))
-        while generated < req.max_tokens:
+        sampling, stop = req.sampling, req.stop
+        decode = await compute.run(
+            lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity, sampling=sampling)
+        )
+        finish = None
+        while finish is None:
             if loop.time() > deadline:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
-            ids = await compute.run(functools.partial(_steps, decode, n))
+            ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             generated += len(ids)
             if first_token_at is None:
                 first_token_at = time.monotonic()
@@ -271,7 +281,7 @@ class Generation:
                 prompt_token_count=len(req.prompt),
                 generated_token_count=generated,
                 num_transferred_tokens=num_computed,
-                finish_reason=pb.FINISH_REASON_LENGTH,
+                finish_reason=finish_reason_message(finish),
                 prefill_engine_id=link.engine_id,
                 prefill_target=link.target,
                 transfer=pb.TransferStats(
@@ -290,6 +300,7 @@ class Generation:
                 digests_verified=self.host.verify_transfer,
                 digest_check_duration=duration(digest_check_seconds),
                 prefill_digest_duration=nanoseconds(manifest.digest_ns),
+                seed=sampling.seed,
             )
         )
 
@@ -373,7 +384,3 @@ async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any,
 
 async def _grow(host: EngineHost, blocks: RequestBlocks, n: int) -> RequestBlocks:
     return host.grow(blocks, n)
-
-
-def _steps(decode: DecodeSession, n: int) -> list[int]:
-    return [decode.step() for _ in range(n)]
