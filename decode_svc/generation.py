@@ -28,22 +28,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from decode_svc import tokenizer
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.reader import ReadStats, read_request
+from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
-from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, compare_digests, state_digests
+from shared.cache.digest import compare_digests, state_digests
+from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
-from shared.engine.protocol import DecodeSession, RequestBlocks
-from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from shared.engine.protocol import RequestBlocks
+from shared.engine.sampling import SamplingParams
+from shared.engine.stopping import StopRule, steps
+from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as ppb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.rpc.proto_time import duration, seconds
+from shared.rpc.proto_time import duration, nanoseconds
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
 from shared.transport.read_fence import ReadFence
@@ -56,18 +59,37 @@ MAX_TOKENS_PER_CHUNK = 16
 
 
 @dataclass(frozen=True)
-class ValidRequest:
+class RequestContext:
+    """One valid Generate request, as the servicer hands it to `Generation.run`."""
+
     request_id: str
     prompt: list[int]
     max_tokens: int
     prompt_field: str  # the request field the prompt came from, for messages
+    deadline: float  # event-loop time: the client's deadline, or DEFAULT_TIMEOUT_SECONDS from arrival
+    started: float  # time.monotonic() at arrival
+    sampling: SamplingParams  # the seed already picked when the request gave none
+    stop: StopRule  # max_tokens, the model's EOS ids (unless ignore_eos) and the request's stop ids
 
 
-def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
-    """Every problem with the request names its field; nothing is touched before this passes."""
+@dataclass(frozen=True)
+class Transfer:
+    """What the request's READ brought: from whom, the manifest it followed, and its cost."""
+
+    link: PeerLink
+    manifest: Manifest
+    stats: ReadStats
+    prefill_seconds: float  # job sent -> manifest received
+
+
+def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
+    """The request once as a `RequestContext`: every problem names its field; nothing is
+    touched before this passes. `time_remaining`: the call's deadline (None: none set)."""
+    started = time.monotonic()
+    loop_now = asyncio.get_running_loop().time()
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
-    prompt = tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    prompt = tokenizer.for_engine(host.engine).encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
     prompt_field = "prompt" if request.prompt else "prompt_token_ids"
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
@@ -91,10 +113,12 @@ def validate(host: EngineHost, request: pb.GenerateRequest) -> ValidRequest:
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
-    return ValidRequest(request_id, prompt, request.max_tokens, prompt_field)
+    deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
+    options = decode_options(request, host.engine)
+    return RequestContext(request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop)
 
 
-def check_fits_prefill(host: EngineHost, link: PeerLink, req: ValidRequest) -> None:
+def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) -> None:
     """A prompt whose prefilled state cannot fit the chosen prefill engine's whole cache."""
     remote = link.remote
     needed = sum(link.plan.prefill.blocks_per_group(host.engine.num_prefill_tokens(len(req.prompt))))
@@ -152,21 +176,19 @@ class Generation:
     def in_flight(self) -> int:
         return len(self._active)
 
-    async def run(self, request: pb.GenerateRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        req = validate(self.host, request)
+    async def run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         if req.request_id in self._active:
             raise AlreadyExists(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
         self._active.add(req.request_id)
         try:
-            async for response in self._run(req, time_remaining):
+            async for response in self._run(req):
                 yield response
         finally:
             self._active.discard(req.request_id)
 
-    async def _run(self, req: ValidRequest, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        started = time.monotonic()
+    async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
+        deadline = req.deadline
         peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
         assert peer.link is not None
         check_fits_prefill(self.host, peer.link, req)
@@ -186,6 +208,7 @@ class Generation:
             prefill_seconds = time.monotonic() - job_sent
             try:
                 stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
+                transfer = Transfer(link, manifest, stats, prefill_seconds)
             except BaseException as e:
                 # Prefill may reuse its blocks once no READ of ours can still be reading them.
                 reason = f"read not completed: {type(e).__name__}"
@@ -193,18 +216,17 @@ class Generation:
                 raise
             session.done_reading(req.request_id)
             self._count_read(stats)
-            async for response in self._decode(req, manifest, local, compute, link, stats, prefill_seconds, started, deadline):
+            async for response in self._decode(req, transfer, local, compute):
                 yield response
         finally:
             compute.free_when_idle(key, reads)
 
     async def _read(
-        self, link: PeerLink, manifest: ppb.Manifest, local: RequestBlocks, deadline: float, reads: ReadFence
+        self, link: PeerLink, manifest: Manifest, local: RequestBlocks, deadline: float, reads: ReadFence
     ) -> ReadStats:
         """The manifest's state into `local`: refused if the lease already ran out; one deadline
         per READ. Decode's heartbeats keep renewing the lease meanwhile."""
-        lease = seconds(manifest.lease_duration)
-        if lease <= 0:
+        if manifest.lease_ns <= 0:
             raise Aborted(
                 f"prefill {link.engine_id} sent a manifest whose lease already expired; its blocks may be reused",
                 field="manifest.lease_duration",
@@ -216,18 +238,10 @@ class Generation:
             return await read_request(self.host, link, manifest, local, timeout=timeout, fence=reads)
 
     async def _decode(
-        self,
-        req: ValidRequest,
-        manifest: ppb.Manifest,
-        local: RequestBlocks,
-        compute: ComputeGuard,
-        link: PeerLink,
-        stats: ReadStats,
-        prefill_seconds: float,
-        started: float,
-        deadline: float,
+        self, req: RequestContext, transfer: Transfer, local: RequestBlocks, compute: ComputeGuard
     ) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
+        link, manifest, stats, started, deadline = transfer.link, transfer.manifest, transfer.stats, req.started, req.deadline
         await fault_hooks.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
         digest_check_seconds = 0.0
@@ -237,17 +251,21 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
-        decoder = tokenizer.StreamDecoder()
+        decoder = tokenizer.for_engine(self.host.engine).stream()
         first_token_at: float | None = None
         generated = 0
         capacity = self._capacity(local)
-        decode = await compute.run(lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity))
-        while generated < req.max_tokens:
+        sampling, stop = req.sampling, req.stop
+        decode = await compute.run(
+            lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity, sampling=sampling)
+        )
+        finish = None
+        while finish is None:
             if loop.time() > deadline:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
-            ids = await compute.run(functools.partial(_steps, decode, n))
+            ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             generated += len(ids)
             if first_token_at is None:
                 first_token_at = time.monotonic()
@@ -263,7 +281,7 @@ class Generation:
                 prompt_token_count=len(req.prompt),
                 generated_token_count=generated,
                 num_transferred_tokens=num_computed,
-                finish_reason=pb.FINISH_REASON_LENGTH,
+                finish_reason=finish_reason_message(finish),
                 prefill_engine_id=link.engine_id,
                 prefill_target=link.target,
                 transfer=pb.TransferStats(
@@ -274,14 +292,15 @@ class Generation:
                     read_count=stats.read_count,
                     descriptor_count=stats.descriptor_count,
                 ),
-                prefill_duration=duration(prefill_seconds),
+                prefill_duration=duration(transfer.prefill_seconds),
                 read_duration=duration(stats.seconds),
                 time_to_first_token=duration((first_token_at or time.monotonic()) - started),
                 total_duration=duration(time.monotonic() - started),
                 state_verified=self.check_state,
                 digests_verified=self.host.verify_transfer,
                 digest_check_duration=duration(digest_check_seconds),
-                prefill_digest_duration=manifest.digest_duration,
+                prefill_digest_duration=nanoseconds(manifest.digest_ns),
+                seed=sampling.seed,
             )
         )
 
@@ -298,18 +317,11 @@ class Generation:
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
     async def _verify_digests(
-        self, compute: ComputeGuard, req: ValidRequest, manifest: ppb.Manifest, link: PeerLink, local: RequestBlocks
+        self, compute: ComputeGuard, req: RequestContext, manifest: Manifest, link: PeerLink, local: RequestBlocks
     ) -> None:
-        """What the READs left in our blocks must have the digests prefill took of what it wrote."""
-        if manifest.digest_algorithm != DIGEST_ALGORITHM:
-            said = f"digests of kind {manifest.digest_algorithm!r}" if manifest.digest_algorithm else "no digests"
-            raise FailedPrecondition(
-                f"prefill {link.engine_id} sent {said}; this decode engine checks {DIGEST_ALGORITHM} digests "
-                "(run both services with the same --verify-transfer)",
-                field="manifest.digest_algorithm",
-                reason="NO_DIGESTS",
-            )
-        expected = [SectionDigest(d.prefill_rank, SECTION_NAMES[d.section], d.group, d.digest) for d in manifest.digests]
+        """What the READs left in our blocks must have the digests prefill took of what it wrote
+        (that they are there, of our kind, was checked when the manifest arrived)."""
+        expected = list(manifest.digests)
         layout, views, n = self.host.layout, self.host.views, manifest.num_computed_tokens
         source = link.plan.prefill
         got = await compute.run(lambda: state_digests(layout, views, local.block_ids, n, source=source))
@@ -353,13 +365,6 @@ class Generation:
         return ensure
 
 
-SECTION_NAMES: dict[int, Literal["fa", "conv", "ssm"]] = {
-    ppb.STATE_SECTION_FA: "fa",
-    ppb.STATE_SECTION_CONV: "conv",
-    ppb.STATE_SECTION_SSM: "ssm",
-}
-
-
 async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any, T]) -> T:
     """Await `work`, but give up (cancelling it) as soon as the prefill session is lost: a dead or
     frozen prefill fails its in-flight READs within the heartbeat timeout, not the READ deadline."""
@@ -379,7 +384,3 @@ async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any,
 
 async def _grow(host: EngineHost, blocks: RequestBlocks, n: int) -> RequestBlocks:
     return host.grow(blocks, n)
-
-
-def _steps(decode: DecodeSession, n: int) -> list[int]:
-    return [decode.step() for _ in range(n)]

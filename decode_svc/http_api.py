@@ -23,13 +23,15 @@ from starlette.routing import Route
 
 from decode_svc import tokenizer
 from decode_svc.servicer import DecodeServicer, EarlyStop
-from shared.errors import FieldIssue, ServiceError
+from shared.engine.text import TextStream, Tokenizer
+from shared.errors import FieldIssue, InvalidArgument, ServiceError
 from shared.http import objects, sse
 from shared.http.app import ServiceInfo, api, check_model, json_body
 from shared.http.chat_template import ChatTemplate
 from shared.http.errors import NotImplementedYet, http_error, internal_error
 from shared.http.kv_transfer import RemotePrefill, parse_remote_prefill, wants_remote_prefill
 from shared.http.params import CommonParams, parse_chat, parse_completion
+from shared.http.params import SamplingParams as HttpSampling
 from shared.http.render import prompt_ids
 from shared.http.stop import StopMatcher
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -63,7 +65,9 @@ class Generated:
         stop: StopMatcher,
         early: EarlyStop,
         rename: Callable[[ServiceError], ServiceError],
+        text: Tokenizer,
     ) -> None:
+        self._tokenizer = text
         self._responses = responses
         self.outcome = outcome
         self._stop = stop
@@ -85,10 +89,12 @@ class Generated:
         With stop sequences the ids are decoded here one token at a time (the tokenizer
         Generation uses), so a match stops at the token that completed it and `usage` counts
         exactly the tokens up to it; without, the chunks' own text is passed through."""
-        per_token = tokenizer.StreamDecoder() if self._stop.stops else None
+        per_token = self._tokenizer.stream() if self._stop.stops else None
         try:
             response = self._first
             while response is not None:
+                if response.WhichOneof("payload") == "summary" and response.summary.finish_reason == pb.FINISH_REASON_STOP:
+                    self.outcome.finish_reason = "stop"  # an EOS or stop token id
                 if response.WhichOneof("payload") == "chunk":
                     if per_token is None:
                         self.outcome.completion_tokens += len(response.chunk.token_ids)
@@ -104,7 +110,7 @@ class Generated:
         finally:
             await self.aclose()
 
-    def _feed_tokens(self, decoder: tokenizer.StreamDecoder, ids: Sequence[int]) -> str:
+    def _feed_tokens(self, decoder: TextStream, ids: Sequence[int]) -> str:
         out = []
         for token in ids:
             self.outcome.completion_tokens += 1
@@ -130,6 +136,7 @@ class DecodeHttp:
         self.host = host
         self.info = info
         self.template = template
+        self.tokenizer = tokenizer.for_engine(host.engine)  # the engine's, or bytes
 
     def routes(self) -> list[Route]:
         return [
@@ -140,7 +147,7 @@ class DecodeHttp:
     async def completions(self, request: Request) -> Response:
         params = parse_completion(await json_body(request))
         model = check_model(self.info, params.model)
-        ids = prompt_ids(params, tokenizer.encode, self.template)
+        ids = prompt_ids(params, self.tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "prompt")
         header = objects.Header.new(f"cmpl-{rid}", model)
         if not params.stream:
@@ -161,7 +168,7 @@ class DecodeHttp:
     async def chat(self, request: Request) -> Response:
         params = parse_chat(await json_body(request))
         model = check_model(self.info, params.model)
-        ids = prompt_ids(params, tokenizer.encode, self.template)
+        ids = prompt_ids(params, self.tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "messages")
         header = objects.Header.new(f"chatcmpl-{rid}", model)
         if not params.stream:
@@ -199,12 +206,20 @@ class DecodeHttp:
         if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
             max_tokens = max(1, self.host.max_tokens() - len(ids))
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        grpc_request = pb.GenerateRequest(request_id=rid, prompt_token_ids=ids, max_tokens=max_tokens)
+        grpc_request = pb.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            sampling=grpc_sampling(params.sampling),
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
         names = {
             "prompt_token_ids": prompt_field,
             "prompt": prompt_field,
             "max_tokens": params.max_tokens_field,
             "request_id": "X-Request-Id",
+            **{f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed")},
         }
         early = EarlyStop()
         generated = Generated(
@@ -213,6 +228,7 @@ class DecodeHttp:
             StopMatcher(params.stop),
             early,
             lambda e: _renamed(e, names),
+            self.tokenizer,
         )
         await generated.first()
         return generated, rid
@@ -221,6 +237,17 @@ class DecodeHttp:
 def _client_of(request: Request) -> str:
     client = request.client
     return f"{client.host}:{client.port}" if client is not None else ""
+
+
+def grpc_sampling(s: HttpSampling) -> pb.SamplingParams:
+    """The body's sampling as the GenerateRequest's; penalties no engine applies are refused."""
+    for name, value in (("presence_penalty", s.presence_penalty), ("frequency_penalty", s.frequency_penalty)):
+        if value != 0:
+            raise InvalidArgument(f"{value} is not supported: no engine applies penalties (send 0)", field=name)
+    out = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        out.seed = s.seed % 2**64  # OpenAI allows negative seeds: the same bits, unsigned
+    return out
 
 
 def _renamed(error: ServiceError, names: dict[str, str]) -> ServiceError:

@@ -24,6 +24,7 @@ from shared.layout.plan import TransferPlan
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import check_pair
+from shared.rpc.manifest_message import ManifestSource
 from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import PreppedList
 from shared.transport.errors import PeerAlreadyKnown, PeerMetadataRejected, TransportError
@@ -66,6 +67,11 @@ class PeerLink:
     @property
     def incarnation(self) -> int:
         return self.remote.incarnation
+
+    def manifest_source(self, digests_required: bool) -> ManifestSource:
+        """What a manifest from this peer must fit (its layout's groups and blocks)."""
+        r = self.remote
+        return ManifestSource(r.engine_id, len(r.groups), r.num_logical_blocks, digests_required=digests_required)
 
     def readers_per_prefill_rank(self) -> list[int]:
         """How many decode ranks read from (and notify) each prefill rank per request."""

@@ -197,7 +197,7 @@ class PrefillPeer:
             raise HandshakeRefused(e) from None
         remote = response.layout
         self.link = await PeerLink.open(self.host, self.target, remote)
-        session = SessionClient(stub, self.name)
+        session = SessionClient(stub, self.name, self.link.manifest_source(self.host.verify_transfer))
         self.session = session
         await session.open(
             pb.SessionHello(

@@ -18,17 +18,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
 from decode_svc.peer_link import PairLists, PeerLink
 from shared import tracing
 from shared.cache.id_buffers import IdBuffers
+from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
 from shared.layout.read_lists import IdArray, read_indices
 from shared.layout.spec import LayoutError
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
@@ -37,7 +34,6 @@ from shared.transport.poller import ReadResult
 from shared.transport.read_fence import ReadFence
 
 log = logging.getLogger(__name__)
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass
@@ -61,39 +57,6 @@ class ReadStats:
         self.read_count += other.read_count
         self.descriptor_count += other.descriptor_count
         self.post_seconds += other.post_seconds
-
-
-def manifest_blocks(link: PeerLink, manifest: pb.Manifest) -> list[IntArray]:
-    """The manifest's block ids per group, checked against the prefill layout (field named)."""
-    remote = link.remote
-    if len(manifest.groups) != len(remote.groups):
-        raise Internal(
-            f"prefill {link.engine_id} sent a manifest with {len(manifest.groups)} groups; its layout has {len(remote.groups)}",
-            field="manifest.groups",
-            reason="BAD_MANIFEST",
-        )
-    # fromiter reads the repeated field without building a Python list first.
-    blocks = [np.fromiter(g.block_ids, dtype=np.int64, count=len(g.block_ids)) for g in manifest.groups]
-    everything = np.sort(np.concatenate(blocks)) if blocks else np.zeros(0, dtype=np.int64)
-    if everything.size and int(everything[-1]) >= remote.num_logical_blocks:
-        raise Internal(
-            f"prefill {link.engine_id} sent block id {int(everything[-1])} >= its {remote.num_logical_blocks} blocks",
-            field="manifest.groups.block_ids",
-            reason="BAD_MANIFEST",
-        )
-    if everything.size > 1 and bool((everything[1:] == everything[:-1]).any()):  # sorted: duplicates are neighbours
-        raise Internal(
-            f"prefill {link.engine_id} sent a manifest with duplicated block ids",
-            field="manifest.groups.block_ids",
-            reason="BAD_MANIFEST",
-        )
-    if manifest.num_computed_tokens > manifest.prompt_token_count:
-        raise Internal(
-            f"prefill {link.engine_id}: num_computed_tokens {manifest.num_computed_tokens} > prompt {manifest.prompt_token_count}",
-            field="manifest.num_computed_tokens",
-            reason="BAD_MANIFEST",
-        )
-    return blocks
 
 
 def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens: int) -> ReadStats:
@@ -130,7 +93,7 @@ async def _read_one(
 async def read_request(
     host: EngineHost,
     link: PeerLink,
-    manifest: pb.Manifest,
+    manifest: Manifest,
     local: RequestBlocks,
     *,
     timeout: float,
@@ -138,7 +101,7 @@ async def read_request(
 ) -> ReadStats:
     """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks.
     Every READ is added to `fence`; on failure the fence is abandoned (see the module doc)."""
-    remote_blocks = manifest_blocks(link, manifest)
+    remote_blocks = manifest.block_ids  # checked against the peer's layout when it arrived
     notif = manifest.transfer_id.encode()
     num_tokens = manifest.num_computed_tokens
     if timeout <= 0:

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from decode_svc.generation import Generation
+from decode_svc.generation import Generation, validate
 from decode_svc.prefill_peer import PrefillPeers
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
@@ -89,8 +89,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         tokens_seen = False
         try:
             self.lifecycle.check_accepting("new requests")
+            context = validate(self.host, request, time_remaining)  # the request once, as domain values
             with self.lifecycle.track():
-                async for response in self.generation.run(request, time_remaining):
+                async for response in self.generation.run(context):
                     if response.HasField("summary"):
                         summary = response.summary
                     elif n := len(response.chunk.token_ids):

@@ -11,6 +11,10 @@ dropped and every request waiting on it fails with UNAVAILABLE naming the peer, 
 Every write goes through one writer task. grpc.aio cancels a whole call when the task awaiting
 one of its writes is cancelled, so a request (whose task is cancelled when its client goes
 away) must never await a write on the shared stream itself: it only queues the message.
+
+Manifests become domain manifests here, once, as they arrive: one that does not fit the prefill
+engine (`ManifestSource`) fails its request with the error naming the field, and the request is
+released on prefill at once.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from collections.abc import Sequence
 import grpc
 
 from shared import tracing
+from shared.cache.manifest import Manifest
 from shared.errors import ServiceError, Unavailable, error_for_status
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.manifest_message import ManifestSource, manifest_from_message
 from shared.rpc.proto_time import duration, seconds
 from shared.rpc.status import code_name, describe, from_rpc_status
 from shared.tracing import Step
@@ -36,15 +42,16 @@ SILENCE_INTERVALS = 1.5  # heartbeat intervals without a word from prefill befor
 
 
 class SessionClient:
-    def __init__(self, stub: pb_grpc.PrefillServiceAsyncStub, peer_name: str) -> None:
+    def __init__(self, stub: pb_grpc.PrefillServiceAsyncStub, peer_name: str, source: ManifestSource) -> None:
         self.stub = stub
         self.peer_name = peer_name  # "engine-id (host:port)", for messages
+        self.source = source  # what manifests from this peer are checked against
         self.ready: pb.SessionReady | None = None
         self.draining = False
         self.closed = asyncio.Event()
         self.close_reason = ""
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
-        self._waiting: dict[str, asyncio.Future[pb.Manifest]] = {}
+        self._waiting: dict[str, asyncio.Future[Manifest]] = {}
         self._holding: set[str] = set()  # manifests received, blocks still needed
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
@@ -84,7 +91,7 @@ class SessionClient:
 
     # ---- requests ----
 
-    async def submit(self, request_id: str, prompt: Sequence[int], timeout: float | None) -> pb.Manifest:
+    async def submit(self, request_id: str, prompt: Sequence[int], timeout: float | None) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError."""
         if self.closed.is_set():
             raise self.ended_error()
@@ -92,7 +99,7 @@ class SessionClient:
             raise Unavailable(f"prefill {self.peer_name} is draining", reason="DRAINING")
         if request_id in self._waiting or request_id in self._holding:
             raise ServiceError(f"request id {request_id!r} is already in flight to {self.peer_name}")
-        future: asyncio.Future[pb.Manifest] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Manifest] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt))
         if timeout is not None:
@@ -163,7 +170,7 @@ class SessionClient:
                 self._last_heard = loop.time()
                 kind = msg.WhichOneof("payload")
                 if kind == "manifest":
-                    self._resolve(msg.manifest.request_id, manifest=msg.manifest)
+                    self._arrived(msg.manifest)
                 elif kind == "failure":
                     self._resolve(msg.failure.request_id, error=job_error(self.peer_name, msg.failure))
                 elif kind == "drain":
@@ -205,7 +212,16 @@ class SessionClient:
                 next_send = now + send_every
                 self._send(pb.SessionRequest(heartbeat=pb.DecodeHeartbeat(request_ids=sorted(self._holding))))
 
-    def _resolve(self, request_id: str, *, manifest: pb.Manifest | None = None, error: ServiceError | None = None) -> None:
+    def _arrived(self, msg: pb.Manifest) -> None:
+        try:
+            manifest = manifest_from_message(msg, self.source)
+        except ServiceError as e:
+            self._resolve(msg.request_id, error=e)
+            self.release(msg.request_id, f"manifest refused: {e.reason}")
+            return
+        self._resolve(msg.request_id, manifest=manifest)
+
+    def _resolve(self, request_id: str, *, manifest: Manifest | None = None, error: ServiceError | None = None) -> None:
         tracing.mark(Step.MANIFEST_RECEIVED)
         future = self._waiting.pop(request_id, None)
         if future is None or future.done():

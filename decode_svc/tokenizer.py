@@ -1,4 +1,5 @@
-"""Text <-> token ids for Generate: UTF-8 bytes, the byte-level tokenizer of the reference models.
+"""Text <-> token ids for Generate: the engine's own tokenizer when it has one (a checkpoint's,
+`--engine hf`), else UTF-8 bytes, the byte-level tokenizer of the reference models.
 
 Engines with a larger vocabulary (the synthetic engine at real-model sizes) may emit ids of
 256 and above; they have no text and render as nothing. Streaming uses an incremental decoder
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+
+from shared.engine.protocol import Engine
+from shared.engine.text import Tokenizer
 
 BYTE_VOCAB = 256
 
@@ -26,3 +30,21 @@ class StreamDecoder:
 
     def finish(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder()
+
+
+BYTES = ByteTokenizer()
+
+
+def for_engine(engine: Engine) -> Tokenizer:
+    return engine.tokenizer or BYTES

@@ -7,22 +7,40 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from google.protobuf import timestamp_pb2
 
 from prefill_svc.pins import PinTable
 from shared import tracing
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, state_digests
+from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
-from shared.rpc.proto_time import duration
+from shared.rpc.proto_time import seconds
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job of a Session, as the session hands it to `JobRunner.run`."""
+
+    request_id: str
+    prompt: list[int]
+    deadline: float | None  # event-loop time; None: the job has no deadline
+    owner: str  # the decode incarnation whose pin this becomes
+    readers_per_rank: list[int]  # decode ranks that READ from each prefill rank
+
+
+def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
+    """The job once as domain values; `now` is event-loop time (the timeout travels as a duration)."""
+    deadline = now + seconds(job.timeout) if job.HasField("timeout") else None
+    return Job(job.request_id, list(job.prompt_token_ids), deadline, owner, readers_per_rank)
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -56,17 +74,9 @@ class JobRunner:
         now = loop.time()
         return await self.host.allocate_queued(key, num_tokens, now if deadline is None else wait_deadline(deadline, now))
 
-    async def run(
-        self,
-        job: pb.PrefillJob,
-        *,
-        owner: str,
-        readers_per_rank: list[int],
-        deadline: float | None,
-        on_end: Callable[[str], None] | None = None,
-    ) -> pb.Manifest:
+    async def run(self, job: Job, *, on_end: Callable[[str], None] | None = None) -> Manifest:
         tracing.mark(Step.JOB_STARTED)
-        prompt = list(job.prompt_token_ids)
+        prompt, deadline = job.prompt, job.deadline
         validate_prompt(self.host, job.request_id, prompt)
         engine = self.host.engine
         computed = engine.num_prefill_tokens(len(prompt))
@@ -94,26 +104,21 @@ class JobRunner:
             self.host.free(tid)
             raise DeadlineExceeded(f"the job's deadline passed during prefill ({elapsed:.3f}s)", field="job.timeout")
         # Expectations are registered before the manifest leaves: no notification can beat them.
-        pin = self.pins.pin(tid, job.request_id, owner, readers_per_rank, on_end=on_end)
-        lease_left = pin.lease_deadline - loop.time()
-        expire = timestamp_pb2.Timestamp()
-        expire.FromNanoseconds(time.time_ns() + int(lease_left * 1e9))
+        pin = self.pins.pin(tid, job.request_id, job.owner, job.readers_per_rank, on_end=on_end)
+        lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
         tracing.mark(Step.MANIFEST_BUILT)
-        return pb.Manifest(
+        return Manifest(
             request_id=job.request_id,
             transfer_id=tid,
-            groups=[pb.GroupBlocks(block_ids=ids.tolist()) for ids in blocks.block_ids],
+            block_ids=tuple(blocks.block_ids),
             num_computed_tokens=computed,
             prompt_token_count=len(prompt),
-            lease_expire_time=expire,
-            lease_duration=duration(lease_left),
-            prefill_duration=duration(elapsed),
-            digests=[
-                pb.StateDigest(prefill_rank=d.rank, section=SECTION_ENUM[d.section], group=d.group, digest=d.digest)
-                for d in digests
-            ],
+            lease_ns=lease_ns,
+            lease_expire_time_ns=time.time_ns() + lease_ns,
+            prefill_ns=int(elapsed * 1e9),
+            digests=tuple(digests),
             digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
-            digest_duration=duration(digest_seconds),
+            digest_ns=int(digest_seconds * 1e9),
         )
 
     def _compute(
@@ -131,9 +136,6 @@ class JobRunner:
         if section is not None:
             _flip_one_byte(self.host, blocks, section)
         return digests, took
-
-
-SECTION_ENUM = {"fa": pb.STATE_SECTION_FA, "conv": pb.STATE_SECTION_CONV, "ssm": pb.STATE_SECTION_SSM}
 
 
 def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str) -> None:

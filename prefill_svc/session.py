@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from prefill_svc.jobs import JobRunner
+from prefill_svc.jobs import JobRunner, job_from_message
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
 from shared import tracing
@@ -34,7 +34,8 @@ from shared.logs import context as log_context
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.proto_time import duration, seconds
+from shared.rpc.manifest_message import manifest_message
+from shared.rpc.proto_time import duration
 from shared.rpc.status import code_number, to_rpc_status
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
@@ -229,15 +230,16 @@ class PrefillSession:
             return
         self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
 
-    async def _run_job(self, job: pb.PrefillJob) -> None:
-        rid = job.request_id
+    async def _run_job(self, message: pb.PrefillJob) -> None:
+        rid = message.request_id
         log_context.bind_request(rid, self.owner)  # this job's own task: every line of it names the request
         loop = asyncio.get_running_loop()
         started = loop.time()
-        deadline = started + seconds(job.timeout) if job.HasField("timeout") else None
+        job = job_from_message(message, owner=self.owner, readers_per_rank=self.readers, now=started)
+        deadline = job.deadline
         credit_taken = False
         status = "INTERNAL"
-        fields: dict[str, object] = {"prompt_tokens": len(job.prompt_token_ids)}
+        fields: dict[str, object] = {"prompt_tokens": len(job.prompt)}
         try:
             now = loop.time()
             left = None if deadline is None else max(0.0, wait_deadline(deadline, now) - now)
@@ -253,16 +255,14 @@ class PrefillSession:
                     reason="NO_CREDIT",
                 ) from None
             credit_taken = True
-            manifest = await self.runner.run(
-                job, owner=self.owner, readers_per_rank=self.readers, deadline=deadline, on_end=self._credit_back
-            )
+            manifest = await self.runner.run(job, on_end=self._credit_back)
             credit_taken = False  # now owned by the pin: returned when it ends
-            self._out.put_nowait(pb.SessionResponse(manifest=manifest))
+            self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(manifest)))
             status = "OK"
             fields.update(
                 computed_tokens=manifest.num_computed_tokens,
-                blocks=sum(len(g.block_ids) for g in manifest.groups),
-                prefill_ms=round(seconds(manifest.prefill_duration) * 1e3, 3),
+                blocks=sum(len(ids) for ids in manifest.block_ids),
+                prefill_ms=round(manifest.prefill_ns / 1e6, 3),
             )
         except ServiceError as e:
             status = e.status

@@ -47,10 +47,18 @@ def seconds(duration: Any) -> float:
 
 
 async def generate(
-    stub: pb_grpc.DecodeServiceAsyncStub, prompt: Sequence[int], max_tokens: int, *, request_id: str = "", timeout: float = 600.0
+    stub: pb_grpc.DecodeServiceAsyncStub,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    request_id: str = "",
+    timeout: float = 600.0,
+    ignore_eos: bool = False,
 ) -> Timed:
     result = Timed(sent=time.perf_counter())
-    request = pb.GenerateRequest(prompt_token_ids=list(prompt), max_tokens=max_tokens, request_id=request_id)
+    request = pb.GenerateRequest(
+        prompt_token_ids=list(prompt), max_tokens=max_tokens, request_id=request_id, ignore_eos=ignore_eos
+    )
     try:
         async for reply in stub.Generate(request, timeout=timeout):
             now = time.perf_counter()

@@ -8,6 +8,7 @@ Prefill and decode steps of concurrent requests share the one compute thread, wh
 interference disaggregation removes.
 
     python -m shared.bench.colocated_server --model tiny-mamba2 --engine reference --tp 1 --num-blocks N
+    python -m shared.bench.colocated_server --engine hf --model CHECKPOINT_DIR --tp 1 --num-blocks N
 
 prints `LISTENING port=N` (port 0 by default picks a free one) and serves until SIGTERM.
 """
@@ -26,13 +27,16 @@ from typing import Any, TypeVar
 
 import grpc
 
+from decode_svc.request_options import decode_options, finish_reason_message
 from shared.bench.sizing import blocks_per_group
 from shared.cache.allocator import BlockAllocator
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.compute_threads import compute_executor
 from shared.engine.factory import ENGINE_KINDS, make_engine
-from shared.engine.protocol import DecodeSession, Engine, RequestBlocks
+from shared.engine.protocol import Engine, RequestBlocks
+from shared.engine.stopping import steps
+from shared.errors import InvalidArgument
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -42,10 +46,6 @@ from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
 
 T = TypeVar("T")
-
-
-def _steps(decode: DecodeSession, n: int) -> list[int]:
-    return [decode.step() for _ in range(n)]
 
 
 MAX_TOKENS_PER_CHUNK = 16  # as the decode service
@@ -76,18 +76,25 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         prompt = list(request.prompt_token_ids)
         if not prompt or request.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt_token_ids and max_tokens >= 1")
+        try:
+            options = decode_options(request, self.engine)  # the decode service's own rules
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         key = request.request_id or uuid.uuid4().hex
         blocks = self._allocate(key, len(prompt) + request.max_tokens)
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
             await self._run(lambda: self.engine.prefill(prompt, blocks))
             prefill_seconds = time.monotonic() - started
-            decode = await self._run(lambda: self.engine.start_decode(prompt, computed, blocks, lambda n: blocks))
+            decode = await self._run(
+                lambda: self.engine.start_decode(prompt, computed, blocks, lambda n: blocks, sampling=options.sampling)
+            )
             generated = 0
             first_token_at: float | None = None
-            while generated < request.max_tokens:
+            finish = None
+            while finish is None:
                 n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
-                ids = await self._run(functools.partial(_steps, decode, n))
+                ids, finish = await self._run(functools.partial(steps, decode, n, options.stop, generated))
                 generated += len(ids)
                 if first_token_at is None:
                     first_token_at = time.monotonic()
@@ -97,7 +104,8 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
                     request_id=key,
                     prompt_token_count=len(prompt),
                     generated_token_count=generated,
-                    finish_reason=pb.FINISH_REASON_LENGTH,
+                    finish_reason=finish_reason_message(finish),
+                    seed=options.sampling.seed,
                     prefill_duration=duration(prefill_seconds),
                     time_to_first_token=duration((first_token_at or time.monotonic()) - started),
                     total_duration=duration(time.monotonic() - started),
@@ -111,13 +119,43 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         raise AssertionError("abort raises")
 
 
+def colocated_servicer(
+    kind: str,
+    model: str,
+    tp: int,
+    num_blocks: int,
+    *,
+    kernel_block_size: int = 16,
+    dtype: str | None = None,
+    device: str = "cpu",
+) -> ColocatedServicer:
+    """The servicer over a fresh engine: `model` is a preset name, or with `kind` hf a checkpoint
+    directory (computed in `dtype`, default the checkpoint's, on `device`)."""
+    if kind == "hf":
+        from shared.engine.hf.model_spec import hf_model_spec
+
+        spec = hf_model_spec(model, dtype=dtype)
+    else:
+        spec = load_model(model)
+    layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
+    caches = [RankCache(layout.num_regions, num_blocks, layout.page_bytes) for _ in range(tp)]
+    views = [RankViews(layout, c) for c in caches]
+    engine = make_engine(kind, layout, views, model_dir=model if kind == "hf" else None, dtype=dtype, device=device)
+    return ColocatedServicer(layout, engine, num_blocks)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    spec = load_model(args.model)
-    layout = build_engine_layout(spec, args.tp, kernel_block_size=args.kernel_block_size)
-    caches = [RankCache(layout.num_regions, args.num_blocks, layout.page_bytes) for _ in range(args.tp)]
-    engine = make_engine(args.engine, layout, [RankViews(layout, c) for c in caches])
+    servicer = colocated_servicer(
+        args.engine,
+        args.model,
+        args.tp,
+        args.num_blocks,
+        kernel_block_size=args.kernel_block_size,
+        dtype=args.dtype,
+        device=args.device,
+    )
     server = build_server()
-    pb_grpc.add_DecodeServiceServicer_to_server(ColocatedServicer(layout, engine, args.num_blocks), server)
+    pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
     stop = asyncio.Event()
@@ -131,7 +169,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-mamba2")
+    parser.add_argument("--model", default="tiny-mamba2", help="a preset, or with --engine hf a checkpoint directory")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="--engine hf: compute dtype")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--engine", choices=ENGINE_KINDS, default="reference")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-blocks", type=int, required=True)

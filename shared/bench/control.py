@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 
 from decode_svc.app import DecodeApp
-from decode_svc.reader import ReadStats, manifest_blocks, read_request
+from decode_svc.reader import ReadStats, read_request
 from prefill_svc.app import PrefillApp
 from shared import tracing
 from shared.bench.client import generate
@@ -174,7 +174,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             f0 = time.perf_counter()
             reads.when_released(lambda: host.free(rid))
             f1 = time.perf_counter()
-            remote = manifest_blocks(link, manifest)
+            remote = manifest.block_ids
             i0 = time.perf_counter()
             for pair in link.pairs:
                 read_indices(pair.lists, local.block_ids, remote, manifest.num_computed_tokens)

@@ -11,6 +11,10 @@ processes are not credited with a core each they did not use. The generated toke
 setups are compared request by request (`tokens_match`): the disaggregated path must not
 change them.
 
+With `--engine hf --model DIR` both setups run the checkpoint with transformers. Requests
+ignore EOS, so every request generates max_tokens tokens in both setups. The share of TTFT
+spent moving state is the decode-reported READ time over the client's TTFT, per request.
+
 The crossover (bytes moved against prompt length) comes from the layout math (crossover.py).
 """
 
@@ -40,6 +44,7 @@ from shared.bench.sizing import blocks_needed, prefill_tokens
 from shared.bench.stats import Summary, json_number, ratio
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
+from shared.layout.spec import ModelSpec
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e/v1"
@@ -140,6 +145,11 @@ class LevelResult:
             "prefill_ms": Summary.of([seconds(t.summary.prefill_duration) for t in ok if t.summary is not None])
             .scaled(1e3)
             .as_dict(),
+            # Decode's READ time (first READ posted -> last done) and its share of each request's TTFT.
+            "read_ms": Summary.of([seconds(t.summary.read_duration) for t in ok if t.summary is not None]).scaled(1e3).as_dict(),
+            "read_share_of_ttft": Summary.of(
+                [seconds(t.summary.read_duration) / t.ttft for t in ok if t.summary is not None and t.ttft > 0]
+            ).as_dict(6),
             "itl_ms": Summary.of([t.itl for t in ok if not math.isnan(t.itl)]).scaled(1e3).as_dict(),
             "tokens": tokens,
             "wall_s": json_number(self.wall),
@@ -168,7 +178,7 @@ async def _level(
 
     async def one(i: int, stub: pb_grpc.DecodeServiceAsyncStub) -> Timed:
         async with sem:
-            timed = await generate(stub, prompts[i], cfg.max_tokens)
+            timed = await generate(stub, prompts[i], cfg.max_tokens, ignore_eos=True)
         progress.advance(1, f"{setup} c={concurrency}")
         return timed
 
@@ -185,8 +195,16 @@ async def _level(
     return LevelResult(setup, concurrency, list(timings), wall, used)
 
 
+def _spec(model: str, engine: str) -> ModelSpec:
+    if engine == "hf":
+        from shared.engine.hf.model_spec import hf_model_spec
+
+        return hf_model_spec(model)
+    return load_model(model)
+
+
 async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = load_model(cfg.model)
+    spec = _spec(cfg.model, cfg.engine)
     prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
     decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
     top = max(cfg.concurrency)
@@ -244,7 +262,7 @@ async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -
         if colocated is not None:
             colocated.stop()
         pair.stop()
-    cross_spec = load_model(cfg.crossover_model or cfg.model)
+    cross_spec = load_model(cfg.crossover_model) if cfg.crossover_model else spec
     crossover = bytes_by_prompt_length(
         build_engine_layout(cross_spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size),
         build_engine_layout(cross_spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size),
@@ -350,6 +368,12 @@ def format_e2e(result: dict[str, Any]) -> str:
             + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
     lines.append("(-prefill: median TTFT minus the server-reported prefill time: transfer, control plane, first decode step)")
+    for r in result["levels"]:
+        if r["setup"] == "disaggregated" and r["read_ms"]["median"] is not None:
+            lines.append(
+                f"moving state at concurrency {r['concurrency']}: READ p50 {_f(r['read_ms']['median'], 2)} ms, "
+                f"{_f(100 * (r['read_share_of_ttft']['median'] or 0), 2)} % of TTFT (median over requests)"
+            )
     lines += ["", f"{'conc':>4} {'TTFT d/c':>9} {'ITL d/c':>8} {'tok/s d/c':>10} {'tok/s/core d/c':>15} {'same tokens':>12}"]
     for cmp in result["comparisons"]:
         lines.append(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from shared.cache.regions import RankCache
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout import boundary
 from shared.layout.page import EngineLayout
 
@@ -21,6 +22,10 @@ class _NoComputeSession:
 
 
 class NoComputeEngine:
+    eos_token_ids: frozenset[int] = frozenset()
+    samples = False
+    tokenizer = None  # the byte tokenizer
+
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache] = ()) -> None:
         self.spec = layout.spec
 
@@ -31,7 +36,13 @@ class NoComputeEngine:
         return None
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeSession:
         return _NoComputeSession()
 

@@ -353,13 +353,13 @@ def register(subparsers: Any) -> None:
         description=_doc("shared.bench.e2e"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add(e, "model", "tiny-mamba2", "model preset", metavar="PRESET")
+    _add(e, "model", "tiny-mamba2", "model preset, or with --engine hf a checkpoint directory", metavar="PRESET|DIR")
     _add(
         e,
         "engine",
         "reference",
-        "reference (tiny models, real math) or synthetic (real-model sizes, no math)",
-        choices=("reference", "synthetic"),
+        "reference (tiny models, real math), synthetic (real-model sizes, no math) or hf (a Hugging Face checkpoint)",
+        choices=("reference", "synthetic", "hf"),
     )
     _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
     _add(

@@ -4,6 +4,9 @@ For each model it starts a prefill and a decode service as subprocesses on free 
 requests concurrently, and checks every one: with the reference engine the tokens must equal a
 colocated run of the same model in this process, bit for bit; with either engine the decode
 service compares every transferred byte with what prefill must have written (--check-state).
+With the reference engine it also runs one Hugging Face family (--hf-family, default qwen3_5)
+through `--engine hf`: a tiny seeded checkpoint, made on first run and cached (nothing is
+downloaded), text through its own BPE tokenizer, tokens equal to transformers run colocated.
 It prints a summary table, stops both services with SIGTERM (they must exit 0), and exits
 non-zero on any mismatch.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,12 +102,13 @@ def summarize(model: str, engine: str, p_tp: int, d_tp: int, results: list[Reque
     }
 
 
-async def demo_model(args: argparse.Namespace, model: str) -> tuple[dict[str, Any], list[RequestResult]]:
-    common = ["--model", model, "--engine", args.engine, "--num-blocks", str(args.num_blocks)]
-    prefill_args = [*common, "--tp", str(args.prefill_tp), "--engine-id", f"demo-prefill-{model}"]
+async def demo_model(args: argparse.Namespace, model: str, engine: str) -> tuple[dict[str, Any], list[RequestResult]]:
+    common = ["--model", model, "--engine", engine, "--num-blocks", str(args.num_blocks)]
+    name = _label(model, engine).replace(":", "-")
+    prefill_args = [*common, "--tp", str(args.prefill_tp), "--engine-id", f"demo-prefill-{name}"]
     if args.prefill_block_size:
         prefill_args += ["--block-size", str(args.prefill_block_size)]
-    decode_args = [*common, "--tp", str(args.decode_tp), "--engine-id", f"demo-decode-{model}", "--check-state"]
+    decode_args = [*common, "--tp", str(args.decode_tp), "--engine-id", f"demo-decode-{name}", "--check-state"]
     if args.decode_block_size:
         decode_args += ["--block-size", str(args.decode_block_size)]
     pair: LocalPair = await start_pair(prefill_args, decode_args)
@@ -117,18 +122,37 @@ async def demo_model(args: argparse.Namespace, model: str) -> tuple[dict[str, An
         wall = time.perf_counter() - start
     finally:
         codes = pair.stop()
-    if args.engine == "reference":
+    if engine == "reference":
         from shared.engine.reference.colocated import colocated_generate
         from shared.engine.reference.tokenizer import encode
 
         spec = TINY_PRESETS[model]
         for r in results:
             r.expected = colocated_generate(spec, encode(r.prompt), args.max_tokens)
-    row = summarize(model, args.engine, args.prefill_tp, args.decode_tp, list(results), wall)
+    elif engine == "hf":
+        _expect_hf(model, results, args.max_tokens)
+    row = summarize(_label(model, engine), engine, args.prefill_tp, args.decode_tp, list(results), wall)
     row["exit_codes"] = {"decode": codes[0], "prefill": codes[1]}
     if codes != (0, 0):
         row["errors"].append(f"services exited with codes decode={codes[0]} prefill={codes[1]}, expected 0")
     return row, list(results)
+
+
+def _label(model: str, engine: str) -> str:
+    return f"hf:{os.path.basename(model).split('-seed')[0]}" if engine == "hf" else model
+
+
+def _expect_hf(directory: str, results: list[RequestResult], max_tokens: int) -> None:
+    """transformers run colocated, at the services' N-1 boundary, stopping at the same EOS ids."""
+    from shared.engine.hf.checkpoint import HfCheckpoint
+    from shared.engine.hf.colocated import colocated_generate
+    from shared.engine.hf.model_spec import compute_dtype
+    from shared.engine.hf.tokenizer import HfTokenizer
+
+    tokenizer = HfTokenizer(directory)
+    checkpoint = HfCheckpoint(directory, dtype=compute_dtype(directory, None))
+    for r in results:
+        r.expected = colocated_generate(checkpoint, tokenizer.encode(r.prompt), max_tokens, boundary="n-1").token_ids
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -147,15 +171,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 async def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     failed = False
-    for model in args.model:
+    runs = [(model, args.engine) for model in args.model]
+    if args.engine == "reference" and args.hf_family != "none":
+        if not args.json:
+            print(f"making (or reusing) the tiny {args.hf_family} checkpoint ...", flush=True)
+        from shared.engine.hf.tiny_checkpoints import cached_checkpoint
+
+        runs.append((cached_checkpoint(args.hf_family), "hf"))
+    for model, engine in runs:
         if not args.json:
             print(
-                f"running {model}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, "
-                f"{args.requests} requests, {args.engine} engine ...",
+                f"running {_label(model, engine)}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, "
+                f"{args.requests} requests, {engine} engine ...",
                 flush=True,
             )
         try:
-            row, results = await demo_model(args, model)
+            row, results = await demo_model(args, model, engine)
         except ServiceStartError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -168,7 +199,7 @@ async def run(args: argparse.Namespace) -> int:
                     if r.summary is None or not r.summary.state_verified
                     else f"tokens {r.token_ids} != colocated {r.expected}"
                 )
-                print(f"MISMATCH {model} prompt of {len(r.prompt.encode())} bytes: {why}", file=sys.stderr)
+                print(f"MISMATCH {_label(model, engine)} prompt of {len(r.prompt.encode())} bytes: {why}", file=sys.stderr)
         failed = failed or bool(row["errors"])
     if args.json:
         print(json.dumps({"rows": rows, "ok": not failed}, indent=2))
@@ -202,6 +233,12 @@ def register(subparsers: Any) -> None:
         default="reference",
         help="reference: tiny seeded model, tokens compared with a colocated run (default); "
         "synthetic: verifiable patterns at real-model sizes",
+    )
+    p.add_argument(
+        "--hf-family",
+        default="qwen3_5",
+        help="with the reference engine, also run this Hugging Face family's tiny checkpoint through --engine hf "
+        "(made on first run, cached under $HYBRID_PD_CACHE or ~/.cache/hybrid-pd); none: skip (default qwen3_5)",
     )
     p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size (default 2)")
     p.add_argument("--decode-tp", type=int, default=4, help="decode TP size (default 4)")

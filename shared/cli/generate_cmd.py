@@ -123,10 +123,10 @@ def register(subparsers: Any) -> None:
         help="with --colocated --engine hf: n-1 (prefill N-1 tokens, step the last: what the services "
         "run today) or full (prefill all N, sample the first token from it); default n-1",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="with --colocated --engine hf: 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --colocated --engine hf: nucleus sampling (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="with --colocated --engine hf: 0 = off (default)")
-    p.add_argument("--seed", type=int, default=0, help="with --colocated --engine hf: sampling seed (default 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     for name, what in (("cert", "client certificate (mutual TLS)"), ("key", "client private key"), ("ca", "CA bundle to trust")):
         p.add_argument(
             f"--tls-{name}",
@@ -140,6 +140,10 @@ def register(subparsers: Any) -> None:
 
 async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     request = pb.GenerateRequest(request_id=args.request_id, max_tokens=args.max_tokens)
+    if args.temperature:
+        request.sampling.CopyFrom(
+            pb.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        )
     if args.prompt is not None:
         request.prompt = args.prompt
     else:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shared.engine.sampling import GREEDY, SamplingParams
+from shared.engine.text import Tokenizer
 from shared.layout.spec import ModelSpec
 
 
@@ -40,6 +42,15 @@ class DecodeSession(Protocol):
 
 class Engine(Protocol):
     spec: ModelSpec
+    # Token ids that end a generation (a checkpoint's generation_config; none for the tiny models).
+    eos_token_ids: frozenset[int]
+    # Whether decode honours temperature / top_p / top_k / seed (the synthetic engine has no logits).
+    samples: bool
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer for text prompts and output; None: the services' byte tokenizer."""
+        ...
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         """Tokens prefill computes: N - 1 for models with SSM layers (decode recomputes the last)."""
@@ -50,9 +61,16 @@ class Engine(Protocol):
         ...
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeSession:
-        """Continue a request whose state for `num_computed` tokens sits in `blocks`."""
+        """Continue a request whose state for `num_computed` tokens sits in `blocks`, sampling
+        output token i with `sampling` at index i (greedy unless `samples`)."""
         ...
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:

@@ -18,6 +18,7 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import DEFAULT_SEED, cached_model
 from shared.engine.reference.model import greedy
 from shared.engine.reference.state_store import read_global_state
+from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout import boundary
 from shared.layout.page import EngineLayout
 
@@ -30,10 +31,13 @@ class ReferenceDecodeSession:
         num_computed: int,
         store: PagedStateStore,
         ensure_capacity: EnsureCapacity,
+        sampling: SamplingParams,
     ) -> None:
         self._engine = engine
         self._store = store
         self._ensure = ensure_capacity
+        self._sampling = sampling
+        self._index = 0  # output index of the next token (its sampling draw)
         self._pending = list(prompt[num_computed:])  # prompt tokens decode still has to compute
         self._pos = num_computed
         self._last: int  # the last sampled token, set by the first step
@@ -52,11 +56,17 @@ class ReferenceDecodeSession:
             logits = self._step(self._pending.pop(0))
         if logits is None:
             logits = self._step(self._last)
-        self._last = greedy(logits)
+        # Greedy keeps the model's own tie rule; sampling draws as every engine does.
+        self._last = greedy(logits) if self._sampling.greedy else sample(logits, self._sampling, self._index)
+        self._index += 1
         return self._last
 
 
 class ReferenceEngine:
+    eos_token_ids: frozenset[int] = frozenset()  # byte-level tiny models: no EOS
+    samples = True
+    tokenizer = None  # the byte tokenizer
+
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec
         self.layout = layout
@@ -76,9 +86,15 @@ class ReferenceEngine:
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeSession:
-        return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity)
+        return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling)
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
         """Recompute the prefix on a dense store and compare the unsharded state byte for byte."""

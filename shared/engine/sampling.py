@@ -15,6 +15,15 @@ import torch
 from torch import Tensor
 
 
+class SamplingError(ValueError):
+    """A bad sampling value; `field` names the parameter (temperature, top_p, top_k, seed)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.detail = message
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy (argmax)
@@ -24,13 +33,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+            raise SamplingError("top_k", f"must be >= 0 (0: off), got {self.top_k}")
         if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise SamplingError("seed", f"must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from shared.cache.model_views import RankViews, torch_dtype
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout import boundary
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import global_conv_dim, global_ssm_shape
@@ -30,6 +31,10 @@ def _seed(prompt: Sequence[int], *parts: object) -> int:
 
 
 class SyntheticEngine:
+    eos_token_ids: frozenset[int] = frozenset()
+    samples = False  # tokens come from a state checksum, not logits: greedy only
+    tokenizer = None  # the byte tokenizer
+
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:
         self.spec = layout.spec
         self.layout = layout
@@ -72,8 +77,16 @@ class SyntheticEngine:
             store.write_ssm(layer, *self.expected_ssm(prompt, layer))
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeSession:
+        if not sampling.greedy:
+            raise ValueError("temperature: the synthetic engine decodes greedily only (it has no logits)")
         return SyntheticDecodeSession(self, prompt, num_computed, blocks, ensure_capacity)
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:

@@ -2,9 +2,10 @@
 
 Every problem raises InvalidArgument naming the JSON field (`param` of the error object).
 Unknown fields are ignored, as vLLM does: routers add their own (`min_tokens`,
-`kv_transfer_params`, ...). Sampling parameters are validated here even where the engine
-cannot honour them yet (`temperature`, `top_p`, `seed`, penalties with the greedy reference
-engine); `SamplingParams` carries them to the engine's door.
+`kv_transfer_params`, ...). Sampling: greedy unless the body names a temperature above 0 (this
+server's default, where OpenAI's is 1); `temperature`, `top_p`, `top_k` (vLLM's extension) and
+`seed` reach the engine, and so do vLLM's `stop_token_ids` and `ignore_eos`. Penalties are
+validated here and refused by the decode endpoints unless 0 (no engine applies them).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 (or vLLM's -1): off
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -47,6 +49,8 @@ class CommonParams:
     max_tokens_field: str  # which field max_tokens came from, for error messages
     min_tokens: int
     stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
     stream: bool
     include_usage: bool
     sampling: SamplingParams
@@ -133,13 +137,25 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
         raise InvalidArgument(f"must be an integer, got {seed!r}", field="seed")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise InvalidArgument("must fit in 64 bits", field="seed")
+    top_k = _int(body, "top_k", low=-1, default=0)
+    assert top_k is not None
     return SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=max(top_k, 0),
         seed=seed,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
     )
+
+
+def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise InvalidArgument("must be a list of token ids (integers >= 0)", field="stop_token_ids")
+    return tuple(int(t) for t in value)
 
 
 def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: str) -> dict[str, Any]:
@@ -179,6 +195,8 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
         max_tokens_field=max_tokens_field,
         min_tokens=min_tokens,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
         stream=stream,
         include_usage=include_usage,
         sampling=_sampling(body),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from shared.layout.compat import layout_issues
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import conv_channel_index, kv_head_index, ssm_row_index
 from shared.layout.spec import LayoutError, ModelSpec
@@ -111,37 +112,6 @@ class TransferPlan:
     ranks: tuple[RankPlan, ...]  # one per decode rank
 
 
-def compatibility_errors(prefill: EngineLayout, decode: EngineLayout) -> list[str]:
-    """Every reason the two layouts cannot exchange state (empty when they can)."""
-    p, d = prefill.spec, decode.spec
-    errors = [
-        f"{what} differs: prefill {a!r}, decode {b!r}"
-        for what, a, b in (
-            ("model", p.name, d.name),
-            ("model type", p.model_type, d.model_type),
-            ("SSM family", p.family, d.family),
-            ("layer kinds", p.layer_kinds, d.layer_kinds),
-            ("attention dims", p.attention, d.attention),
-            ("SSM dims", p.ssm, d.ssm),
-            ("KV dtype", p.kv_dtype, d.kv_dtype),
-            ("conv dtype", p.conv_dtype, d.conv_dtype),
-            ("SSM dtype", p.ssm_dtype, d.ssm_dtype),
-            ("speculative conv rows", p.num_spec_tokens, d.num_spec_tokens),
-            ("conv rows", prefill.shapes.conv_rows, decode.shapes.conv_rows),
-            ("KV-cache groups", prefill.groups, decode.groups),
-            ("regions", prefill.num_regions, decode.num_regions),
-        )
-        if a != b
-    ]
-    if not errors and p.fingerprint() != d.fingerprint():
-        errors.append(f"model fingerprint differs: prefill {p.fingerprint()[:12]}, decode {d.fingerprint()[:12]}")
-    try:
-        tp_ratio(prefill.tp, decode.tp)
-    except LayoutError as e:
-        errors.append(str(e))
-    return errors
-
-
 def _first_holder(needed: IntArray, holders: list[IntArray]) -> tuple[IntArray, IntArray]:
     """For each needed id: index of the first holder array containing it (-1: none) and its position there."""
     owner = np.full(needed.shape, -1, dtype=np.int64)
@@ -216,9 +186,9 @@ def _rank_plan(prefill: EngineLayout, decode: EngineLayout, d: int, fa_unit_toke
 
 def build_plan(prefill: EngineLayout, decode: EngineLayout) -> TransferPlan:
     """The plan for decode `decode` reading from prefill `prefill`; `LayoutError` when incompatible."""
-    errors = compatibility_errors(prefill, decode)
-    if errors:
-        raise LayoutError("incompatible layouts: " + "; ".join(errors))
+    issues = layout_issues(prefill, decode)
+    if issues:
+        raise LayoutError("incompatible layouts: " + "; ".join(i.words for i in issues))
     unit = math.gcd(prefill.kernel_block_size, decode.kernel_block_size)
     return TransferPlan(
         prefill=prefill,

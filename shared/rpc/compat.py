@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from shared.errors import FieldIssue, IncompatibleLayout, InvalidArgument
+from shared.layout.compat import EngineFacts, handshake_issues
 from shared.layout.page import EngineLayout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.spec import LayoutError, ModelSpec
@@ -30,37 +31,27 @@ def _enum_text(enum: Callable[[Any], str], value: int) -> str:
     return name.split("_", 2)[-1].lower() if name.count("_") >= 2 else name
 
 
-def _text(msg: pb.EngineLayout, path: str) -> str:
-    """Human form of the field at `path` (enums by name, fingerprints shortened)."""
-    obj: object = msg
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    if path.endswith("dtype"):
-        return _enum_text(pb.DataType.Name, int(obj))  # type: ignore[call-overload]
-    if path == "model.family":
-        return _enum_text(pb.SsmFamily.Name, int(obj))  # type: ignore[call-overload]
-    if path == "conv_layout":
-        return _enum_text(pb.ConvLayout.Name, int(obj))  # type: ignore[call-overload]
-    if path == "model.fingerprint":
-        return str(obj)[:12]
-    return repr(obj) if isinstance(obj, str) else str(obj)
-
-
-# Fields both engines must agree on exactly.
-MUST_MATCH: tuple[str, ...] = (
-    "protocol_version",
-    "model.name",
-    "model.fingerprint",
-    "model.family",
-    "model.kv_dtype",
-    "model.conv_dtype",
-    "model.ssm_dtype",
-    "model.num_layers",
-    "model.num_spec_tokens",
-    "model.vocab_size",
-    "conv_layout",
-    "num_regions",
-)
+def facts_of(msg: pb.EngineLayout) -> EngineFacts:
+    """What the pairing rules read, from an engine's layout message (enums by name)."""
+    m = msg.model
+    return EngineFacts(
+        model_name=m.name,
+        fingerprint=m.fingerprint,
+        family=_enum_text(pb.SsmFamily.Name, m.family),
+        kv_dtype=_enum_text(pb.DataType.Name, m.kv_dtype),
+        conv_dtype=_enum_text(pb.DataType.Name, m.conv_dtype),
+        ssm_dtype=_enum_text(pb.DataType.Name, m.ssm_dtype),
+        num_layers=m.num_layers,
+        num_spec_tokens=m.num_spec_tokens,
+        vocab_size=m.vocab_size,
+        num_regions=msg.num_regions,
+        groups=tuple((_enum_text(pb.GroupKind.Name, g.kind), tuple(g.layer_indices)) for g in msg.groups),
+        tp=msg.tp_size,
+        kernel_block_size=msg.kernel_block_size,
+        conv_layout=_enum_text(pb.ConvLayout.Name, msg.conv_layout),
+        protocol_version=msg.protocol_version,
+        engine_id=msg.engine_id,
+    )
 
 
 def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssue]:
@@ -118,30 +109,10 @@ def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssu
 
 
 def pairing_issues(prefill: pb.EngineLayout, decode: pb.EngineLayout) -> list[FieldIssue]:
-    """Every field that keeps this prefill/decode pair from exchanging state."""
-    issues = [
-        FieldIssue(path, f"prefill {_text(prefill, path)}, decode {_text(decode, path)}")
-        for path in MUST_MATCH
-        if _text(prefill, path) != _text(decode, path)
-    ]
-    for side, msg in (("prefill", prefill), ("decode", decode)):
-        if msg.protocol_version != PROTOCOL_VERSION and prefill.protocol_version == decode.protocol_version:
-            issues.append(FieldIssue("protocol_version", f"{side} speaks {msg.protocol_version}, this build {PROTOCOL_VERSION}"))
-            break
-    if [(g.kind, list(g.layer_indices)) for g in prefill.groups] != [(g.kind, list(g.layer_indices)) for g in decode.groups]:
-        issues.append(FieldIssue("groups", "the KV-cache groups (kinds and layers) differ"))
-    for side, msg in (("prefill", prefill), ("decode", decode)):
-        if msg.conv_layout != pb.CONV_LAYOUT_DS:
-            issues.append(FieldIssue("conv_layout", f"{side} uses {_text(msg, 'conv_layout')}; head-sharded transfers need ds"))
-    p_tp, d_tp = prefill.tp_size, decode.tp_size
-    if p_tp and d_tp and max(p_tp, d_tp) % min(p_tp, d_tp):
-        issues.append(FieldIssue("tp_size", f"prefill {p_tp}, decode {d_tp}: the larger must be a multiple of the smaller"))
-    kp, kd = prefill.kernel_block_size, decode.kernel_block_size
-    if kp and kd and max(kp, kd) % min(kp, kd):
-        issues.append(FieldIssue("kernel_block_size", f"prefill {kp}, decode {kd}: neither divides the other"))
-    if prefill.engine_id and prefill.engine_id == decode.engine_id:
-        issues.append(FieldIssue("engine_id", f"both engines are named {prefill.engine_id!r}; NIXL agent names would clash"))
-    return issues
+    """Every field that keeps this prefill/decode pair from exchanging state (the rules:
+    `shared.layout.compat.handshake_issues`)."""
+    issues = handshake_issues(facts_of(prefill), facts_of(decode), this_version=PROTOCOL_VERSION)
+    return [FieldIssue(i.field, i.description) for i in issues]
 
 
 def _fields(msg: Message) -> dict[str, object]:

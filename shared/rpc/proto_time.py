@@ -14,3 +14,10 @@ def duration(seconds: float) -> duration_pb2.Duration:
 
 def seconds(d: duration_pb2.Duration) -> float:
     return d.ToNanoseconds() / 1e9
+
+
+def nanoseconds(ns: int) -> duration_pb2.Duration:
+    """A Duration of exactly `ns` nanoseconds."""
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(ns)
+    return d

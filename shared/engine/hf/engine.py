@@ -52,6 +52,8 @@ def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
 
 
 class HfEngine:
+    samples = True
+
     def __init__(
         self, layout: EngineLayout, ranks: Sequence[RankViews], checkpoint: HfCheckpoint, *, boundary: Boundary = "full"
     ) -> None:

@@ -213,3 +213,37 @@ def build_checkpoint(family: str, directory: str, *, seed: int = 0) -> str:
     build_tokenizer(directory)
     tf.GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
     return directory
+
+
+def cache_root() -> str:
+    """Where made checkpoints are kept: $HYBRID_PD_CACHE, else $XDG_CACHE_HOME/hybrid-pd, else
+    ~/.cache/hybrid-pd."""
+    explicit = os.environ.get("HYBRID_PD_CACHE")
+    if explicit:
+        return explicit
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "hybrid-pd")
+
+
+def cached_checkpoint(family: str, *, seed: int = 0, root: str | None = None) -> str:
+    """The tiny checkpoint of `family`, made on first use and kept (keyed by the transformers
+    version, whose save format may change). Built aside and renamed into place, so a run that is
+    interrupted never leaves a half-written checkpoint behind."""
+    import tempfile
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    base = os.path.join(root or cache_root(), "tiny-checkpoints")
+    directory = os.path.join(base, f"{family}-seed{seed}-transformers{_transformers().__version__}")
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    os.makedirs(base, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{family}-", dir=base)
+    build_checkpoint(family, staging, seed=seed)
+    try:
+        os.rename(staging, directory)
+    except OSError:  # another run put it there first
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory

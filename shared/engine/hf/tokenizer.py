@@ -1,16 +1,14 @@
 """Text <-> token ids with a checkpoint's own tokenizer (loaded offline by AutoTokenizer).
 
-`stream()` gives the same feed/finish interface as decode_svc's byte StreamDecoder: a BPE token
-need not end on a character boundary, so text is emitted once the ids decoded so far end in a
-whole character.
+`stream()` gives the same feed/finish interface as decode_svc's byte StreamDecoder, on the
+tokenizers library's own DecodeStream: a BPE (or byte) token need not end on a character
+boundary, so a character split across tokens is emitted once whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-_REPLACEMENT = "\ufffd"  # what decode() shows for an incomplete UTF-8 sequence
 
 
 class HfTokenizer:
@@ -34,24 +32,31 @@ class HfTokenizer:
 
 
 class HfStreamDecoder:
-    """Incremental text of a growing id sequence (decodes the whole sequence each time: simple,
-    and cheap next to a model step at the lengths one request reaches)."""
+    """Incremental text of a growing id sequence. `finish()` returns what DecodeStream still
+    holds (an incomplete character at the end), as the full decode renders it."""
 
     def __init__(self, tokenizer: HfTokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self._tokenizer = tokenizer
+        self._backend = tokenizer._tok.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._emitted = 0
+        self._emitted = ""
 
     def feed(self, ids: Sequence[int]) -> str:
-        self._ids.extend(int(i) for i in ids)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith(_REPLACEMENT):
-            return ""  # wait for the rest of the character
-        return self._take(text)
+        out = []
+        for token in ids:
+            self._ids.append(int(token))
+            piece = self._stream.step(self._backend, int(token))
+            if piece:
+                out.append(piece)
+        text = "".join(out)
+        self._emitted += text
+        return text
 
     def finish(self) -> str:
-        return self._take(self._tokenizer.decode(self._ids))
-
-    def _take(self, text: str) -> str:
-        new, self._emitted = text[self._emitted :], max(self._emitted, len(text))
-        return new
+        full = self._tokenizer.decode(self._ids)
+        tail = full[len(self._emitted) :] if full.startswith(self._emitted) else ""
+        self._emitted += tail
+        return tail

@@ -27,6 +27,7 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import colocated_generate
 from shared.engine.reference.negative_controls import NEGATIVE_CONTROLS, Corruption
 from shared.engine.reference_engine import ReferenceEngine
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.plan import ByteRead, TransferPlan, build_plan
 from shared.layout.presets import TINY_PRESETS
@@ -91,11 +92,17 @@ class CorruptingEngine(ReferenceEngine):
         self.corruption = corruption
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeSession:
         store = PagedStateStore(self.layout, self.ranks, blocks)
         self.corruption(self.model, store, prompt)
-        return super().start_decode(prompt, num_computed, blocks, ensure_capacity)
+        return super().start_decode(prompt, num_computed, blocks, ensure_capacity, sampling=sampling)
 
 
 @pytest.mark.asyncio

@@ -45,6 +45,10 @@ class _Session:
 
 
 class StampEngine:
+    eos_token_ids: frozenset[int] = frozenset()
+    samples = False
+    tokenizer = None  # the byte tokenizer
+
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache]) -> None:
         self.spec = layout.spec
         self.layout = layout
@@ -74,7 +78,7 @@ class StampEngine:
         self.prefills += 1
 
     def start_decode(
-        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure_capacity: EnsureCapacity, **_: Any
     ) -> DecodeSession:
         return _Session(prompt, self.spec.vocab_size, ensure_capacity)
 
@@ -96,8 +100,8 @@ class SlowStamp(StampEngine):
         time.sleep(self.prefill_seconds)
         super().prefill(prompt, blocks)
 
-    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure: Any) -> Any:
-        session = super().start_decode(prompt, num_computed, blocks, ensure)
+    def start_decode(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, ensure: Any, **kw: Any) -> Any:
+        session = super().start_decode(prompt, num_computed, blocks, ensure, **kw)
         step = session.step
 
         def slow_step() -> int:

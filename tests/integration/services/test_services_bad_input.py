@@ -4,20 +4,21 @@ nothing: both allocators as before, no READ posted, no prefill run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
 
 from decode_svc.peer_link import PeerLink
+from prefill_svc.jobs import Job
+from shared.cache.manifest import Manifest
 from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.status import RpcFailure, describe
 from shared.transport.agent import RankAgent
 from shared.transport.poller import CompletionPoller
@@ -60,32 +61,38 @@ async def test_prompt_longer_than_a_cache_allows(
     assert prefill.host.engine.prefills == 0
 
 
-def corrupt_manifests(prefill: Any, mutate: Callable[[pb.Manifest], None]) -> None:
+def corrupt_manifests(prefill: Any, mutate: Callable[[Manifest], Manifest]) -> None:
     """FAKE: a prefill engine whose manifests are wrong (a real one cannot be made to send them)."""
     real = prefill.servicer.runner.run
 
-    async def run(job: pb.PrefillJob, **kwargs: Any) -> pb.Manifest:
-        manifest: pb.Manifest = await real(job, **kwargs)
-        mutate(manifest)
-        return manifest
+    async def run(job: Job, **kwargs: Any) -> Manifest:
+        return mutate(await real(job, **kwargs))
 
     prefill.servicer.runner.run = run
 
 
-def drop_a_group(m: pb.Manifest) -> None:
-    del m.groups[-1]
+def drop_a_group(m: Manifest) -> Manifest:
+    return dataclasses.replace(m, block_ids=m.block_ids[:-1])
 
 
-def block_out_of_range(m: pb.Manifest) -> None:
-    m.groups[-1].block_ids[0] = 100_000
+def block_out_of_range(m: Manifest) -> Manifest:
+    ids = [b.copy() for b in m.block_ids]  # prefill's own arrays stay as they are
+    ids[-1][0] = 100_000
+    return dataclasses.replace(m, block_ids=tuple(ids))
 
 
-def duplicate_block(m: pb.Manifest) -> None:
-    m.groups[-1].block_ids[0] = m.groups[0].block_ids[0]
+def duplicate_block(m: Manifest) -> Manifest:
+    ids = [b.copy() for b in m.block_ids]
+    ids[-1][0] = ids[0][0]
+    return dataclasses.replace(m, block_ids=tuple(ids))
 
 
-def lease_expired(m: pb.Manifest) -> None:
-    m.lease_duration.CopyFrom(duration_pb2.Duration())
+def lease_expired(m: Manifest) -> Manifest:
+    return dataclasses.replace(m, lease_ns=0)
+
+
+def no_digests(m: Manifest) -> Manifest:
+    return dataclasses.replace(m, digests=(), digest_algorithm="")
 
 
 @pytest.mark.parametrize(
@@ -95,6 +102,7 @@ def lease_expired(m: pb.Manifest) -> None:
         (block_out_of_range, "INTERNAL", "manifest.groups.block_ids", "BAD_MANIFEST"),
         (duplicate_block, "INTERNAL", "manifest.groups.block_ids", "BAD_MANIFEST"),
         (lease_expired, "ABORTED", "manifest.lease_duration", "LEASE_EXPIRED"),
+        (no_digests, "FAILED_PRECONDITION", "manifest.digest_algorithm", "NO_DIGESTS"),
     ],
 )
 async def test_bad_manifest_is_refused_before_any_read(

@@ -4,23 +4,30 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
+import openai
 import pytest
 
 from decode_svc.app import DecodeApp
+from decode_svc.request_options import sampling_from
 from prefill_svc.app import PrefillApp
+from shared.bench.colocated_server import colocated_servicer
 from shared.config import parse_settings
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.tiny_checkpoints import build_checkpoint
+from shared.engine.hf.tokenizer import HfTokenizer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.runtime.engine_host import engine_factory_for
+from tests.integration.services.colocated import colocated_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -50,13 +57,24 @@ async def hf_pair(
     d_tp: int,
     *,
     ready: bool = True,
+    decode_flags: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
     ps = parse_settings("prefill", [*COMMON, "--model", prefill_dir, "--tp", str(p_tp)], environ={})
     prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
     try:
         ds = parse_settings(
             "decode",
-            [*COMMON, "--model", decode_dir, "--tp", str(d_tp), "--check-state", "--prefill", f"127.0.0.1:{prefill.port}"],
+            [
+                *COMMON,
+                "--model",
+                decode_dir,
+                "--tp",
+                str(d_tp),
+                "--check-state",
+                "--prefill",
+                f"127.0.0.1:{prefill.port}",
+                *decode_flags,
+            ],
             environ={},
         )
         decode = await DecodeApp.start(ds, engine_factory_for("hf", ds))
@@ -121,3 +139,101 @@ async def test_different_weights_are_refused_naming_the_fingerprint(hf_checkpoin
     assert status.state == dpb.PEER_STATE_FAILED
     assert "FAILED_PRECONDITION" in status.last_error and "model.fingerprint" in status.last_error
     assert "model.name" not in status.last_error  # the same config: only the weights differ
+
+
+SEEDED = dpb.SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+
+
+async def _generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
+    ids: list[int] = []
+    summary = dpb.GenerateSummary()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=60):
+            if reply.HasField("chunk"):
+                ids.extend(reply.chunk.token_ids)
+            else:
+                summary = reply.summary
+    return ids, summary
+
+
+async def test_hf_seeded_sampling_is_the_same_disaggregated_and_colocated(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("nemotron_h")
+    prompt = [(11 * i) % 300 + 4 for i in range(21)]
+    ckpt = HfCheckpoint(directory, dtype="fp32")
+    want = await asyncio.to_thread(
+        colocated_generate, ckpt, prompt, 12, boundary="n-1", sampling=sampling_from(SEEDED), stop_at_eos=False
+    )
+    async with (
+        hf_pair(directory, directory, 1, 2) as (_, decode),
+        colocated_port(colocated_servicer("hf", directory, 1, 32)) as colocated,
+    ):
+        runs = {}
+        for port, where in ((decode.port, "disaggregated"), (colocated, "colocated")):
+            for seed in (1234, 1235):
+                sampling = dpb.SamplingParams()
+                sampling.CopyFrom(SEEDED)
+                sampling.seed = seed
+                ids, summary = await _generate_with(
+                    port, prompt_token_ids=prompt, max_tokens=12, sampling=sampling, ignore_eos=True
+                )
+                assert summary.finish_reason == dpb.FINISH_REASON_LENGTH and summary.seed == seed
+                runs[where, seed] = ids
+        greedy, _ = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
+    assert runs["disaggregated", 1234] == runs["colocated", 1234] == want.token_ids
+    assert runs["disaggregated", 1235] == runs["colocated", 1235]
+    assert runs["disaggregated", 1234] != runs["disaggregated", 1235]  # negative control: the seed decides
+    assert runs["disaggregated", 1234] != greedy
+
+
+async def test_hf_stops_at_the_eos_of_generation_config(hf_checkpoint: Callable[[str], str], tmp_path: Path) -> None:
+    original = hf_checkpoint("qwen3_5")
+    prompt = [9, 40, 41, 42, 43, 44]
+    ckpt = HfCheckpoint(original, dtype="fp32")
+    full = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 16, boundary="n-1", stop_at_eos=False)).token_ids
+    cut = next(i for i, t in enumerate(full) if i >= 2 and t not in full[:i])
+    # Decode's copy names that token as its EOS (generation_config is not part of the fingerprint).
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(original, eos_dir)
+    config = json.loads((eos_dir / "generation_config.json").read_text())
+    config["eos_token_id"] = [full[cut]]
+    (eos_dir / "generation_config.json").write_text(json.dumps(config))
+    async with hf_pair(original, str(eos_dir), 1, 1) as (_, decode):
+        ids, summary = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16)
+        assert ids == full[: cut + 1] and summary.finish_reason == dpb.FINISH_REASON_STOP
+        ignored, summary = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16, ignore_eos=True)
+        assert ignored == full and summary.finish_reason == dpb.FINISH_REASON_LENGTH  # control: ignore_eos goes on
+
+
+async def test_hf_text_in_and_out_with_the_checkpoint_tokenizer(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("bamba")
+    tok = HfTokenizer(directory)
+    text = "Hello wörld, the fox 🦊 jumps"
+    prompt = tok.encode(text)
+    assert len(prompt) < len(text.encode())  # negative control: BPE merges, not the byte tokenizer
+    ckpt = HfCheckpoint(directory, dtype="fp32")
+    want = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 20, boundary="n-1", stop_at_eos=False)).token_ids
+    async with (
+        hf_pair(directory, directory, 1, 1, decode_flags=("--http-port", "0")) as (_, decode),
+        grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel,
+    ):
+        ids: list[int] = []
+        pieces: list[str] = []
+        request = dpb.GenerateRequest(prompt=text, max_tokens=20, ignore_eos=True)
+        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=60):
+            if reply.HasField("chunk"):
+                ids.extend(reply.chunk.token_ids)
+                pieces.append(reply.chunk.text)
+            else:
+                assert reply.summary.prompt_token_count == len(prompt)
+        assert ids == want
+        assert "".join(pieces) == tok.decode(want)
+        assert "".join(pieces) != bytes(t for t in want if t < 256).decode("utf-8", errors="replace")
+
+        def complete() -> Any:
+            url = f"http://127.0.0.1:{decode.shell.http_port}/v1"
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+                return client.completions.create(model=directory, prompt=text, max_tokens=20, extra_body={"ignore_eos": True})
+
+        out = await asyncio.to_thread(complete)
+        assert out.choices[0].text == tok.decode(want)
+        assert out.usage.prompt_tokens == len(prompt)

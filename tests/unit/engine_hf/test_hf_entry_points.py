@@ -17,7 +17,7 @@ from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.engine import HfEngine
 from shared.engine.hf.identity import CheckpointError
 from shared.engine.hf.tiny_checkpoints import EOS_TOKEN
-from shared.engine.hf.tokenizer import _REPLACEMENT, HfTokenizer
+from shared.engine.hf.tokenizer import HfTokenizer
 from shared.errors import InvalidArgument
 from shared.layout.page import build_engine_layout
 from shared.runtime.engine_host import engine_factory_for, layout_for
@@ -125,6 +125,9 @@ def test_layer_kinds_must_be_transformers_cache_layers(hf_checkpoint: Callable[[
         HfEngine(layout, [], checkpoint(directory))
 
 
+_REPLACEMENT = "\ufffd"  # what a decode shows for an incomplete UTF-8 sequence
+
+
 def test_streamed_text_is_the_whole_text(hf_checkpoint: Callable[[str], str]) -> None:
     tok = HfTokenizer(hf_checkpoint("nemotron_h"))
     text = "Hello wörld, ünïcode 🦊 again"
@@ -134,3 +137,15 @@ def test_streamed_text_is_the_whole_text(hf_checkpoint: Callable[[str], str]) ->
     pieces = [stream.feed([i]) for i in ids]
     assert "".join(pieces) + stream.finish() == text
     assert _REPLACEMENT not in "".join(pieces)  # a split character waits for its other bytes
+    assert "" in pieces  # negative control: some token really ended inside a character
+    chunked = tok.stream()
+    assert "".join(chunked.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)) + chunked.finish() == text
+
+
+def test_a_stream_ending_inside_a_character_shows_it_as_the_full_decode_does(hf_checkpoint: Callable[[str], str]) -> None:
+    tok = HfTokenizer(hf_checkpoint("nemotron_h"))
+    ids = tok.encode("ok 🦊")
+    stream = tok.stream()
+    head = stream.feed(ids[:-1])  # the fox's last byte never comes
+    assert head + stream.finish() == tok.decode(ids[:-1])
+    assert tok.decode(ids[:-1]).endswith(_REPLACEMENT)

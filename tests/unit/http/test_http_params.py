@@ -25,7 +25,9 @@ def test_completion_defaults() -> None:
     p = parse_completion({"prompt": "hello"})
     assert p.prompt == "hello" and p.model is None
     assert p.max_tokens == 16 and not p.stream and p.stop == () and not p.include_usage
-    assert p.sampling.temperature == 1.0 and p.sampling.top_p == 1.0 and p.sampling.seed is None
+    assert p.sampling.temperature == 0.0 and p.sampling.greedy  # greedy unless asked (OpenAI's default is 1)
+    assert p.sampling.top_p == 1.0 and p.sampling.top_k == 0 and p.sampling.seed is None
+    assert p.stop_token_ids == () and not p.ignore_eos
 
 
 def test_completion_accepts_what_clients_and_routers_send() -> None:
@@ -75,6 +77,11 @@ def test_completion_accepts_what_clients_and_routers_send() -> None:
         ({"best_of": 3}, "best_of"),
         ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
         ({"kv_transfer_params": "x"}, "kv_transfer_params"),
         ({"model": 5}, "model"),
     ],

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from shared.layout.compat import layout_issues
 from shared.layout.page import build_engine_layout
-from shared.layout.plan import ByteRead, TransferPlan, build_plan, candidate_ranks, compatibility_errors, tp_ratio
+from shared.layout.plan import ByteRead, TransferPlan, build_plan, candidate_ranks, tp_ratio
 from shared.layout.presets import PRESETS, get_preset
 from shared.layout.shapes import valid_tp
 from shared.layout.spec import LayoutError, Mamba2Dims, ModelSpec
@@ -282,7 +283,7 @@ def test_incompatible_layouts_name_every_difference() -> None:
     spec = get_preset("tiny-mamba2")
     base = build_engine_layout(spec, 2)
     other = build_engine_layout(spec.with_dtypes(kv="bf16", ssm="bf16"), 2)
-    errors = compatibility_errors(base, other)
+    errors = [i.words for i in layout_issues(base, other)]
     assert any("KV dtype" in e for e in errors) and any("SSM dtype" in e for e in errors)
     with pytest.raises(LayoutError, match="KV dtype differs"):
         build_plan(base, other)
@@ -291,4 +292,4 @@ def test_incompatible_layouts_name_every_difference() -> None:
     spec_rows = dataclasses.replace(spec, num_spec_tokens=1)
     with pytest.raises(LayoutError, match="conv rows"):
         build_plan(base, build_engine_layout(spec_rows, 2))
-    assert compatibility_errors(base, build_engine_layout(spec, 4, kernel_block_size=8)) == []
+    assert layout_issues(base, build_engine_layout(spec, 4, kernel_block_size=8)) == []

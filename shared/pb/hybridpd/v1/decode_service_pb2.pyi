@@ -32,12 +32,16 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 1
     """max_tokens reached."""
+    FINISH_REASON_STOP: _FinishReason.ValueType  # 2
+    """An EOS id or one of stop_token_ids was generated (it is the last token)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 1
 """max_tokens reached."""
+FINISH_REASON_STOP: FinishReason.ValueType  # 2
+"""An EOS id or one of stop_token_ids was generated (it is the last token)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _PeerState:
@@ -69,13 +73,28 @@ class GenerateRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
     prompt: _builtins.str
     """Give exactly one of `prompt` (text, tokenized by the engine) or `prompt_token_ids`."""
     max_tokens: _builtins.int
+    ignore_eos: _builtins.bool
+    """Generate max_tokens tokens even past an EOS id (benchmarks); stop_token_ids still stop."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def sampling(self) -> Global___SamplingParams:
+        """Unset: greedy. Engines that cannot sample (synthetic) refuse a temperature above 0."""
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end generation besides the model's EOS ids (the checkpoint's
+        generation_config); the matched id is the last generated token.
+        """
+
     def __init__(
         self,
         *,
@@ -83,14 +102,58 @@ class GenerateRequest(_message.Message):
         prompt: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         max_tokens: _builtins.int = ...,
+        sampling: Global___SamplingParams | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ignore_eos: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class SamplingParams(_message.Message):
+    """Sampling of one request; the same values give the same tokens disaggregated and colocated."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """0 (the default): greedy, ties to the lowest token id."""
+    top_p: _builtins.float
+    """Nucleus sampling in (0, 1]; unset: 1 (off)."""
+    top_k: _builtins.int
+    """Keep the k most likely tokens; 0: off."""
+    seed: _builtins.int
+    """Unset: decode picks one at random and reports it in GenerateSummary.seed."""
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int = ...,
+        seed: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -203,6 +266,7 @@ class GenerateSummary(_message.Message):
     DIGESTS_VERIFIED_FIELD_NUMBER: _builtins.int
     DIGEST_CHECK_DURATION_FIELD_NUMBER: _builtins.int
     PREFILL_DIGEST_DURATION_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -220,6 +284,8 @@ class GenerateSummary(_message.Message):
     """Decode checked the digests prefill took of the state against what its READs left
     (--verify-transfer digest), and how long that took; and prefill's time taking them.
     """
+    seed: _builtins.int
+    """The sampling seed used (decode's pick when the request gave none); 0 when greedy."""
     @_builtins.property
     def transfer(self) -> Global___TransferStats: ...
     @_builtins.property
@@ -259,10 +325,11 @@ class GenerateSummary(_message.Message):
         digests_verified: _builtins.bool = ...,
         digest_check_duration: _duration_pb2.Duration | None = ...,
         prefill_digest_duration: _duration_pb2.Duration | None = ...,
+        seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

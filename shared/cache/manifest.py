@@ -1,0 +1,49 @@
+"""A prefilled request's state as decode learns it: which blocks hold it, for how long, and the
+digests prefill took of it. The domain form of `hybridpd.v1.Manifest`, converted once at each
+service's edge (shared/rpc/manifest_message.py); pure, no I/O.
+
+Times are integral nanoseconds, as the message carries them, so a manifest survives the trip to
+the wire and back unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.cache.digest import SectionDigest
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    request_id: str
+    transfer_id: str  # the notification payload the READs carry
+    block_ids: tuple[IntArray, ...]  # per group of the prefill layout, in group order
+    num_computed_tokens: int  # prompt tokens whose state sits in the blocks
+    prompt_token_count: int
+    lease_ns: int  # lease left when prefill sent the manifest
+    lease_expire_time_ns: int  # prefill's wall clock, for people; timers use lease_ns
+    prefill_ns: int  # prefill's compute, digests included
+    digests: tuple[SectionDigest, ...] = ()
+    digest_algorithm: str = ""  # "" when prefill took no digests
+    digest_ns: int = 0
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.lease_ns / 1e9
+
+    def __eq__(self, other: object) -> bool:  # arrays compare by value
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        same_blocks = len(self.block_ids) == len(other.block_ids) and all(
+            np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
+        )
+        fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns")
+        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more))
+
+    __hash__ = None  # type: ignore[assignment]

@@ -1,0 +1,120 @@
+"""`shared.cache.manifest.Manifest` <-> the `hybridpd.v1.Manifest` message.
+
+Prefill builds the message from its domain manifest (`manifest_message`, trusted). Decode turns
+the message into a domain manifest once, when it arrives (`manifest_from_message`), and refuses
+one that does not fit the prefill engine it came from, naming the field: group count and block
+ids against the peer's layout (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
+another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
+mismatch). Nothing of a refused manifest is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest
+from shared.cache.manifest import IntArray, Manifest
+from shared.errors import FailedPrecondition, Internal
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+
+SECTION_ENUM: dict[Section, pb.StateSection.ValueType] = {
+    "fa": pb.STATE_SECTION_FA,
+    "conv": pb.STATE_SECTION_CONV,
+    "ssm": pb.STATE_SECTION_SSM,
+}
+SECTION_NAMES: dict[int, Section] = {v: k for k, v in SECTION_ENUM.items()}
+
+
+@dataclass(frozen=True)
+class ManifestSource:
+    """The prefill engine a manifest comes from, as far as checking it needs."""
+
+    engine_id: str
+    num_groups: int
+    num_logical_blocks: int
+    digests_required: bool  # this decode engine checks digests (--verify-transfer digest)
+
+
+def manifest_message(m: Manifest) -> pb.Manifest:
+    msg = pb.Manifest(
+        request_id=m.request_id,
+        transfer_id=m.transfer_id,
+        groups=[pb.GroupBlocks(block_ids=ids.tolist()) for ids in m.block_ids],
+        num_computed_tokens=m.num_computed_tokens,
+        prompt_token_count=m.prompt_token_count,
+        digests=[
+            pb.StateDigest(prefill_rank=d.rank, section=SECTION_ENUM[d.section], group=d.group, digest=d.digest)
+            for d in m.digests
+        ],
+        digest_algorithm=m.digest_algorithm,
+    )
+    msg.lease_expire_time.FromNanoseconds(m.lease_expire_time_ns)
+    msg.lease_duration.FromNanoseconds(m.lease_ns)
+    msg.prefill_duration.FromNanoseconds(m.prefill_ns)
+    msg.digest_duration.FromNanoseconds(m.digest_ns)
+    return msg
+
+
+def _bad(message: str, field: str) -> Internal:
+    return Internal(message, field=field, reason="BAD_MANIFEST")
+
+
+def _block_ids(msg: pb.Manifest, source: ManifestSource) -> tuple[IntArray, ...]:
+    peer = source.engine_id
+    if len(msg.groups) != source.num_groups:
+        raise _bad(
+            f"prefill {peer} sent a manifest with {len(msg.groups)} groups; its layout has {source.num_groups}", "manifest.groups"
+        )
+    # fromiter reads the repeated field without building a Python list first.
+    blocks = tuple(np.fromiter(g.block_ids, dtype=np.int64, count=len(g.block_ids)) for g in msg.groups)
+    everything = np.sort(np.concatenate(blocks)) if blocks else np.zeros(0, dtype=np.int64)
+    if everything.size and int(everything[-1]) >= source.num_logical_blocks:
+        raise _bad(
+            f"prefill {peer} sent block id {int(everything[-1])} >= its {source.num_logical_blocks} blocks",
+            "manifest.groups.block_ids",
+        )
+    if everything.size > 1 and bool((everything[1:] == everything[:-1]).any()):  # sorted: duplicates are neighbours
+        raise _bad(f"prefill {peer} sent a manifest with duplicated block ids", "manifest.groups.block_ids")
+    return blocks
+
+
+def _digests(msg: pb.Manifest, source: ManifestSource) -> tuple[SectionDigest, ...]:
+    if source.digests_required and msg.digest_algorithm != DIGEST_ALGORITHM:
+        said = f"digests of kind {msg.digest_algorithm!r}" if msg.digest_algorithm else "no digests"
+        raise FailedPrecondition(
+            f"prefill {source.engine_id} sent {said}; this decode engine checks {DIGEST_ALGORITHM} digests "
+            "(run both services with the same --verify-transfer)",
+            field="manifest.digest_algorithm",
+            reason="NO_DIGESTS",
+        )
+    digests: list[SectionDigest] = []
+    for d in msg.digests:
+        if d.section not in SECTION_NAMES:
+            raise _bad(f"prefill {source.engine_id} sent a digest of unknown section {d.section}", "manifest.digests")
+        digests.append(SectionDigest(d.prefill_rank, SECTION_NAMES[d.section], d.group, d.digest))
+    return tuple(digests)
+
+
+def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
+    """The domain manifest, or the error that names what does not fit `source`."""
+    blocks = _block_ids(msg, source)
+    if msg.num_computed_tokens > msg.prompt_token_count:
+        raise _bad(
+            f"prefill {source.engine_id}: num_computed_tokens {msg.num_computed_tokens} > prompt {msg.prompt_token_count}",
+            "manifest.num_computed_tokens",
+        )
+    return Manifest(
+        request_id=msg.request_id,
+        transfer_id=msg.transfer_id,
+        block_ids=blocks,
+        num_computed_tokens=msg.num_computed_tokens,
+        prompt_token_count=msg.prompt_token_count,
+        lease_ns=msg.lease_duration.ToNanoseconds(),
+        lease_expire_time_ns=msg.lease_expire_time.ToNanoseconds(),
+        prefill_ns=msg.prefill_duration.ToNanoseconds(),
+        digests=_digests(msg, source),
+        digest_algorithm=msg.digest_algorithm,
+        digest_ns=msg.digest_duration.ToNanoseconds(),
+    )

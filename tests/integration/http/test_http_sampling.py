@@ -1,0 +1,64 @@
+"""Sampling and stop token ids through the HTTP API (the official `openai` client): a seeded
+completion is the gRPC Generate's tokens with the same sampling, another seed other text; vLLM's
+stop_token_ids end it with finish_reason "stop"; penalties no engine applies are refused."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.integration.http.conftest import MODEL, HttpPair
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+PROMPT = "Sampled state"
+
+
+def _complete(pair: HttpPair, **kwargs: Any) -> Any:
+    with openai.OpenAI(base_url=pair.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        return client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+
+
+async def _grpc_ids(pair: HttpPair, **fields: Any) -> list[int]:
+    ids: list[int] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{pair.decode.port}") as channel:
+        request = dpb.GenerateRequest(prompt=PROMPT, **fields)
+        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=30):
+            if reply.HasField("chunk"):
+                ids.extend(reply.chunk.token_ids)
+    return ids
+
+
+async def test_seeded_completion_is_the_grpc_sampling(http_pair: HttpPair) -> None:
+    args = dict(max_tokens=20, temperature=1.3, top_p=0.95, extra_body={"top_k": 50})
+    seven = await asyncio.to_thread(_complete, http_pair, seed=7, **args)
+    eight = await asyncio.to_thread(_complete, http_pair, seed=8, **args)
+    sampling = dpb.SamplingParams(temperature=1.3, top_p=0.95, top_k=50, seed=7)
+    ids = await _grpc_ids(http_pair, max_tokens=20, sampling=sampling)
+    assert seven.choices[0].text == bytes(ids).decode("utf-8", errors="replace")
+    assert seven.choices[0].text != eight.choices[0].text  # negative control: the seed reaches the engine
+    await http_pair.blocks_freed()
+
+
+async def test_stop_token_ids_finish_with_stop(http_pair: HttpPair) -> None:
+    ids = await _grpc_ids(http_pair, max_tokens=12)
+    cut = next(i for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    out = await asyncio.to_thread(_complete, http_pair, max_tokens=12, extra_body={"stop_token_ids": [ids[cut]]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == cut + 1
+    full = await asyncio.to_thread(_complete, http_pair, max_tokens=12)
+    assert full.choices[0].finish_reason == "length"  # control
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+async def test_penalties_are_refused_naming_the_field(http_pair: HttpPair, field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await asyncio.to_thread(_complete, http_pair, max_tokens=2, **{field: 0.5})
+    assert err.value.body["param"] == field  # type: ignore[index]
+    await http_pair.blocks_freed()

@@ -1,0 +1,118 @@
+"""Sampling and stopping through the real services (reference engine, N-1): a seeded request
+gives the same tokens disaggregated and colocated (the colocated baseline server), another seed
+other tokens; stop token ids end a generation and say so; bad values name their field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from shared.bench.colocated_server import colocated_servicer
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.rpc.status import describe
+from shared.runtime.engine_host import engine_factory_for
+from tests.integration.services.colocated import colocated_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+MODEL = "tiny-mamba2"
+PROMPT = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+SEEDED = dict(temperature=1.3, top_p=0.95, top_k=50)
+
+
+async def _generate(channel: grpc.aio.Channel, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
+    ids: list[int] = []
+    summary = dpb.GenerateSummary()
+    async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=30):
+        if reply.HasField("chunk"):
+            ids.extend(reply.chunk.token_ids)
+        else:
+            summary = reply.summary
+    return ids, summary
+
+
+async def _reference_pair(start_prefill: Any, start_decode: Any) -> Any:
+    factory = engine_factory_for("reference")
+    prefill = await start_prefill("--model", MODEL, engine=factory)
+    return await start_decode(prefill.port, "--model", MODEL, "--check-state", engine=factory)
+
+
+async def test_seeded_sampling_is_the_same_disaggregated_and_colocated(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    async with colocated_port(colocated_servicer("reference", MODEL, 1, 64)) as colocated:
+        runs: dict[tuple[str, int], list[int]] = {}
+        for port, where in ((decode.port, "disaggregated"), (colocated, "colocated")):
+            for seed in (7, 8):
+                sampling = dpb.SamplingParams(seed=seed, **SEEDED)
+                ids, summary = await _generate(channel_to(port), prompt_token_ids=PROMPT, max_tokens=24, sampling=sampling)
+                assert len(ids) == 24 and summary.finish_reason == dpb.FINISH_REASON_LENGTH
+                assert summary.seed == seed
+                runs[where, seed] = ids
+        greedy, _ = await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=24)
+    assert runs["disaggregated", 7] == runs["colocated", 7]
+    assert runs["disaggregated", 8] == runs["colocated", 8]
+    # Negative controls: the seed and the sampling really decide the tokens.
+    assert runs["disaggregated", 7] != runs["disaggregated", 8]
+    assert runs["disaggregated", 7] != greedy
+
+
+async def test_unseeded_sampling_picks_a_seed_and_reports_it(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    channel = channel_to(decode.port)
+    first, summary = await _generate(channel, prompt_token_ids=PROMPT, max_tokens=16, sampling=dpb.SamplingParams(**SEEDED))
+    assert summary.seed != 0
+    again, _ = await _generate(
+        channel, prompt_token_ids=PROMPT, max_tokens=16, sampling=dpb.SamplingParams(seed=summary.seed, **SEEDED)
+    )
+    assert again == first  # the reported seed reproduces the request
+
+
+async def test_a_stop_token_id_ends_the_generation_and_says_so(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    channel = channel_to(decode.port)
+    full, summary = await _generate(channel, prompt_token_ids=PROMPT, max_tokens=20)
+    assert summary.finish_reason == dpb.FINISH_REASON_LENGTH
+    cut = next(i for i, t in enumerate(full) if i >= 2 and t not in full[:i])  # first occurrence of a token
+    ids, summary = await _generate(channel, prompt_token_ids=PROMPT, max_tokens=20, stop_token_ids=[full[cut]])
+    assert ids == full[: cut + 1]  # the stop token is the last one
+    assert summary.finish_reason == dpb.FINISH_REASON_STOP and summary.generated_token_count == cut + 1
+    assert decode.host.allocator.num_used == 0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"temperature": -0.5}, "sampling.temperature"),
+        ({"temperature": float("nan")}, "sampling.temperature"),
+        ({"temperature": 1.0, "top_p": 0.0}, "sampling.top_p"),
+        ({"temperature": 1.0, "top_p": 1.5}, "sampling.top_p"),
+    ],
+)
+async def test_bad_sampling_values_name_their_field(
+    start_prefill: Any, start_decode: Any, channel_to: Any, sampling: dict[str, float], field: str
+) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=4, sampling=dpb.SamplingParams(**sampling))
+    failure = describe(err.value)
+    assert failure.status == "INVALID_ARGUMENT" and failure.fields == (field,), failure.message
+    assert decode.host.allocator.num_used == 0
+
+
+async def test_an_engine_that_cannot_sample_refuses_a_temperature(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    prefill = await start_prefill()  # the stamp engine: greedy only, as the synthetic engine
+    decode = await start_decode(prefill.port)
+    channel = channel_to(decode.port)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(channel, prompt_token_ids=[1, 2, 3], max_tokens=4, sampling=dpb.SamplingParams(temperature=0.7))
+    failure = describe(err.value)
+    assert failure.status == "INVALID_ARGUMENT" and failure.fields == ("sampling.temperature",)
+    assert "greedily" in failure.message
+    assert prefill.host.engine.prefills == 0  # refused before anything was touched
+    ids, _ = await _generate(channel, prompt_token_ids=[1, 2, 3], max_tokens=4, sampling=dpb.SamplingParams(temperature=0))
+    assert len(ids) == 4  # greedy is fine

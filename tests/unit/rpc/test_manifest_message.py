@@ -1,0 +1,105 @@
+"""The domain manifest and its message: every field survives the trip both ways, and a manifest
+that does not fit the prefill engine it came from is refused when it arrives, naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest
+from shared.cache.manifest import Manifest
+from shared.errors import ServiceError
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.manifest_message import ManifestSource, manifest_from_message, manifest_message
+
+SOURCE = ManifestSource("p0", num_groups=3, num_logical_blocks=16, digests_required=True)
+
+
+def manifest() -> Manifest:
+    return Manifest(
+        request_id="r1",
+        transfer_id="t2a",
+        block_ids=(np.array([3, 4, 9], dtype=np.int64), np.array([0], dtype=np.int64), np.array([15], dtype=np.int64)),
+        num_computed_tokens=40,
+        prompt_token_count=41,
+        lease_ns=2_000_000_001,
+        lease_expire_time_ns=1_760_000_000_123_456_789,
+        prefill_ns=12_345_678,
+        digests=(
+            SectionDigest(0, "fa", 0, b"\x01" * 16),
+            SectionDigest(1, "conv", 1, b"\x02" * 16),
+            SectionDigest(1, "ssm", 2, b""),
+        ),
+        digest_algorithm=DIGEST_ALGORITHM,
+        digest_ns=987,
+    )
+
+
+def test_every_field_survives_domain_to_message_to_domain() -> None:
+    m = manifest()
+    back = manifest_from_message(manifest_message(m), SOURCE)
+    assert back == m
+    for f in dataclasses.fields(Manifest):  # the comparison covers every field: change one, it differs
+        value = getattr(m, f.name)
+        if f.name == "block_ids":
+            changed: object = (value[0] + 1, *value[1:])
+        elif f.name == "digests":
+            changed = value[:-1]
+        elif isinstance(value, str):
+            changed = value + "x"
+        else:
+            changed = value + 1
+        assert dataclasses.replace(m, **{f.name: changed}) != back, f.name
+    assert back.block_ids[0].dtype == np.int64
+
+
+def test_every_field_survives_message_to_domain_to_message() -> None:
+    msg = manifest_message(manifest())
+    assert {f.name for f, _ in msg.ListFields()} == {f.name for f in pb.Manifest.DESCRIPTOR.fields}  # all set
+    assert manifest_message(manifest_from_message(msg, SOURCE)) == msg
+
+
+def refusal(msg: pb.Manifest, source: ManifestSource = SOURCE) -> ServiceError:
+    with pytest.raises(ServiceError) as err:
+        manifest_from_message(msg, source)
+    return err.value
+
+
+def test_a_manifest_that_does_not_fit_its_prefill_engine_is_refused() -> None:
+    msg = manifest_message(manifest())
+    del msg.groups[-1]
+    e = refusal(msg)
+    assert (e.status, e.fields, e.reason) == ("INTERNAL", ("manifest.groups",), "BAD_MANIFEST")
+    assert "2 groups; its layout has 3" in e.message and "prefill p0" in e.message
+
+    msg = manifest_message(manifest())
+    msg.groups[1].block_ids[0] = 16
+    e = refusal(msg)
+    assert (e.status, e.fields, e.reason) == ("INTERNAL", ("manifest.groups.block_ids",), "BAD_MANIFEST")
+    assert "block id 16 >= its 16 blocks" in e.message
+
+    msg = manifest_message(manifest())
+    msg.groups[2].block_ids[0] = 3
+    e = refusal(msg)
+    assert (e.fields, e.reason) == (("manifest.groups.block_ids",), "BAD_MANIFEST") and "duplicated" in e.message
+
+    msg = manifest_message(manifest())
+    msg.num_computed_tokens = 42
+    assert refusal(msg).fields == ("manifest.num_computed_tokens",)
+
+    msg = manifest_message(manifest())
+    msg.digests[0].section = pb.STATE_SECTION_UNSPECIFIED
+    assert refusal(msg).fields == ("manifest.digests",)
+
+
+def test_missing_digests_are_refused_only_where_they_are_checked() -> None:
+    bare = manifest_message(dataclasses.replace(manifest(), digests=(), digest_algorithm=""))
+    e = refusal(bare)
+    assert (e.status, e.fields, e.reason) == ("FAILED_PRECONDITION", ("manifest.digest_algorithm",), "NO_DIGESTS")
+    assert "sent no digests" in e.message
+    other = manifest_message(dataclasses.replace(manifest(), digest_algorithm="sha256"))
+    assert "digests of kind 'sha256'" in refusal(other).message
+    unchecked = dataclasses.replace(SOURCE, digests_required=False)
+    assert manifest_from_message(bare, unchecked).digests == ()
