@@ -69,11 +69,18 @@ class GenerateRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
     prompt: _builtins.str
     """Give exactly one of `prompt` (text, tokenized by the engine) or `prompt_token_ids`."""
     max_tokens: _builtins.int
+    kv_transfer_params: _builtins.str
+    """Optional: vLLM's `kv_transfer_params` as JSON, exactly as a P/D router passes it through
+    (the object a prefill engine's HTTP prefill leg answered). With `do_remote_prefill: true` the
+    state is not computed for this request but READ from the prefill engine it names (handshaken
+    on first sight), so a gRPC gateway can run the same two-leg flow as an HTTP router.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -83,10 +90,11 @@ class GenerateRequest(_message.Message):
         prompt: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         max_tokens: _builtins.int = ...,
+        kv_transfer_params: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_transfer_params", b"kv_transfer_params", "max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
