@@ -68,7 +68,9 @@ class Legs:
 async def legs() -> AsyncIterator[Legs]:
     factory = engine_factory_for("reference")
     lease = ["--lease-seconds", str(LEASE_SECONDS)]
-    prefill = await PrefillApp.start(parse_settings("prefill", [*COMMON, *lease, "--engine-id", "leg-prefill"], environ={}), factory)
+    prefill = await PrefillApp.start(
+        parse_settings("prefill", [*COMMON, *lease, "--engine-id", "leg-prefill"], environ={}), factory
+    )
     decode = await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", "leg-decode"], environ={}), factory)
     try:
         yield Legs(prefill, decode)
@@ -104,7 +106,7 @@ async def test_two_legs_give_the_colocated_tokens_completions_and_chat_streamed_
         kv = await legs.prefill_leg(body, f"legs-{n}", path)
         reply = await legs.post(legs.decode, path, body | {"kv_transfer_params": kv}, f"legs-{n}")
         assert reply.status == 200, reply.body
-        prompt = body["prompt"] if "prompt" in body else "<|user|>\nhi\n<|assistant|>\n"
+        prompt = str(body.get("prompt", "<|user|>\nhi\n<|assistant|>\n"))
         if body.get("stream"):
             events = [line[6:] for line in reply.body.decode().splitlines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
@@ -230,9 +232,7 @@ async def test_grpc_generate_runs_the_decode_leg_from_kv_transfer_params(legs: L
     kv = await legs.prefill_leg(body, "grpc-leg")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{legs.decode.port}") as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
-        request_ = pb.GenerateRequest(
-            request_id="grpc-leg", prompt="over grpc", max_tokens=6, kv_transfer_params=json.dumps(kv)
-        )
+        request_ = pb.GenerateRequest(request_id="grpc-leg", prompt="over grpc", max_tokens=6, kv_transfer_params=json.dumps(kv))
         responses = [r async for r in stub.Generate(request_, timeout=30)]
         ids = [t for r in responses if r.WhichOneof("payload") == "chunk" for t in r.chunk.token_ids]
         summary = responses[-1].summary
