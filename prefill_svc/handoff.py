@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from prefill_svc.jobs import Job, JobRunner
 from prefill_svc.pins import UNCLAIMED, PinTable
 from shared.cache.manifest import Manifest
-from shared.errors import FailedPrecondition, InvalidArgument
+from shared.errors import AlreadyExists, FailedPrecondition
 
 # The prefill leg waits this long for cache blocks while the cache is full (then 429).
 PREFILL_LEG_TIMEOUT_SECONDS = 60.0
@@ -38,7 +38,7 @@ class Handoffs:
     async def prefill(self, request_id: str, prompt: Sequence[int], timeout: float = PREFILL_LEG_TIMEOUT_SECONDS) -> Manifest:
         """Compute and pin the prompt's state for whoever claims it (errors name `job.*` fields)."""
         if self.pins.lookup(UNCLAIMED, request_id) is not None:
-            raise InvalidArgument(
+            raise AlreadyExists(
                 f"{request_id!r} is already prefilled here and waits for its decode engine", field="job.request_id"
             )
         deadline = asyncio.get_running_loop().time() + timeout

@@ -293,9 +293,10 @@ class PrefillSession:
         try:
             if self.handoffs is None:
                 raise FailedPrecondition("this prefill engine does not serve P/D prefill legs", field="claim")
-            if not claim.request_id or claim.request_id in self._jobs:
-                why = "must be non-empty" if not claim.request_id else "is already in flight on this session"
-                raise InvalidArgument(why, field="claim.request_id")
+            if not claim.request_id:
+                raise InvalidArgument("must be non-empty", field="claim.request_id")
+            if claim.request_id in self._jobs:
+                raise AlreadyExists("is already in flight on this session", field="claim.request_id")
             manifest = self.handoffs.claim(claim.request_id, claim.transfer_id, owner=self.owner, readers_per_rank=self.readers)
         except ServiceError as e:
             self._out.put_nowait(_failure(claim.request_id, e))
