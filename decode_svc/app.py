@@ -2,7 +2,9 @@
 
 Readiness (health SERVING) needs the local engine up (agents, registered memory, a loopback
 self-READ) and at least one prefill peer handshaken, probe-READ and with an open Session; it
-follows the peers as they come and go. Liveness (service "") does not depend on peers.
+follows the peers as they come and go. Liveness (service "") does not depend on peers. Started
+without --prefill (serving only the decode legs of a P/D router, whose requests name their
+prefill engine), the engine alone decides readiness.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 from decode_svc import tokenizer
 from decode_svc.discovery import Discovery
 from decode_svc.http_api import DecodeHttp
+from decode_svc.learned_peers import LearnedPeers
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.servicer import DecodeServicer
 from shared.config import ServiceSettings
@@ -38,7 +41,9 @@ class DecodeApp:
         self.metrics = self.shell.metrics
         self._stopped = False
         self._health_updates: set[asyncio.Future[None]] = set()
-        self.peers = PrefillPeers([], self._new_peer)
+        self.peers = PrefillPeers([], self._new_peer, configured=bool(settings.prefill))
+        # Prefill engines named by the requests' kv_transfer_params (P/D decode legs).
+        self.learned = LearnedPeers(self.peers, lambda target: self._new_peer(target, None, once=True))
         # --prefill names resolve to the peers (one per address), re-resolved every --discovery-seconds.
         self.discovery = Discovery(settings.prefill, self.peers, settings.discovery_seconds)
         self.servicer = DecodeServicer(
@@ -48,6 +53,7 @@ class DecodeApp:
             check_state=settings.check_state,
             read_timeout=settings.read_timeout_seconds,
             metrics=self.metrics,
+            learned=self.learned,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
@@ -64,7 +70,9 @@ class DecodeApp:
             "hybrid_pd_requests_in_flight", "Generate calls in progress", lambda: self.servicer.generation.in_flight
         )
         self.metrics.gauge(
-            "hybrid_pd_remote_agents", "Remote NIXL agents loaded (dropped when a peer is lost)", lambda: self.peers.remote_agents
+            "hybrid_pd_remote_agents",
+            "Remote NIXL agents loaded (dropped when a peer is lost)",
+            lambda: self.peers.remote_agents + self.learned.remote_agents,
         )
 
     @classmethod
@@ -80,12 +88,17 @@ class DecodeApp:
             raise
         app.peers.start()
         await app.discovery.start()
+        if not settings.prefill:
+            await app.shell.set_ready(True)
         log.info(
-            "decode engine %s listening on port %d, prefill peers %s", settings.engine_id, app.port, ", ".join(settings.prefill)
+            "decode engine %s listening on port %d, prefill peers %s",
+            settings.engine_id,
+            app.port,
+            ", ".join(settings.prefill) or "none (P/D decode legs only: requests name their prefill engine)",
         )
         return app
 
-    def _new_peer(self, target: str, server_name: str | None) -> PrefillPeer:
+    def _new_peer(self, target: str, server_name: str | None, *, once: bool = False) -> PrefillPeer:
         return PrefillPeer(
             target,
             self.host,
@@ -94,6 +107,7 @@ class DecodeApp:
             max_pinned_requests=self.settings.max_pinned_requests,
             server_name=server_name,
             reconnect_max_seconds=self.settings.reconnect_max_seconds,
+            once=once,
         )
 
     @property
@@ -112,6 +126,8 @@ class DecodeApp:
             await asyncio.sleep(0.02)
 
     def _on_peer_change(self) -> None:
+        if not self.settings.prefill:
+            return  # readiness is the engine's alone (learned peers come and go with requests)
         update = asyncio.ensure_future(self.shell.set_ready(self.peers.any_ready))
         self._health_updates.add(update)
         update.add_done_callback(self._health_updates.discard)
@@ -125,6 +141,7 @@ class DecodeApp:
             await self.shell.drain(wait_idle=self._idle)
         finally:
             await self.discovery.aclose()
+            await self.learned.aclose()
             await self.peers.aclose()
             await self.host.aclose()
             self.shell.close()

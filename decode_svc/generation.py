@@ -6,6 +6,10 @@ peer's Session stream -> manifest -> one READ per (decode rank, prefill rank) ->
 state: digests, and the recompute with --check-state] -> engine decode steps off the loop ->
 token chunks, then a summary.
 
+The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
+only in where the state comes from: the prefill engine the params name (handshaken on first
+sight, decode_svc/learned_peers.py) and a `claim` of the request it pinned instead of a job.
+
 Deadlines: the client's deadline (or DEFAULT_TIMEOUT_SECONDS) bounds everything and travels to
 prefill with the job; waits for capacity end a little earlier so RESOURCE_EXHAUSTED reaches the
 client; each READ also has its own deadline (--read-timeout-seconds), because a frozen prefill
@@ -31,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from decode_svc import tokenizer
+from decode_svc.learned_peers import LearnedPeers, check_claimed, remote_prefill_of
 from decode_svc.peer_link import PeerLink
-from decode_svc.prefill_peer import PrefillPeers
+from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
@@ -42,7 +47,8 @@ from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import SamplingParams
 from shared.engine.stopping import StopRule, steps
-from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, InvalidArgument
+from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, InvalidArgument, Unavailable
+from shared.http.kv_transfer import RemotePrefill
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -70,6 +76,9 @@ class RequestContext:
     started: float  # time.monotonic() at arrival
     sampling: SamplingParams  # the seed already picked when the request gave none
     stop: StopRule  # max_tokens, the model's EOS ids (unless ignore_eos) and the request's stop ids
+    # The decode leg of vLLM's P/D protocol: the prefill engine and pinned request that
+    # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
+    remote: RemotePrefill | None = None
 
 
 @dataclass(frozen=True)
@@ -113,9 +122,12 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     request_id = request.request_id or uuid.uuid4().hex
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
+    remote = remote_prefill_of(request.kv_transfer_params)
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
     options = decode_options(request, host.engine)
-    return RequestContext(request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop)
+    return RequestContext(
+        request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop, remote
+    )
 
 
 def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) -> None:
@@ -164,9 +176,11 @@ class Generation:
         check_state: bool,
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
         telemetry: Telemetry | None = None,
+        learned: LearnedPeers | None = None,
     ) -> None:
         self.host = host
         self.peers = peers
+        self.learned = learned or LearnedPeers(peers, lambda target: PrefillPeer(target, host, None, once=True))
         self.check_state = check_state
         self.read_timeout = read_timeout
         self.telemetry = telemetry
@@ -188,33 +202,46 @@ class Generation:
 
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
-        deadline = req.deadline
-        peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
-        assert peer.link is not None
-        check_fits_prefill(self.host, peer.link, req)
+        deadline, remote = req.deadline, req.remote
+        if remote is None:
+            peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
+            assert peer.link is not None
+            check_fits_prefill(self.host, peer.link, req)
+        else:
+            peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
 
         key = req.request_id
         local = await self.host.allocate_queued(key, len(req.prompt) + req.max_tokens, wait_deadline(deadline, loop.time()))
         compute = ComputeGuard(self.host)
         reads = ReadFence()
         try:
+            if not peer.ready and remote is not None:
+                raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
             if not peer.ready:  # lost while this request waited for blocks
                 peer = self.peers.pick()
             session, link = peer.session, peer.link
             assert session is not None and link is not None
-            check_fits_prefill(self.host, link, req)
             job_sent = time.monotonic()
-            manifest = await session.submit(req.request_id, req.prompt, wait_deadline(deadline, loop.time()) - loop.time())
+            if remote is None:
+                check_fits_prefill(self.host, link, req)
+                manifest = await session.submit(req.request_id, req.prompt, wait_deadline(deadline, loop.time()) - loop.time())
+            else:
+                assert remote.transfer_id is not None
+                manifest = await session.claim(remote.request_id, remote.transfer_id)
             prefill_seconds = time.monotonic() - job_sent
+            pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
             try:
+                if remote is not None:
+                    computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+                    check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
                 stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
                 transfer = Transfer(link, manifest, stats, prefill_seconds)
             except BaseException as e:
                 # Prefill may reuse its blocks once no READ of ours can still be reading them.
                 reason = f"read not completed: {type(e).__name__}"
-                reads.when_released(lambda: session.release(req.request_id, reason))
+                reads.when_released(lambda: session.release(pinned_as, reason))
                 raise
-            session.done_reading(req.request_id)
+            session.done_reading(pinned_as)
             self._count_read(stats)
             async for response in self._decode(req, transfer, local, compute):
                 yield response

@@ -3,7 +3,8 @@
 An adapter over the same domain entry the gRPC Generate handler uses
 (`DecodeServicer.generate` -> `Generation.run`): the body becomes a GenerateRequest (token ids,
 max_tokens, the `X-Request-Id` header as request id), its token chunks become OpenAI objects or
-SSE chunks. Stop sequences are applied here, on the text; a match closes the generation early
+SSE chunks; a P/D router's decode leg passes its `kv_transfer_params` through as JSON
+(decode_svc/learned_peers.py). Stop sequences are applied here, on the text; a match closes the generation early
 (its blocks are freed as on any early end). A streamed response starts once the first token
 exists, so every failure before it (bad input, no prefill, cache full, draining) is a real HTTP
 status; a failure after it is sent as a last `data: {"error": ...}` event before `[DONE]`.
@@ -11,6 +12,7 @@ status; a failure after it is sent as a last `data: {"error": ...}` event before
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,12 +26,12 @@ from starlette.routing import Route
 from decode_svc import tokenizer
 from decode_svc.servicer import DecodeServicer, EarlyStop
 from shared.engine.text import TextStream, Tokenizer
-from shared.errors import FieldIssue, InvalidArgument, ServiceError
+from shared.errors import InvalidArgument, ServiceError
 from shared.http import objects, sse
 from shared.http.app import ServiceInfo, api, check_model, json_body
 from shared.http.chat_template import ChatTemplate
-from shared.http.errors import NotImplementedYet, http_error, internal_error
-from shared.http.kv_transfer import RemotePrefill, parse_remote_prefill, wants_remote_prefill
+from shared.http.errors import http_error, internal_error, renamed
+from shared.http.kv_transfer import wants_remote_prefill
 from shared.http.params import CommonParams, parse_chat, parse_completion
 from shared.http.params import SamplingParams as HttpSampling
 from shared.http.render import prompt_ids
@@ -187,21 +189,8 @@ class DecodeHttp:
 
         return _sse(chunks(), generated)
 
-    async def remote_prefill(self, remote: RemotePrefill) -> None:
-        """The decode leg of vLLM's P/D protocol: state already computed and pinned by the named
-        prefill engine. Needs domain calls this adapter does not have yet (learn the peer from
-        host:port, READ the named blocks, release the pin); until then a clear 501."""
-        raise NotImplementedYet(
-            f"reading state prefilled by {remote.engine_id} ({remote.grpc_target}) from a router's kv_transfer_params "
-            "is not served yet; send the request without kv_transfer_params (this engine picks its own prefill)",
-            field="kv_transfer_params.do_remote_prefill",
-        )
-
     async def _start(self, request: Request, params: CommonParams, ids: list[int], prompt_field: str) -> tuple[Generated, str]:
         """Validate against this engine, start the generation and wait for its first token."""
-        if wants_remote_prefill(params.kv_transfer_params):
-            assert params.kv_transfer_params is not None
-            await self.remote_prefill(parse_remote_prefill(params.kv_transfer_params))
         max_tokens = params.max_tokens
         if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
             max_tokens = max(1, self.host.max_tokens() - len(ids))
@@ -214,6 +203,8 @@ class DecodeHttp:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
         )
+        if wants_remote_prefill(params.kv_transfer_params):  # a P/D router's decode leg: passed through as JSON
+            grpc_request.kv_transfer_params = json.dumps(params.kv_transfer_params)
         names = {
             "prompt_token_ids": prompt_field,
             "prompt": prompt_field,
@@ -227,7 +218,7 @@ class DecodeHttp:
             Outcome(prompt_tokens=len(ids)),
             StopMatcher(params.stop),
             early,
-            lambda e: _renamed(e, names),
+            lambda e: renamed(e, names),
             self.tokenizer,
         )
         await generated.first()
@@ -248,17 +239,6 @@ def grpc_sampling(s: HttpSampling) -> pb.SamplingParams:
     if s.seed is not None:
         out.seed = s.seed % 2**64  # OpenAI allows negative seeds: the same bits, unsigned
     return out
-
-
-def _renamed(error: ServiceError, names: dict[str, str]) -> ServiceError:
-    """The same error with gRPC field names replaced by the HTTP body's (`prompt_token_ids` -> `prompt`)."""
-    if not error.issues or error.issues[0].field not in names:
-        return error
-    issues = tuple(FieldIssue(names.get(i.field, i.field), i.description) for i in error.issues)
-    old, new = error.issues[0].field, issues[0].field
-    message = new + error.message[len(old) :] if error.message.startswith(old) else error.message
-    renamed = type(error)(message, issues=issues, reason=error.reason, retry_after_seconds=error.retry_after_seconds)
-    return renamed
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]], generated: Generated) -> StreamingResponse:

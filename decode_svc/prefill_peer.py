@@ -9,6 +9,10 @@ or layout) will not change by itself soon: it is logged at ERROR once per distin
 retried at the cap from then on; other failures log a WARNING (rate limited by the log filter). Whatever fails in an
 attempt is recorded in `last_error` (GetLayout shows it) and retried; nothing ends the loop but
 the service stopping. Requests only go to a peer in state READY.
+
+A peer learned from a request (`once=True`, decode_svc/learned_peers.py) makes one attempt: when
+it fails or its session ends, the loop ends and the peer is forgotten; the next request that
+names that prefill engine handshakes with it afresh.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import grpc
 from decode_svc.peer_link import PeerLink
 from decode_svc.session_client import SessionClient
 from shared.config import TlsSettings
-from shared.errors import ServiceError, Unavailable
+from shared.errors import FailedPrecondition, ServiceError, Unavailable
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
@@ -62,11 +66,14 @@ class PrefillPeer:
         max_pinned_requests: int = 0,
         server_name: str | None = None,
         reconnect_max_seconds: float = BACKOFF_MAX_SECONDS,
+        once: bool = False,
     ) -> None:
         self.reconnect_max_seconds = reconnect_max_seconds
         self.attempts = 0  # connection attempts so far (tests, debugging)
         self._refusal_logged = ""  # the incompatibility last logged at ERROR
         self.target = target
+        self.once = once  # no reconnects: the loop ends with the first failure or session end
+        self.settled = asyncio.Event()  # set once the first attempt is READY or FAILED
         self.server_name = server_name  # the DNS name `target` was found under (TLS checks it)
         self.retiring = False  # its address vanished: no new requests, then closed
         self.host = host
@@ -131,9 +138,10 @@ class PrefillPeer:
             last_error=self.last_error,
         )
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
         self._task = asyncio.ensure_future(self.run())
         self._task.add_done_callback(self._loop_ended)
+        return self._task
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -182,6 +190,8 @@ class PrefillPeer:
             self._set_state(dpb.PEER_STATE_FAILED)
             await self._disconnect()
             await self._close_channel()
+            if self.once:
+                return
             if incompatible:
                 backoff = self.reconnect_max_seconds  # it will not change by itself soon: retry slowly
             # Full jitter: peers that lost the same prefill do not reconnect in lockstep.
@@ -223,6 +233,8 @@ class PrefillPeer:
             await link.close(self.host)
 
     def _set_state(self, state: int) -> None:
+        if state in (dpb.PEER_STATE_READY, dpb.PEER_STATE_FAILED):
+            self.settled.set()
         if state != self.state:
             self.state = state
             self.on_state_change()
@@ -250,8 +262,9 @@ class PrefillPeers:
     """Every prefill engine known (decode_svc/discovery.py adds and retires them); `pick()` takes
     the least loaded ready one."""
 
-    def __init__(self, peers: list[PrefillPeer], factory: PeerFactory | None = None) -> None:
+    def __init__(self, peers: list[PrefillPeer], factory: PeerFactory | None = None, *, configured: bool = True) -> None:
         self.peers = peers
+        self.configured = configured  # False: no --prefill given (only P/D decode legs are served)
         self.factory = factory
         self.retiring: list[PrefillPeer] = []
         self._next = 0
@@ -300,6 +313,14 @@ class PrefillPeers:
         if best is not None:
             self._next = (best_at + 1) % n
             return best
+        if not self.configured:
+            raise FailedPrecondition(
+                "this decode engine has no prefill engine of its own (started without --prefill): it serves only "
+                "the decode leg of a P/D router, a request whose kv_transfer_params name the prefill engine "
+                '("do_remote_prefill": true); start it with --prefill HOST:PORT to serve plain requests',
+                field="kv_transfer_params",
+                reason="NO_PREFILL_PEER",
+            )
         states = "; ".join(
             f"{p.target}: {dpb.PeerState.Name(p.state).removeprefix('PEER_STATE_').lower()}"  # type: ignore[arg-type]
             + (f" ({p.last_error})" if p.last_error else "")

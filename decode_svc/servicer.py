@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from decode_svc.generation import Generation, validate
+from decode_svc.learned_peers import LearnedPeers
 from decode_svc.prefill_peer import PrefillPeers
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
@@ -48,13 +49,19 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         check_state: bool,
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
         metrics: ServiceMetrics | None = None,
+        learned: LearnedPeers | None = None,
     ) -> None:
         self.host = host
         self.peers = peers
         self.lifecycle = lifecycle
         self.metrics = metrics or ServiceMetrics("decode")
         self.generation = Generation(
-            host, peers, check_state=check_state, read_timeout=read_timeout, telemetry=self.metrics.telemetry
+            host,
+            peers,
+            check_state=check_state,
+            read_timeout=read_timeout,
+            telemetry=self.metrics.telemetry,
+            learned=learned,
         )
 
     async def Generate(
@@ -131,7 +138,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return "CANCELLED"
 
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
-        return pb.GetLayoutResponse(layout=self.host.message, peers=[p.status() for p in self.peers.peers])
+        learned = self.generation.learned.peers.values()
+        return pb.GetLayoutResponse(layout=self.host.message, peers=[p.status() for p in [*self.peers.peers, *learned]])
 
 
 def _log_finished(request: pb.GenerateRequest, status: str, message: str, summary: pb.GenerateSummary | None) -> None:

@@ -93,20 +93,30 @@ class SessionClient:
 
     async def submit(self, request_id: str, prompt: Sequence[int], timeout: float | None) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError."""
+        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt))
+        if timeout is not None:
+            job.timeout.CopyFrom(duration(timeout))
+        return await self._ask(request_id, pb.SessionRequest(job=job))
+
+    async def claim(self, request_id: str, transfer_id: str) -> Manifest:
+        """Take over a request prefill pinned for a reader unknown at the time (vLLM's P/D prefill
+        leg); its manifest, or its JobFailure raised as a ServiceError."""
+        # Also while prefill drains: the state exists already, and a drain waits for pinned requests.
+        claim = pb.ClaimPinned(request_id=request_id, transfer_id=transfer_id)
+        return await self._ask(request_id, pb.SessionRequest(claim=claim), new_work=False)
+
+    async def _ask(self, request_id: str, msg: pb.SessionRequest, *, new_work: bool = True) -> Manifest:
         if self.closed.is_set():
             raise self.ended_error()
-        if self.draining:
+        if new_work and self.draining:
             raise Unavailable(f"prefill {self.peer_name} is draining", reason="DRAINING")
         if request_id in self._waiting or request_id in self._holding:
             raise ServiceError(f"request id {request_id!r} is already in flight to {self.peer_name}")
         future: asyncio.Future[Manifest] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt))
-        if timeout is not None:
-            job.timeout.CopyFrom(duration(timeout))
         try:
             tracing.mark(Step.JOB_QUEUED)
-            self._send(pb.SessionRequest(job=job))
+            self._send(msg)
             manifest = await future
         except asyncio.CancelledError:
             if self._waiting.pop(request_id, None) is not None or request_id in self._holding:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prefill_svc.http_api import PrefillHttp
+from prefill_svc.http_api import PrefillHttp, advertised_address
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
 from prefill_svc.session import SessionConfig
@@ -49,10 +49,24 @@ class PrefillApp:
         http_info = ServiceInfo(
             "prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
         )
-        render = RenderRoutes(http_info, byte_tokenizer.encode, template_for(host.engine))
-        self.shell.http_app = build_app(http_info, [*PrefillHttp(http_info).routes(), *render.routes()])
+        template = template_for(host.engine)
+        render = RenderRoutes(http_info, byte_tokenizer.encode, template)
+        prefill_leg = PrefillHttp(
+            http_info,
+            host,
+            self.servicer.handoffs,
+            template,
+            byte_tokenizer.encode,
+            lambda: advertised_address(settings.advertise_address, settings.host, self.port),
+        )
+        self.shell.http_app = build_app(http_info, [*prefill_leg.routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge("hybrid_pd_pinned_requests", "Requests whose blocks wait to be read", lambda: len(self.pins))
+        self.metrics.gauge(
+            "hybrid_pd_unclaimed_requests",
+            "Requests prefilled by the HTTP prefill leg, not yet claimed by a decode engine",
+            lambda: len(self.servicer.handoffs),
+        )
         self.metrics.gauge("hybrid_pd_sessions", "Open Session streams", lambda: self.servicer.peers.open_sessions)
         self.metrics.gauge("hybrid_pd_decode_peers", "Handshaken decode engines with a session", lambda: len(self.servicer.peers))
 

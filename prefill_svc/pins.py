@@ -8,6 +8,10 @@ ends exactly once, for one of these reasons:
 - `shutdown`: the service is closing.
 Only then are the blocks returned to the allocator, so no block a decode engine may still READ
 is ever handed to another request before its lease ran out.
+
+A pin made for a reader not known yet (vLLM's P/D prefill leg over HTTP) belongs to `UNCLAIMED`
+and expects no notification; `claim()` hands it to the decode engine that names it, which then
+owns it exactly like a pin of its own job. Unclaimed, it ends with its lease.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 
 log = logging.getLogger(__name__)
+
+UNCLAIMED = ""  # owner of pins whose reader is not known yet (no decode engine key is empty)
 
 
 @dataclass(eq=False)
@@ -64,21 +70,38 @@ class PinTable:
         """Pin a prefilled request's blocks; they are freed when every reader notified."""
         loop = asyncio.get_running_loop()
         pin = Pin(transfer_id, request_id, owner, loop.time() + self.lease_seconds, on_end=on_end)
-        key = transfer_id.encode()
+        self._pins[transfer_id] = pin
+        self._by_request[(owner, request_id)] = transfer_id
+        pin.outcome = loop.create_future()
+        self._expect(pin, readers_per_rank)
+        self._ensure_sweeper()
+        tracing.mark(Step.PINNED)
+        return pin
+
+    def _expect(self, pin: Pin, readers_per_rank: list[int]) -> None:
+        key = pin.transfer_id.encode()
         pin.waits = [
             self.host.poller.expect(self.host.agents[rank], key, count)
             for rank, count in enumerate(readers_per_rank)
             if count > 0
         ]
-        self._pins[transfer_id] = pin
-        self._by_request[(owner, request_id)] = transfer_id
-        pin.outcome = loop.create_future()
         # A callback, not a task gathering the waits: the last notification frees the blocks in
         # the same event-loop turn that delivered it.
         for wait in pin.waits:
             wait.add_done_callback(functools.partial(self._on_wait_done, pin))
-        self._ensure_sweeper()
-        tracing.mark(Step.PINNED)
+
+    def claim(self, request_id: str, transfer_id: str, owner: str, readers_per_rank: list[int]) -> Pin | None:
+        """Hand an unclaimed pin to the decode engine `owner` (None: no such unclaimed pin: it
+        expired, was claimed already, or never existed). Its READ notifications are expected from
+        now on, before the claim is answered, and its lease starts again."""
+        if self._by_request.get((UNCLAIMED, request_id)) != transfer_id or (owner, request_id) in self._by_request:
+            return None
+        pin = self._pins[transfer_id]
+        del self._by_request[(UNCLAIMED, request_id)]
+        pin.owner = owner
+        self._by_request[(owner, request_id)] = transfer_id
+        pin.lease_deadline = asyncio.get_running_loop().time() + self.lease_seconds
+        self._expect(pin, readers_per_rank)
         return pin
 
     def lookup(self, owner: str, request_id: str) -> Pin | None:

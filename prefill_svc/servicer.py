@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from prefill_svc.handoff import Handoffs
 from prefill_svc.jobs import JobRunner
 from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
@@ -39,6 +40,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.metrics = metrics or ServiceMetrics("prefill")
         self.peers = DecodePeers()
         self.runner = JobRunner(host, pins)
+        self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.HandshakeResponse:
         self.lifecycle.check_accepting("new handshakes")
@@ -61,7 +63,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.SessionResponse]:
         session = PrefillSession(
-            host=self.host, pins=self.pins, peers=self.peers, runner=self.runner, lifecycle=self.lifecycle, config=self.config
+            host=self.host,
+            pins=self.pins,
+            peers=self.peers,
+            runner=self.runner,
+            lifecycle=self.lifecycle,
+            config=self.config,
+            handoffs=self.handoffs,
         )
         async for response in session.stream(request_iterator):
             yield response

@@ -4,6 +4,9 @@ Protocol (decode -> prefill / prefill -> decode):
 - `hello` first, for a pair that completed the handshake with this very prefill incarnation;
   answered by `ready` (lease, heartbeat interval, credits). Anything else first: FAILED_PRECONDITION.
 - `job` -> `manifest` or `failure` (in-band: a failed job never ends the stream).
+- `claim` takes over a request prefilled for a reader unknown at the time (vLLM's P/D prefill
+  leg, prefill_svc/handoff.py) -> `manifest` or `failure`, as for a job (no credit is taken:
+  its blocks were pinned before this session knew of it).
 - `cancel` aborts a running job or ends a pinned request; `release` ends a pinned request;
   `heartbeat` renews the leases of the named pinned requests.
 - prefill sends `heartbeat` every interval and `drain` when it shuts down; then it refuses new
@@ -25,6 +28,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from prefill_svc.handoff import Handoffs
 from prefill_svc.jobs import JobRunner, job_from_message
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
@@ -74,8 +78,10 @@ class PrefillSession:
         runner: JobRunner,
         lifecycle: Lifecycle,
         config: SessionConfig,
+        handoffs: Handoffs | None = None,
     ) -> None:
         self.host = host
+        self.handoffs = handoffs
         self.pins = pins
         self.peers = peers
         self.runner = runner
@@ -180,6 +186,8 @@ class PrefillSession:
                 kind = msg.WhichOneof("payload")
                 if kind == "job":
                     self._start_job(msg.job)
+                elif kind == "claim":
+                    self._claim(msg.claim)
                 elif kind == "cancel":
                     self._cancel(msg.cancel.request_id, "cancelled")
                 elif kind == "release":
@@ -280,6 +288,20 @@ class PrefillSession:
             self._jobs.pop(rid, None)
             fields.update(status=status, job_ms=round((loop.time() - started) * 1e3, 3))
             log.info("job %s finished: %s", rid, status, extra={"fields": fields})
+
+    def _claim(self, claim: pb.ClaimPinned) -> None:
+        try:
+            if self.handoffs is None:
+                raise FailedPrecondition("this prefill engine does not serve P/D prefill legs", field="claim")
+            if not claim.request_id:
+                raise InvalidArgument("must be non-empty", field="claim.request_id")
+            if claim.request_id in self._jobs:
+                raise AlreadyExists("is already in flight on this session", field="claim.request_id")
+            manifest = self.handoffs.claim(claim.request_id, claim.transfer_id, owner=self.owner, readers_per_rank=self.readers)
+        except ServiceError as e:
+            self._out.put_nowait(_failure(claim.request_id, e))
+            return
+        self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(manifest)))
 
     def _credit_back(self, reason: str) -> None:
         self._credits.release()

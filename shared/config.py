@@ -78,6 +78,7 @@ class ServiceSettings:
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
+    advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
 
     @property
     def listen_address(self) -> str:
@@ -129,6 +130,25 @@ def host_port(text: str) -> str:
     if not m or not 1 <= int(m.group(2)) <= 65535:
         raise ValueError("expected HOST:PORT, for example 127.0.0.1:50051")
     return text.strip()
+
+
+def advertise_address(text: str) -> str:
+    """`HOST` or `HOST:PORT` (IPv6 in brackets when a port follows: `[fd00::1]:50051`)."""
+    host, port = split_advertised(text)
+    if not host or (port is not None and not 0 < port < 65536):
+        raise ValueError("expected HOST or HOST:PORT, for example prefill-0.example or 10.0.0.7:50051")
+    return text
+
+
+def split_advertised(text: str) -> tuple[str, int | None]:
+    """`HOST[:PORT]` -> (host without brackets, port or None)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else None
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, int(port)
+    return text, None  # a bare name, IPv4 or IPv6 address
 
 
 def non_negative_float(text: str) -> float:
@@ -333,7 +353,8 @@ FLAGS: tuple[Flag, ...] = (
         host_port,
         "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list. "
         "A DNS name stands for every address it resolves to (a Kubernetes headless Service: one per pod), "
-        "re-resolved every --discovery-seconds",
+        "re-resolved every --discovery-seconds. Without any, decode serves only the decode leg of a P/D "
+        "router (kv_transfer_params name the prefill engine; it is handshaken on first sight)",
         roles=("decode",),
         repeatable=True,
         metavar="HOST:PORT",
@@ -346,6 +367,15 @@ FLAGS: tuple[Flag, ...] = (
         "retried at this interval and logged at ERROR once per distinct refusal",
         2.0,
         roles=("decode",),
+    ),
+    Flag(
+        "advertise-address",
+        advertise_address,
+        "prefill: the gRPC address decode engines dial, named in the kv_transfer_params the HTTP prefill leg "
+        "answers (remote_host / remote_port); HOST or HOST:PORT (default: --host, or this machine's hostname "
+        "when --host is 0.0.0.0 or ::, and the bound gRPC port)",
+        roles=("prefill",),
+        metavar="HOST[:PORT]",
     ),
     Flag(
         "discovery-seconds",
@@ -515,9 +545,9 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         raise SettingsError("--tls-cert and --tls-key go together; give both or neither")
     if tls.ca is not None and tls.cert is None:
         raise SettingsError("--tls-ca needs --tls-cert and --tls-key too (the service's own identity)")
+    # Without --prefill a decode engine serves only the decode leg of a P/D router (it learns
+    # each prefill engine from the request's kv_transfer_params).
     prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
-    if role == "decode" and not prefill:
-        raise SettingsError("decode needs at least one --prefill HOST:PORT (or env HYBRID_PD_PREFILL=h1:p1,h2:p2)")
     return ServiceSettings(
         role=role,
         model=_req(values, "model", str),
@@ -548,6 +578,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_req(values, "discovery_seconds", float) if role == "decode" else 5.0,
         reconnect_max_seconds=_req(values, "reconnect_max_seconds", float) if role == "decode" else 2.0,
+        advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

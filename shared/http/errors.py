@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import ServiceError
+from shared.errors import FieldIssue, ServiceError
 
 # gRPC status name -> (HTTP status, OpenAI error type)
 _BY_STATUS: dict[str, tuple[int, str]] = {
@@ -29,7 +29,7 @@ _BY_STATUS: dict[str, tuple[int, str]] = {
     "UNIMPLEMENTED": (501, "not_implemented_error"),
 }
 # Reasons with a more specific HTTP status than their gRPC status gives.
-_BY_REASON: dict[str, int] = {"LEASE_EXPIRED": 410}
+_BY_REASON: dict[str, int] = {"LEASE_EXPIRED": 410, "PREFILL_RESTARTED": 410}
 DEFAULT_RETRY_AFTER_SECONDS = 1
 
 
@@ -65,3 +65,13 @@ def error_body(message: str, kind: str, param: str | None, code: str | None) -> 
 def internal_error() -> HttpError:
     """For anything that is not a ServiceError: a bug; details go to the log, not the client."""
     return HttpError(500, error_body("internal error (see the service log)", "server_error", None, "internal"), {})
+
+
+def renamed(error: ServiceError, names: dict[str, str]) -> ServiceError:
+    """The same error with gRPC field names replaced by the HTTP body's (`prompt_token_ids` -> `prompt`)."""
+    if not error.issues or error.issues[0].field not in names:
+        return error
+    issues = tuple(FieldIssue(names.get(i.field, i.field), i.description) for i in error.issues)
+    old, new = error.issues[0].field, issues[0].field
+    message = new + error.message[len(old) :] if error.message.startswith(old) else error.message
+    return type(error)(message, issues=issues, reason=error.reason, retry_after_seconds=error.retry_after_seconds)

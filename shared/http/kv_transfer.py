@@ -5,7 +5,7 @@ Prefill leg (router -> prefill): `{"do_remote_decode": true, "do_remote_prefill"
 `{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id", "remote_request_id",
 "remote_host", "remote_port", "remote_block_ids": [[...] per KV-cache group], "tp_size", ...}`.
 Our own fields ride inside under `"hybrid_pd"` (the explicit N-1 boundary, the prefill
-incarnation, the lease). Types are checked exactly (an integer field given as 1.0 or true is an
+incarnation, the transfer id a decode engine claims the pinned state by). Types are checked exactly (an integer field given as 1.0 or true is an
 error, not a silent conversion): a router that mangles them must fail loudly, naming the field.
 """
 
@@ -37,6 +37,7 @@ class RemotePrefill:
     expiry_time: float | None = None  # wall-clock seconds since the epoch
     num_computed_tokens: int | None = None  # ours: the N-1 boundary (state covers prompt[:N-1])
     incarnation: str | None = None  # ours: the prefill process's incarnation, hex
+    transfer_id: str | None = None  # ours: what the READ notifications carry; the claim names it
 
     @property
     def grpc_target(self) -> str:
@@ -147,6 +148,9 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     incarnation = extra.get("incarnation")
     if incarnation is not None and not isinstance(incarnation, str):
         raise InvalidArgument("must be a hex string", field=_name(EXTRA, "incarnation"))
+    transfer_id = extra.get("transfer_id")
+    if transfer_id is not None and (not isinstance(transfer_id, str) or not transfer_id):
+        raise InvalidArgument("must be a non-empty string", field=_name(EXTRA, "transfer_id"))
     tp_size = _int(params, "tp_size", low=1, default=1)
     assert tp_size is not None
     port = _int(params, "remote_port", low=1, high=65535)
@@ -170,6 +174,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         expiry_time=None if expiry is None else float(expiry),
         num_computed_tokens=computed,
         incarnation=incarnation,
+        transfer_id=transfer_id,
     )
 
 
@@ -215,8 +220,16 @@ def prefill_answer(
     num_computed_tokens: int,
     expiry_time: float,
     incarnation: int,
+    transfer_id: str | None = None,
 ) -> dict[str, Any]:
     """Prefill's `kv_transfer_params` answer, exact types (ints stay ints), ours under `hybrid_pd`."""
+    extra: dict[str, Any] = {
+        "version": EXTRA_VERSION,
+        "num_computed_tokens": int(num_computed_tokens),
+        "incarnation": f"{incarnation:016x}",
+    }
+    if transfer_id is not None:
+        extra["transfer_id"] = transfer_id
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -228,5 +241,5 @@ def prefill_answer(
         "tp_size": int(tp_size),
         "remote_num_tokens": int(num_tokens),
         "remote_blocks_expiry_time": float(expiry_time),
-        EXTRA: {"version": EXTRA_VERSION, "num_computed_tokens": int(num_computed_tokens), "incarnation": f"{incarnation:016x}"},
+        EXTRA: extra,
     }

@@ -1,6 +1,7 @@
-"""vLLM's P/D protocol as far as it is served today: render on both workers, and the prefill
-and decode legs validated (bad params: 400 naming the field; a well-formed leg this build
-cannot serve yet: 501 naming the field), with nothing left allocated on either side."""
+"""vLLM's P/D protocol against a pair whose decode engine has its own --prefill: render on both
+workers, and the prefill and decode legs validated (bad params: 400 naming the field; params of
+a prefill incarnation that is gone: 410), with nothing left allocated on either side. The legs
+served end to end: test_http_pd_legs.py."""
 
 from __future__ import annotations
 
@@ -48,12 +49,10 @@ async def test_render_on_both_workers(http_pair: HttpPair) -> None:
         assert missing.status == 404 and missing.json()["error"]["param"] == "model"
 
 
-async def test_prefill_leg_is_validated_and_refused_clearly(http_pair: HttpPair) -> None:
-    leg = RENDER_BODY | {"max_tokens": 1, "min_tokens": 1} | PREFILL_LEG
-    reply = await post(
-        url(http_pair, "prefill", "/v1/completions"), leg, **{"X-Request-Id": "___prefill_addr_x___decode_addr_y_1"}
-    )
-    assert reply.status == 501 and reply.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
+async def test_prefill_leg_is_validated(http_pair: HttpPair) -> None:
+    bad = RENDER_BODY | {"max_tokens": 1, "min_tokens": 1} | PREFILL_LEG | {"prompt": [1, 2, 1 << 20]}
+    reply = await post(url(http_pair, "prefill", "/v1/completions"), bad, **{"X-Request-Id": "___prefill_addr_x___decode_1"})
+    assert reply.status == 400 and reply.json()["error"]["param"] == "prompt", reply.body
     plain = await post(url(http_pair, "prefill", "/v1/completions"), RENDER_BODY)
     assert plain.status == 400 and plain.json()["error"]["param"] == "kv_transfer_params"
     both = await post(
@@ -67,7 +66,7 @@ async def test_prefill_leg_is_validated_and_refused_clearly(http_pair: HttpPair)
 async def test_decode_leg_is_validated_and_refused_clearly(http_pair: HttpPair) -> None:
     params = prefill_answer(
         engine_id=http_pair.prefill.settings.engine_id, request_id="r", host="127.0.0.1", port=http_pair.prefill.port,
-        block_ids=[[1, 2]], tp_size=1, num_tokens=11, num_computed_tokens=10, expiry_time=2e9, incarnation=1,
+        block_ids=[[1, 2]], tp_size=1, num_tokens=11, num_computed_tokens=10, expiry_time=2e9, incarnation=1, transfer_id="t1",
     )  # fmt: skip
     bad = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params | {"pp_size": 1.0}})
     assert bad.status == 400 and bad.json()["error"]["param"] == "kv_transfer_params.pp_size"
@@ -75,8 +74,8 @@ async def test_decode_leg_is_validated_and_refused_clearly(http_pair: HttpPair) 
         url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params | {"remote_block_ids": [1, 2]}}
     )
     assert flat.status == 400 and flat.json()["error"]["param"] == "kv_transfer_params.remote_block_ids[0]"
-    good = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params})
-    assert good.status == 501 and good.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
+    stale = await post(url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": params})
+    assert stale.status == 410 and stale.json()["error"]["param"] == "kv_transfer_params.hybrid_pd.incarnation", stale.body
     # Without the remote-prefill flag, a leftover params object does not change anything.
     plain = await post(
         url(http_pair, "decode", "/v1/completions"), RENDER_BODY | {"kv_transfer_params": {"do_remote_prefill": False}}

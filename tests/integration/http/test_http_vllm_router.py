@@ -3,9 +3,12 @@
 Regular mode (`--worker-urls` = the decode engines, each of which picks its own prefill peer):
 32 concurrent requests through the official openai client (completions and chat, streamed and
 not) give the colocated run's text, both decode engines serve, and every block is freed.
-P/D mode (`--vllm-pd-disaggregation --kv-connector nixl`): the router reaches our prefill leg,
-which is not served yet; the client gets the router's error carrying our 501 message, and
-nothing is left allocated. Skipped when vllm-router is not installed."""
+P/D mode (`--vllm-pd-disaggregation --kv-connector nixl`, decode engines without --prefill):
+the router sends each request's prefill leg to a prefill engine, which computes and pins the
+state and answers kv_transfer_params, then the decode leg to a decode engine, which learns that
+prefill engine from the params, claims and READs the state and generates; 32 concurrent
+requests (completions and chat, streamed and not) give the colocated run's text, every engine
+serves, and every block is freed. Skipped when vllm-router is not installed."""
 
 from __future__ import annotations
 
@@ -147,16 +150,49 @@ async def test_router_in_front_of_decode_engines_serves_32_concurrent_requests()
         await all_free([*prefills, *decodes])
 
 
+@contextlib.asynccontextmanager
+async def pd_cluster() -> AsyncIterator[tuple[list[PrefillApp], list[DecodeApp]]]:
+    """2 prefill + 2 decode engines; the decode engines have no --prefill (P/D decode legs only)."""
+    factory = engine_factory_for("reference")
+    apps: list[Any] = []
+    try:
+        prefills = [
+            await PrefillApp.start(parse_settings("prefill", [*COMMON, "--engine-id", f"pp{i}"], environ={}), factory)
+            for i in range(2)
+        ]
+        apps += prefills
+        decodes = [
+            await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"pd{i}"], environ={}), factory)
+            for i in range(2)
+        ]
+        apps += decodes
+        yield prefills, decodes
+    finally:
+        for app in reversed(apps):
+            await asyncio.wait_for(app.stop(), 30)
+
+
+def served(app: Any, metric: str, labels: dict[str, str]) -> float:
+    return float(app.metrics.registry.get_sample_value(metric, labels) or 0)
+
+
 @needs_router
-async def test_router_in_pd_mode_gets_a_clear_error_from_the_prefill_leg() -> None:
-    async with cluster() as (prefills, decodes):
-        args = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+async def test_router_in_pd_mode_runs_both_legs_for_32_concurrent_requests() -> None:
+    async with pd_cluster() as (prefills, decodes):
+        args = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", "round_robin"]
         args += [a for p in prefills for a in ("--prefill", http(p))]
         args += [a for d in decodes for a in ("--decode", http(d))]
         with router(*args) as base:
             await wait_routing(base)
             async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-                with pytest.raises(openai.APIStatusError) as info:
-                    await client.completions.create(model=MODEL, prompt="hello world", max_tokens=5)
-        assert "kv_transfer_params.do_remote_decode" in str(info.value.body) + info.value.message
+                texts = await asyncio.gather(*(one(client, i) for i in range(32)))
+        want = [expected(decodes[0], f"request {i}:" if i % 4 < 2 else chat_prompt(f"request {i}:"), 6) for i in range(32)]
+        assert texts == want
+        decoded = [served(d, "hybrid_pd_requests_total", {"status": "OK"}) for d in decodes]
+        assert sum(decoded) == 32 and all(n > 0 for n in decoded), decoded
+        # Every prefill leg's pin was claimed and ended by the READ notifications (none by lease).
+        read = [p.pins.ended["read"] for p in prefills]
+        assert sum(read) == 32 and all(n > 0 for n in read), read
+        assert not any(p.pins.ended["lease_expired"] for p in prefills)
         await all_free([*prefills, *decodes])
+        assert not any(len(p.pins) or len(p.servicer.handoffs) for p in prefills)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from prefill_svc.http_api import advertised_address
 from shared.config import FLAGS, build_parser, parse_settings
 
 
@@ -30,11 +31,21 @@ def test_repeatable_prefill_from_flags_or_env() -> None:
     assert s.prefill == ("x:9", "y:10")
 
 
-def test_decode_needs_a_prefill(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        parse_settings("decode", [], environ={})
-    assert e.value.code == 2
-    assert "--prefill" in capsys.readouterr().err
+def test_decode_without_prefill_serves_pd_decode_legs_only() -> None:
+    assert parse_settings("decode", [], environ={}).prefill == ()
+
+
+def test_advertise_address_for_the_pd_prefill_leg(capsys: pytest.CaptureFixture[str]) -> None:
+    s = parse_settings("prefill", ["--advertise-address", "10.0.0.7:6000"], environ={})
+    assert advertised_address(s.advertise_address, s.host, 50051) == ("10.0.0.7", 6000)
+    s = parse_settings("prefill", [], environ={"HYBRID_PD_ADVERTISE_ADDRESS": "[fd00::1]"})
+    assert advertised_address(s.advertise_address, s.host, 50051) == ("fd00::1", 50051)
+    assert advertised_address(None, "127.0.0.1", 50051) == ("127.0.0.1", 50051)
+    assert advertised_address(None, "0.0.0.0", 1)[0] not in ("0.0.0.0", "")
+    for bad in ("host:notaport", "h:70000", ":5"):
+        with pytest.raises(SystemExit):
+            parse_settings("prefill", ["--advertise-address", bad], environ={})
+        assert "--advertise-address" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@ class SessionRequest(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___SessionHello: ...
     @_builtins.property
@@ -116,6 +117,8 @@ class SessionRequest(_message.Message):
     def heartbeat(self) -> Global___DecodeHeartbeat: ...
     @_builtins.property
     def release(self) -> Global___ReleaseBlocks: ...
+    @_builtins.property
+    def claim(self) -> Global___ClaimPinned: ...
     def __init__(
         self,
         *,
@@ -124,16 +127,46 @@ class SessionRequest(_message.Message):
         cancel: Global___CancelJob | None = ...,
         heartbeat: Global___DecodeHeartbeat | None = ...,
         release: Global___ReleaseBlocks | None = ...,
+        claim: Global___ClaimPinned | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "heartbeat", b"heartbeat", "hello", b"hello", "job", b"job", "payload", b"payload", "release", b"release"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "heartbeat", b"heartbeat", "hello", b"hello", "job", b"job", "payload", b"payload", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "heartbeat", b"heartbeat", "hello", b"hello", "job", b"job", "payload", b"payload", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "claim", b"claim", "heartbeat", b"heartbeat", "hello", b"hello", "job", b"job", "payload", b"payload", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "job", "cancel", "heartbeat", "release"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "job", "cancel", "heartbeat", "release", "claim"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class ClaimPinned(_message.Message):
+    """Take over a request prefilled for a reader that was not known when it was computed (the
+    prefill leg of vLLM's P/D protocol over HTTP, whose answer named `request_id` and
+    `transfer_id` in kv_transfer_params). Answered like a job: the request's `Manifest` (its
+    blocks now pinned for this session's decode engine: READ notifications, heartbeats, release
+    and the lease, renewed from now, work as for a job's) or a `JobFailure`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    transfer_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimPinned: _TypeAlias = ClaimPinned  # noqa: Y015
 
 @_typing.final
 class SessionResponse(_message.Message):
