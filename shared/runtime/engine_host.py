@@ -34,6 +34,7 @@ from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
+from shared.runtime.cache_size import cache_blocks, memory_limit
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.notifications import UnknownHandler
@@ -79,22 +80,6 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
         raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
 
 
-def cache_blocks(layout: EngineLayout, num_blocks: int | None, memory_budget: int | None) -> int:
-    """Logical blocks per engine: given, or as many as the per-rank budget holds."""
-    if num_blocks is not None:
-        return num_blocks
-    assert memory_budget is not None
-    per_block = layout.page_bytes * layout.num_regions
-    blocks = memory_budget // per_block
-    if blocks < 1:
-        raise InvalidArgument(
-            f"{memory_budget} B per rank holds no block: one block is {per_block} B "
-            f"({layout.num_regions} regions x {layout.page_bytes} B pages)",
-            field="memory_budget",
-        )
-    return int(blocks)
-
-
 @dataclass
 class EngineHost:
     role: str
@@ -132,7 +117,8 @@ class EngineHost:
         spec = layout.spec
         if layout.block_size_raised:
             log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
-        num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget)
+        limit = await asyncio.to_thread(memory_limit, settings.device, settings.tp)
+        num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget, limit)
         incarnation = new_incarnation()
         devices = [f"cuda:{r}" if settings.device == "cuda" else "cpu" for r in range(settings.tp)]
         caches = await asyncio.to_thread(
