@@ -49,7 +49,7 @@ class ServiceSettings:
     model: str
     tp: int
     device: Literal["cpu", "cuda"]
-    engine: Literal["synthetic", "reference", "hf"]
+    engine: Literal["synthetic", "reference", "hf"]  # --engine, or the one --model implies (default_engine)
     num_blocks: int | None  # logical blocks per engine (the same on every rank)
     memory_budget: int | None  # cache bytes per rank, when num_blocks is not given
     block_size: int | None  # None: the smallest the hybrid page layout allows
@@ -78,6 +78,7 @@ class ServiceSettings:
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
+    engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
 
     @property
     def listen_address(self) -> str:
@@ -220,8 +221,8 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         choice("synthetic", "reference", "hf"),
         "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model; "
-        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers",
-        "synthetic",
+        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers. Default: follows --model "
+        "(tiny-* presets: reference; a checkpoint directory: hf; other presets and config.json files: synthetic)",
     ),
     Flag(
         "dtype",
@@ -257,13 +258,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"
     ),
-    Flag("lease-seconds", positive_float, "prefill: how long a request's blocks stay pinned without news from decode", 30.0),
+    Flag(
+        "lease-seconds",
+        positive_float,
+        "prefill: how long a request's blocks stay pinned without news from decode",
+        30.0,
+        roles=("prefill",),
+    ),
     Flag(
         "heartbeat-seconds",
         positive_float,
         "prefill: interval of heartbeats on the Session stream (both directions; decode uses the interval its "
         "prefill peer announces); a peer silent for 1.5 intervals is dropped",
         5.0,
+        roles=("prefill",),
     ),
     Flag(
         "read-timeout-seconds",
@@ -402,6 +410,20 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     return parser
 
 
+def other_service_flag(role: Role, argv: Sequence[str]) -> str | None:
+    """The message for the first flag in `argv` that only the other service takes, else None
+    (argparse alone would call it "unrecognized", as if it were a typo)."""
+    other: Role = "decode" if role == "prefill" else "prefill"
+    theirs = {f"--{f.name}" for f in flags_for(other) if role not in f.roles}
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name in theirs:
+            return f"{name} is a {other}-svc flag; {role}-svc does not take it"
+    return None
+
+
 # ----------------------------------------------------------------------------- resolution
 
 
@@ -496,15 +518,41 @@ def _opt(values: dict[str, object], key: str, kind: type[T]) -> T | None:
     return None if value is None else _req(values, key, kind)
 
 
+def _own(values: dict[str, object], key: str, kind: type[T]) -> T:
+    """A one-role flag's value; the other service (which has no such flag) gets its default."""
+    if key in values:
+        return _req(values, key, kind)
+    default = next(f.default for f in FLAGS if f.dest == key)
+    assert isinstance(default, kind), (key, default)
+    return default
+
+
 def _default_engine_id(role: Role) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "host"
     return f"{role}-{host}-{os.getpid()}"[:63]
 
 
-def _engine(value: object) -> Literal["synthetic", "reference", "hf"]:
-    if value == "reference" or value == "hf":
-        return value
+EngineKind = Literal["synthetic", "reference", "hf"]
+
+
+def default_engine(model: str) -> EngineKind:
+    """The engine `--model` implies: a checkpoint directory runs its weights (hf), a tiny-*
+    preset the reference model that matches it; anything else has no weights here, so its
+    state is synthetic (byte patterns at the model's real sizes)."""
+    from shared.layout.presets import PRESETS
+
+    if Path(model).expanduser().is_dir():
+        return "hf"
+    preset = PRESETS.get(model)
+    if preset is not None and preset.model_type == "reference":
+        return "reference"
     return "synthetic"
+
+
+def _engine(value: object, model: str) -> EngineKind:
+    if value == "reference" or value == "hf" or value == "synthetic":
+        return value
+    return default_engine(model)
 
 
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
@@ -523,7 +571,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         model=_req(values, "model", str),
         tp=_req(values, "tp", int),
         device="cuda" if values["device"] == "cuda" else "cpu",
-        engine=_engine(values["engine"]),
+        engine=_engine(values["engine"], _req(values, "model", str)),
+        engine_from_model=values["engine"] is None,
         num_blocks=num_blocks,
         memory_budget=memory_budget,
         block_size=_opt(values, "block_size", int),
@@ -531,8 +580,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         host=_req(values, "host", str),
         port=_req(values, "port", int),
         engine_id=_opt(values, "engine_id", str) or _default_engine_id(role),
-        lease_seconds=_req(values, "lease_seconds", float),
-        heartbeat_seconds=_req(values, "heartbeat_seconds", float),
+        lease_seconds=_own(values, "lease_seconds", float),
+        heartbeat_seconds=_own(values, "heartbeat_seconds", float),
         drain_seconds=_req(values, "drain_seconds", float),
         read_timeout_seconds=_opt(values, "read_timeout_seconds", float) or DEFAULT_READ_TIMEOUT_SECONDS,
         max_pinned_requests=_req(values, "max_pinned_requests", int),
@@ -546,8 +595,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         check_state=bool(values.get("check_state", False)),
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
-        discovery_seconds=_req(values, "discovery_seconds", float) if role == "decode" else 5.0,
-        reconnect_max_seconds=_req(values, "reconnect_max_seconds", float) if role == "decode" else 2.0,
+        discovery_seconds=_own(values, "discovery_seconds", float),
+        reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),
@@ -558,6 +607,9 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
 def parse_settings(role: Role, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServiceSettings:
     """Parse argv + environment; on a bad value print usage and the reason, exit 2."""
     parser = build_parser(role)
+    refused = other_service_flag(role, sys.argv[1:] if argv is None else argv)
+    if refused is not None:
+        parser.error(refused)
     args = parser.parse_args(argv)
     env = os.environ if environ is None else environ
     for warning in environment_warnings(role, env):

@@ -80,6 +80,21 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
         raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
 
 
+def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
+    """(log level, line) saying which engine serves and why; a synthetic engine nobody asked for
+    is a WARNING: its tokens are byte patterns, not a model's."""
+    why = " (chosen by --model; --engine overrides)" if settings.engine_from_model else ""
+    if settings.engine == "synthetic":
+        text = (
+            f"engine synthetic{why}: serves verifiable byte patterns at the real sizes of {model_name}, not model "
+            "outputs; --engine hf --model DIR runs a checkpoint"
+        )
+        return (logging.WARNING if settings.engine_from_model else logging.INFO), text
+    if settings.engine == "reference":
+        return logging.INFO, f"engine reference{why}: the tiny seeded model {model_name}"
+    return logging.INFO, f"engine hf{why}: checkpoint {settings.model}"
+
+
 @dataclass
 class EngineHost:
     role: str
@@ -115,6 +130,7 @@ class EngineHost:
         and engine for `settings`. `on_unknown_notif` sees notifications nobody waits for."""
         layout = layout_for(settings)
         spec = layout.spec
+        log.log(*engine_line(settings, spec.name))
         if layout.block_size_raised:
             log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
         limit = await asyncio.to_thread(memory_limit, settings.device, settings.tp)
