@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from shared.runtime.cache_size import DEFAULT_MEMORY_FRACTION, DEFAULT_REQUEST_TOKENS, DEFAULT_REQUESTS
 from shared.version import version
 
 ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
-# Used when neither --num-blocks nor --memory-budget is given.
-DEFAULT_MEMORY_BUDGET = 256 << 20
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 
 
@@ -51,7 +50,7 @@ class ServiceSettings:
     device: Literal["cpu", "cuda"]
     engine: Literal["synthetic", "reference", "hf"]  # --engine, or the one --model implies (default_engine)
     num_blocks: int | None  # logical blocks per engine (the same on every rank)
-    memory_budget: int | None  # cache bytes per rank, when num_blocks is not given
+    memory_budget: int | None  # cache bytes per rank, when num_blocks is not given; neither: from the model
     block_size: int | None  # None: the smallest the hybrid page layout allows
     kernel_block_size: int
     host: str
@@ -229,12 +228,19 @@ FLAGS: tuple[Flag, ...] = (
         choice("fp32", "bf16", "fp16"),
         "--engine hf: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
     ),
-    Flag("num-blocks", positive_int, "logical cache blocks per engine (same ids on every rank); excludes --memory-budget"),
+    Flag(
+        "num-blocks",
+        positive_int,
+        "logical cache blocks per engine (same ids on every rank); excludes --memory-budget. Default, when "
+        f"neither is given: enough blocks for {DEFAULT_REQUESTS} requests of {DEFAULT_REQUEST_TOKENS} tokens of "
+        f"the model, at most {DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the memory the ranks live in (host MemTotal shared by "
+        "the ranks for cpu, each GPU's memory for cuda); the start-up log says what it holds",
+    ),
     Flag(
         "memory-budget",
         byte_size,
-        f"cache bytes per rank, e.g. 8GiB; the block count follows from the page size "
-        f"(default when neither is given: {DEFAULT_MEMORY_BUDGET >> 20}MiB); excludes --num-blocks",
+        "cache bytes per rank, e.g. 8GiB; the block count follows from the page size; excludes --num-blocks. "
+        "More than the host (or GPU) has is refused at start",
         metavar="BYTES",
     ),
     Flag(
@@ -497,8 +503,6 @@ def _cache_size(values: dict[str, object], sources: dict[str, str]) -> tuple[int
             budget = None
         else:
             blocks = None
-    if blocks is None and budget is None:
-        budget = DEFAULT_MEMORY_BUDGET
     assert blocks is None or isinstance(blocks, int)
     assert budget is None or isinstance(budget, int)
     return blocks, budget

@@ -34,7 +34,7 @@ from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
-from shared.runtime.cache_size import cache_blocks, memory_limit
+from shared.runtime.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.notifications import UnknownHandler
@@ -177,12 +177,7 @@ class EngineHost:
             num_logical_blocks=num_blocks,
             ranks=ranks,
         )
-        log.info(
-            "%s engine %s: model %s, tp %d, %d blocks of %d tokens (%d B pages x %d regions per rank) on %s",
-            settings.role, settings.engine_id, spec.name, settings.tp, num_blocks, layout.block_size,
-            layout.page_bytes, layout.num_regions, settings.device,
-        )  # fmt: skip
-        return cls(
+        host = cls(
             role=settings.role,
             engine_id=settings.engine_id,
             incarnation=incarnation,
@@ -198,6 +193,13 @@ class EngineHost:
             message=message,
             verify_transfer=settings.verify_transfer,
         )
+        sized = "" if settings.num_blocks or settings.memory_budget else " (default size: see --num-blocks in --help)"
+        log.info(
+            "%s engine %s: model %s, tp %d on %s; %s%s",
+            settings.role, settings.engine_id, spec.name, settings.tp, settings.device,
+            capacity_line(layout, num_blocks, host.max_tokens()), sized,
+        )  # fmt: skip
+        return host
 
     # ---- blocks ----
 

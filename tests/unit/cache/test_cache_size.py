@@ -1,5 +1,7 @@
-"""Cache sizing: a size larger than the memory the ranks live in is refused with the numbers,
-naming the flag, in the library and from a real service process (exit 2, one line)."""
+"""Cache sizing: the default follows the model (DEFAULT_REQUESTS requests of
+DEFAULT_REQUEST_TOKENS tokens, at most a fraction of memory) and start-up says what it holds; a
+size larger than the memory the ranks live in is refused with the numbers, naming the flag, in
+the library and from a real service process (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from shared.bench.local_pair import start_service
 from shared.errors import InvalidArgument
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
-from shared.runtime.cache_size import MemoryLimit, block_bytes, cache_blocks, host_memory_bytes, memory_limit
+from shared.runtime.cache_size import (
+    DEFAULT_MEMORY_FRACTION,
+    DEFAULT_REQUEST_TOKENS,
+    DEFAULT_REQUESTS,
+    MemoryLimit,
+    block_bytes,
+    cache_blocks,
+    host_memory_bytes,
+    memory_limit,
+)
 
 LAYOUT = build_engine_layout(load_model("tiny-mamba2"), 1)
 
@@ -72,3 +84,44 @@ def test_the_service_refuses_a_budget_over_memtotal_in_one_line() -> None:
     assert "Traceback" not in proc.stderr and "LISTENING" not in proc.stdout
     assert re.fullmatch(r"prefill-svc: INVALID_ARGUMENT: --memory-budget: .*", lines[-1]), lines[-1]
     assert f"this host has {total / (1 << 30):.1f} GiB (MemTotal in /proc/meminfo)" in lines[-1]
+
+
+@pytest.mark.parametrize("model", ["tiny-mamba2", "tiny-gdn", "nemotron-3-nano-30b-a3b", "falcon-h1-7b"])
+def test_the_default_size_holds_the_default_requests_of_the_model(model: str) -> None:
+    layout = build_engine_layout(load_model(model), 1)
+    roomy = MemoryLimit(1 << 40, "a host of 1 TiB")
+    blocks = cache_blocks(layout, None, None, roomy)
+    one_request = sum(layout.blocks_per_group(DEFAULT_REQUEST_TOKENS))
+    assert blocks == DEFAULT_REQUESTS * one_request
+    # Negative control: one request more would not fit.
+    assert blocks < (DEFAULT_REQUESTS + 1) * one_request
+
+
+def test_the_default_size_is_bounded_by_a_fraction_of_memory() -> None:
+    layout = build_engine_layout(load_model("nemotron-3-nano-30b-a3b"), 1)
+    small = MemoryLimit(1 << 30, "this host has 1.0 GiB")
+    blocks = cache_blocks(layout, None, None, small)
+    assert blocks == int((1 << 30) * DEFAULT_MEMORY_FRACTION) // block_bytes(layout)
+    assert blocks < DEFAULT_REQUESTS * sum(layout.blocks_per_group(DEFAULT_REQUEST_TOKENS))
+    tiny = MemoryLimit(block_bytes(layout), "a host of one block")
+    with pytest.raises(InvalidArgument, match="give the size with --num-blocks or --memory-budget"):
+        cache_blocks(layout, None, None, tiny)
+
+
+def test_start_up_prints_the_engine_and_the_capacity_in_one_line() -> None:
+    """A real prefill-svc without --engine or a cache size: the reference engine (tiny-mamba2),
+    and one line with the block count, block size and the longest request."""
+    service = start_service("prefill", ["--model", "tiny-mamba2", "--engine-id", "capacity", "--loop", "asyncio"])
+    try:
+        capacity = [line for line in service.output if "capacity:" in line]
+        engine = [line for line in service.output if "engine reference (chosen by --model" in line]
+    finally:
+        assert service.stop() == 0
+    one_request = sum(LAYOUT.blocks_per_group(DEFAULT_REQUEST_TOKENS))
+    blocks = DEFAULT_REQUESTS * one_request
+    # Every Mamba group takes one block; the rest is shared by the attention groups.
+    longest = (blocks - len(LAYOUT.mamba_group_ids)) // len(LAYOUT.attention_group_ids) * LAYOUT.block_size
+    assert len(capacity) == 1 and len(engine) == 1, service.output
+    assert f"capacity: {blocks} blocks of {LAYOUT.block_size} tokens" in capacity[0]
+    assert f"one request holds at most {longest} tokens" in capacity[0]
+    assert "(default size: see --num-blocks in --help)" in capacity[0]

@@ -12,7 +12,7 @@ from shared.config import FLAGS, build_parser, parse_settings
 def test_defaults() -> None:
     s = parse_settings("prefill", [], environ={})
     assert (s.model, s.tp, s.device, s.engine, s.port, s.kernel_block_size) == ("tiny-mamba2", 1, "cpu", "reference", 50051, 16)
-    assert s.num_blocks is None and s.memory_budget == 256 << 20
+    assert s.num_blocks is None and s.memory_budget is None  # sized from the model at start
     assert s.engine_id.startswith("prefill-")
     assert not s.tls.enabled and s.loop == "uvloop" and s.metrics_port is None
 
