@@ -30,12 +30,14 @@ DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 
 @dataclass(frozen=True)
 class TlsSettings:
-    """PEM files. cert+key turn TLS on; ca additionally requires and checks client certificates
-    (mutual TLS) on servers and is the trust root on clients."""
+    """PEM files. cert+key turn TLS on (and are the certificate a client presents when asked);
+    ca is the trust root clients check servers with (None: the system roots); client_ca makes
+    servers demand client certificates signed by it (mutual TLS)."""
 
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    client_ca: Path | None = None
 
     @property
     def enabled(self) -> bool:
@@ -313,7 +315,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "tls-ca",
         existing_file,
-        "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it",
+        "PEM CA bundle this service's clients (decode -> prefill) trust to check the server's certificate "
+        "(default: the system roots); a private CA for server-only TLS",
+        metavar="FILE",
+    ),
+    Flag(
+        "tls-client-ca",
+        existing_file,
+        "PEM CA bundle: the server demands client certificates signed by it (mutual TLS); without it the server asks for none",
         metavar="FILE",
     ),
     Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
@@ -562,11 +571,17 @@ def _engine(value: object, model: str) -> EngineKind:
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
-    tls = TlsSettings(cert=_opt(values, "tls_cert", Path), key=_opt(values, "tls_key", Path), ca=_opt(values, "tls_ca", Path))
+    tls = TlsSettings(
+        cert=_opt(values, "tls_cert", Path),
+        key=_opt(values, "tls_key", Path),
+        ca=_opt(values, "tls_ca", Path),
+        client_ca=_opt(values, "tls_client_ca", Path),
+    )
     if (tls.cert is None) != (tls.key is None):
         raise SettingsError("--tls-cert and --tls-key go together; give both or neither")
-    if tls.ca is not None and tls.cert is None:
-        raise SettingsError("--tls-ca needs --tls-cert and --tls-key too (the service's own identity)")
+    for name, given in (("--tls-ca", tls.ca), ("--tls-client-ca", tls.client_ca)):
+        if given is not None and tls.cert is None:
+            raise SettingsError(f"{name} needs --tls-cert and --tls-key too (the service's own identity)")
     prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
     if role == "decode" and not prefill:
         raise SettingsError("decode needs at least one --prefill HOST:PORT (or env HYBRID_PD_PREFILL=h1:p1,h2:p2)")

@@ -82,6 +82,11 @@ def test_tls_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_settings("prefill", ["--tls-cert", str(cert)], environ={})
     assert "go together" in capsys.readouterr().err
+    s = parse_settings("prefill", ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(cert)], environ={})
+    assert s.tls.client_ca == cert and s.tls.ca is None  # mutual TLS without a client trust root
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", [], environ={"HYBRID_PD_TLS_CLIENT_CA": str(cert)})
+    assert "--tls-client-ca needs --tls-cert and --tls-key too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
