@@ -19,24 +19,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from shared.runtime.cache_size import DEFAULT_MEMORY_FRACTION, DEFAULT_REQUEST_TOKENS, DEFAULT_REQUESTS
 from shared.version import version
 
 ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
-# Used when neither --num-blocks nor --memory-budget is given.
-DEFAULT_MEMORY_BUDGET = 256 << 20
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
 class TlsSettings:
-    """PEM files. cert+key turn TLS on; ca additionally requires and checks client certificates
-    (mutual TLS) on servers and is the trust root on clients."""
+    """PEM files. cert+key turn TLS on (and are the certificate a client presents when asked);
+    ca is the trust root clients check servers with (None: the system roots); client_ca makes
+    servers demand client certificates signed by it (mutual TLS)."""
 
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    client_ca: Path | None = None
 
     @property
     def enabled(self) -> bool:
@@ -49,9 +50,9 @@ class ServiceSettings:
     model: str
     tp: int
     device: Literal["cpu", "cuda"]
-    engine: Literal["synthetic", "reference", "hf"]
+    engine: Literal["synthetic", "reference", "hf"]  # --engine, or the one --model implies (default_engine)
     num_blocks: int | None  # logical blocks per engine (the same on every rank)
-    memory_budget: int | None  # cache bytes per rank, when num_blocks is not given
+    memory_budget: int | None  # cache bytes per rank, when num_blocks is not given; neither: from the model
     block_size: int | None  # None: the smallest the hybrid page layout allows
     kernel_block_size: int
     host: str
@@ -79,6 +80,7 @@ class ServiceSettings:
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
+    engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
 
     @property
     def listen_address(self) -> str:
@@ -240,20 +242,27 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         choice("synthetic", "reference", "hf"),
         "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model; "
-        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers",
-        "synthetic",
+        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers. Default: follows --model "
+        "(tiny-* presets: reference; a checkpoint directory: hf; other presets and config.json files: synthetic)",
     ),
     Flag(
         "dtype",
         choice("fp32", "bf16", "fp16"),
         "--engine hf: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
     ),
-    Flag("num-blocks", positive_int, "logical cache blocks per engine (same ids on every rank); excludes --memory-budget"),
+    Flag(
+        "num-blocks",
+        positive_int,
+        "logical cache blocks per engine (same ids on every rank); excludes --memory-budget. Default, when "
+        f"neither is given: enough blocks for {DEFAULT_REQUESTS} requests of {DEFAULT_REQUEST_TOKENS} tokens of "
+        f"the model, at most {DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the memory the ranks live in (host MemTotal shared by "
+        "the ranks for cpu, each GPU's memory for cuda); the start-up log says what it holds",
+    ),
     Flag(
         "memory-budget",
         byte_size,
-        f"cache bytes per rank, e.g. 8GiB; the block count follows from the page size "
-        f"(default when neither is given: {DEFAULT_MEMORY_BUDGET >> 20}MiB); excludes --num-blocks",
+        "cache bytes per rank, e.g. 8GiB; the block count follows from the page size; excludes --num-blocks. "
+        "More than the host (or GPU) has is refused at start",
         metavar="BYTES",
     ),
     Flag(
@@ -277,13 +286,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"
     ),
-    Flag("lease-seconds", positive_float, "prefill: how long a request's blocks stay pinned without news from decode", 30.0),
+    Flag(
+        "lease-seconds",
+        positive_float,
+        "prefill: how long a request's blocks stay pinned without news from decode",
+        30.0,
+        roles=("prefill",),
+    ),
     Flag(
         "heartbeat-seconds",
         positive_float,
         "prefill: interval of heartbeats on the Session stream (both directions; decode uses the interval its "
         "prefill peer announces); a peer silent for 1.5 intervals is dropped",
         5.0,
+        roles=("prefill",),
     ),
     Flag(
         "read-timeout-seconds",
@@ -319,7 +335,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "tls-ca",
         existing_file,
-        "PEM CA bundle: servers require client certificates signed by it (mTLS); clients trust it",
+        "PEM CA bundle this service's clients (decode -> prefill) trust to check the server's certificate "
+        "(default: the system roots); a private CA for server-only TLS",
+        metavar="FILE",
+    ),
+    Flag(
+        "tls-client-ca",
+        existing_file,
+        "PEM CA bundle: the server demands client certificates signed by it (mutual TLS); without it the server asks for none",
         metavar="FILE",
     ),
     Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
@@ -432,6 +455,20 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     return parser
 
 
+def other_service_flag(role: Role, argv: Sequence[str]) -> str | None:
+    """The message for the first flag in `argv` that only the other service takes, else None
+    (argparse alone would call it "unrecognized", as if it were a typo)."""
+    other: Role = "decode" if role == "prefill" else "prefill"
+    theirs = {f"--{f.name}" for f in flags_for(other) if role not in f.roles}
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name in theirs:
+            return f"{name} is a {other}-svc flag; {role}-svc does not take it"
+    return None
+
+
 # ----------------------------------------------------------------------------- resolution
 
 
@@ -505,8 +542,6 @@ def _cache_size(values: dict[str, object], sources: dict[str, str]) -> tuple[int
             budget = None
         else:
             blocks = None
-    if blocks is None and budget is None:
-        budget = DEFAULT_MEMORY_BUDGET
     assert blocks is None or isinstance(blocks, int)
     assert budget is None or isinstance(budget, int)
     return blocks, budget
@@ -526,25 +561,57 @@ def _opt(values: dict[str, object], key: str, kind: type[T]) -> T | None:
     return None if value is None else _req(values, key, kind)
 
 
+def _own(values: dict[str, object], key: str, kind: type[T]) -> T:
+    """A one-role flag's value; the other service (which has no such flag) gets its default."""
+    if key in values:
+        return _req(values, key, kind)
+    default = next(f.default for f in FLAGS if f.dest == key)
+    assert isinstance(default, kind), (key, default)
+    return default
+
+
 def _default_engine_id(role: Role) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0]) or "host"
     return f"{role}-{host}-{os.getpid()}"[:63]
 
 
-def _engine(value: object) -> Literal["synthetic", "reference", "hf"]:
-    if value == "reference" or value == "hf":
-        return value
+EngineKind = Literal["synthetic", "reference", "hf"]
+
+
+def default_engine(model: str) -> EngineKind:
+    """The engine `--model` implies: a checkpoint directory runs its weights (hf), a tiny-*
+    preset the reference model that matches it; anything else has no weights here, so its
+    state is synthetic (byte patterns at the model's real sizes)."""
+    from shared.layout.presets import PRESETS
+
+    if Path(model).expanduser().is_dir():
+        return "hf"
+    preset = PRESETS.get(model)
+    if preset is not None and preset.model_type == "reference":
+        return "reference"
     return "synthetic"
+
+
+def _engine(value: object, model: str) -> EngineKind:
+    if value == "reference" or value == "hf" or value == "synthetic":
+        return value
+    return default_engine(model)
 
 
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
-    tls = TlsSettings(cert=_opt(values, "tls_cert", Path), key=_opt(values, "tls_key", Path), ca=_opt(values, "tls_ca", Path))
+    tls = TlsSettings(
+        cert=_opt(values, "tls_cert", Path),
+        key=_opt(values, "tls_key", Path),
+        ca=_opt(values, "tls_ca", Path),
+        client_ca=_opt(values, "tls_client_ca", Path),
+    )
     if (tls.cert is None) != (tls.key is None):
         raise SettingsError("--tls-cert and --tls-key go together; give both or neither")
-    if tls.ca is not None and tls.cert is None:
-        raise SettingsError("--tls-ca needs --tls-cert and --tls-key too (the service's own identity)")
+    for name, given in (("--tls-ca", tls.ca), ("--tls-client-ca", tls.client_ca)):
+        if given is not None and tls.cert is None:
+            raise SettingsError(f"{name} needs --tls-cert and --tls-key too (the service's own identity)")
     # Without --prefill a decode engine serves only the decode leg of a P/D router (it learns
     # each prefill engine from the request's kv_transfer_params).
     prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
@@ -553,7 +620,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         model=_req(values, "model", str),
         tp=_req(values, "tp", int),
         device="cuda" if values["device"] == "cuda" else "cpu",
-        engine=_engine(values["engine"]),
+        engine=_engine(values["engine"], _req(values, "model", str)),
+        engine_from_model=values["engine"] is None,
         num_blocks=num_blocks,
         memory_budget=memory_budget,
         block_size=_opt(values, "block_size", int),
@@ -561,8 +629,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         host=_req(values, "host", str),
         port=_req(values, "port", int),
         engine_id=_opt(values, "engine_id", str) or _default_engine_id(role),
-        lease_seconds=_req(values, "lease_seconds", float),
-        heartbeat_seconds=_req(values, "heartbeat_seconds", float),
+        lease_seconds=_own(values, "lease_seconds", float),
+        heartbeat_seconds=_own(values, "heartbeat_seconds", float),
         drain_seconds=_req(values, "drain_seconds", float),
         read_timeout_seconds=_opt(values, "read_timeout_seconds", float) or DEFAULT_READ_TIMEOUT_SECONDS,
         max_pinned_requests=_req(values, "max_pinned_requests", int),
@@ -576,8 +644,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         check_state=bool(values.get("check_state", False)),
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
-        discovery_seconds=_req(values, "discovery_seconds", float) if role == "decode" else 5.0,
-        reconnect_max_seconds=_req(values, "reconnect_max_seconds", float) if role == "decode" else 2.0,
+        discovery_seconds=_own(values, "discovery_seconds", float),
+        reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
@@ -589,6 +657,9 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
 def parse_settings(role: Role, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServiceSettings:
     """Parse argv + environment; on a bad value print usage and the reason, exit 2."""
     parser = build_parser(role)
+    refused = other_service_flag(role, sys.argv[1:] if argv is None else argv)
+    if refused is not None:
+        parser.error(refused)
     args = parser.parse_args(argv)
     env = os.environ if environ is None else environ
     for warning in environment_warnings(role, env):

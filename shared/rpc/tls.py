@@ -8,12 +8,15 @@ from shared.config import TlsSettings
 
 
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
-    """TLS with the service's cert/key; with a CA, clients must present a certificate it signed."""
+    """TLS with the service's cert/key; with a client CA, clients must present a certificate it
+    signed (the CA clients trust, `tls.ca`, plays no part here)."""
     if tls.cert is None or tls.key is None:
         return None
-    ca = tls.ca.read_bytes() if tls.ca is not None else None
+    client_ca = tls.client_ca.read_bytes() if tls.client_ca is not None else None
     return grpc.ssl_server_credentials(
-        [(tls.key.read_bytes(), tls.cert.read_bytes())], root_certificates=ca, require_client_auth=ca is not None
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
     )
 
 

@@ -34,6 +34,7 @@ from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
+from shared.runtime.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.notifications import UnknownHandler
@@ -79,20 +80,19 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
         raise InvalidArgument(f"--tp/--block-size/--kernel-block-size do not fit model {spec.name}: {e}") from e
 
 
-def cache_blocks(layout: EngineLayout, num_blocks: int | None, memory_budget: int | None) -> int:
-    """Logical blocks per engine: given, or as many as the per-rank budget holds."""
-    if num_blocks is not None:
-        return num_blocks
-    assert memory_budget is not None
-    per_block = layout.page_bytes * layout.num_regions
-    blocks = memory_budget // per_block
-    if blocks < 1:
-        raise InvalidArgument(
-            f"{memory_budget} B per rank holds no block: one block is {per_block} B "
-            f"({layout.num_regions} regions x {layout.page_bytes} B pages)",
-            field="memory_budget",
+def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
+    """(log level, line) saying which engine serves and why; a synthetic engine nobody asked for
+    is a WARNING: its tokens are byte patterns, not a model's."""
+    why = " (chosen by --model; --engine overrides)" if settings.engine_from_model else ""
+    if settings.engine == "synthetic":
+        text = (
+            f"engine synthetic{why}: serves verifiable byte patterns at the real sizes of {model_name}, not model "
+            "outputs; --engine hf --model DIR runs a checkpoint"
         )
-    return int(blocks)
+        return (logging.WARNING if settings.engine_from_model else logging.INFO), text
+    if settings.engine == "reference":
+        return logging.INFO, f"engine reference{why}: the tiny seeded model {model_name}"
+    return logging.INFO, f"engine hf{why}: checkpoint {settings.model}"
 
 
 @dataclass
@@ -130,9 +130,11 @@ class EngineHost:
         and engine for `settings`. `on_unknown_notif` sees notifications nobody waits for."""
         layout = layout_for(settings)
         spec = layout.spec
+        log.log(*engine_line(settings, spec.name))
         if layout.block_size_raised:
             log.warning("block size %s is below the minimum for this model: using %s", settings.block_size, layout.block_size)
-        num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget)
+        limit = await asyncio.to_thread(memory_limit, settings.device, settings.tp)
+        num_blocks = cache_blocks(layout, settings.num_blocks, settings.memory_budget, limit)
         incarnation = new_incarnation()
         devices = [f"cuda:{r}" if settings.device == "cuda" else "cpu" for r in range(settings.tp)]
         caches = await asyncio.to_thread(
@@ -175,12 +177,7 @@ class EngineHost:
             num_logical_blocks=num_blocks,
             ranks=ranks,
         )
-        log.info(
-            "%s engine %s: model %s, tp %d, %d blocks of %d tokens (%d B pages x %d regions per rank) on %s",
-            settings.role, settings.engine_id, spec.name, settings.tp, num_blocks, layout.block_size,
-            layout.page_bytes, layout.num_regions, settings.device,
-        )  # fmt: skip
-        return cls(
+        host = cls(
             role=settings.role,
             engine_id=settings.engine_id,
             incarnation=incarnation,
@@ -196,6 +193,13 @@ class EngineHost:
             message=message,
             verify_transfer=settings.verify_transfer,
         )
+        sized = "" if settings.num_blocks or settings.memory_budget else " (default size: see --num-blocks in --help)"
+        log.info(
+            "%s engine %s: model %s, tp %d on %s; %s%s",
+            settings.role, settings.engine_id, spec.name, settings.tp, settings.device,
+            capacity_line(layout, num_blocks, host.max_tokens()), sized,
+        )  # fmt: skip
+        return host
 
     # ---- blocks ----
 

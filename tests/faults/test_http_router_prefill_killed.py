@@ -20,7 +20,8 @@ from tests.integration.http.test_http_vllm_router import needs_router, router, w
 
 pytestmark = [pytest.mark.faults, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
-REFERENCE = ("--engine", "reference", "--num-blocks", "128", "--heartbeat-seconds", "0.5")
+REFERENCE = ("--engine", "reference", "--num-blocks", "128")
+PREFILL = (*REFERENCE, "--heartbeat-seconds", "0.5")  # decode uses the interval prefill announces
 HTTP_PORT = re.compile(r"HTTP port=(\d+)")
 MAX_TOKENS = 48
 
@@ -55,9 +56,7 @@ async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
 async def test_prefill_killed_under_the_router() -> None:
     # The victim holds every job for 5 s once computed (before its manifest), so the kill lands
     # while its requests are in flight; the survivor runs at full speed.
-    prefills = await asyncio.to_thread(
-        start_many, Spec("prefill", REFERENCE, pauses="before_manifest:5"), Spec("prefill", REFERENCE)
-    )
+    prefills = await asyncio.to_thread(start_many, Spec("prefill", PREFILL, pauses="before_manifest:5"), Spec("prefill", PREFILL))
     peers = tuple(a for p in prefills for a in ("--prefill", p.address))
     decodes = await asyncio.to_thread(start_many, *(Spec("decode", (*REFERENCE, "--http-port", "0", *peers)) for _ in range(2)))
     try:

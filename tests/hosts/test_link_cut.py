@@ -29,7 +29,7 @@ LEASE_SECONDS = 3.0
 # The pause left after the cut, the READ deadline, and slack for a loaded 2-core machine.
 BOUND_SECONDS = PAUSE_SECONDS + READ_TIMEOUT_SECONDS + 3.0
 PREFILL_TP = 2
-COMMON = ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "64", "--heartbeat-seconds", "10"]
+COMMON = ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,11 @@ def pair() -> Iterator[tuple[Cluster, HostService, HostService]]:
     with Cluster(2) as c:
         prefill_host, decode_host = c.hosts
         prefill, decode = c.start_many(
-            ("prefill", prefill_host, [*COMMON, "--tp", str(PREFILL_TP), "--lease-seconds", str(LEASE_SECONDS)]),
+            (
+                "prefill",
+                prefill_host,
+                [*COMMON, "--tp", str(PREFILL_TP), "--heartbeat-seconds", "10", "--lease-seconds", str(LEASE_SECONDS)],
+            ),
             (
                 "decode",
                 decode_host,

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.integration, pytest.mark.asyncio, p
 
 REQUESTS = 64
 HOLD_SECONDS = 1.5
-COMMON = ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "256", "--heartbeat-seconds", "0.5"]
+COMMON = ["--model", "tiny-mamba2", "--engine", "synthetic", "--num-blocks", "256"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,10 @@ def pool() -> Iterator[tuple[Cluster, list[HostService], list[HostService]]]:
         targets = [arg for h in prefill_hosts for arg in ("--prefill", c.address("prefill", h))]
         hold = {"HYBRID_PD_TEST_PAUSE": f"before_manifest:{HOLD_SECONDS:g}"}
         services = c.start_many(
-            *[("prefill", h, [*COMMON, "--tp", "1"], hold if i == 1 else {}) for i, h in enumerate(prefill_hosts)],
+            *[
+                ("prefill", h, [*COMMON, "--tp", "1", "--heartbeat-seconds", "0.5"], hold if i == 1 else {})
+                for i, h in enumerate(prefill_hosts)
+            ],
             *[
                 ("decode", h, [*COMMON, "--tp", "2", "--check-state", "--read-timeout-seconds", "3", *targets])
                 for h in decode_hosts

@@ -22,7 +22,7 @@ from shared.runtime.engine_host import engine_factory_for
 
 MODEL = "tiny-mamba2"
 COMMON = ["--model", MODEL, "--engine", "reference", "--num-blocks", "64", "--port", "0", "--http-port", "0",
-          "--loop", "asyncio", "--log-level", "WARNING", "--heartbeat-seconds", "1.0"]  # fmt: skip
+          "--loop", "asyncio", "--log-level", "WARNING"]  # fmt: skip
 
 
 @dataclass
@@ -80,7 +80,8 @@ def request(
 
 async def start_pair(*decode_flags: str, ready: bool = True) -> HttpPair:
     prefill = await PrefillApp.start(
-        parse_settings("prefill", [*COMMON, "--engine-id", "http-prefill"], environ={}), engine_factory_for("reference")
+        parse_settings("prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--engine-id", "http-prefill"], environ={}),
+        engine_factory_for("reference"),
     )
     settings = parse_settings(
         "decode", [*COMMON, "--engine-id", "http-decode", "--prefill", f"127.0.0.1:{prefill.port}", *decode_flags], environ={}

@@ -30,11 +30,13 @@ def _local(name: str) -> ModuleType:
 
 stamp = _local("stamp_engine")
 
-BASE_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--num-blocks", "64", "--loop", "asyncio", "--heartbeat-seconds", "1.0"]
+BASE_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--num-blocks", "64", "--loop", "asyncio"]
 
 
 def prefill_settings(*flags: str) -> Any:
-    return parse_settings("prefill", [*BASE_FLAGS, "--engine-id", "test-prefill", *flags], environ={})
+    return parse_settings(
+        "prefill", [*BASE_FLAGS, "--heartbeat-seconds", "1.0", "--engine-id", "test-prefill", *flags], environ={}
+    )
 
 
 def decode_settings(prefill_port: int, *flags: str) -> Any:

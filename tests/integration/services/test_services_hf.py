@@ -44,8 +44,6 @@ COMMON = [
     "asyncio",
     "--log-level",
     "WARNING",
-    "--heartbeat-seconds",
-    "1.0",
 ]
 
 
@@ -59,7 +57,7 @@ async def hf_pair(
     ready: bool = True,
     decode_flags: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
-    ps = parse_settings("prefill", [*COMMON, "--model", prefill_dir, "--tp", str(p_tp)], environ={})
+    ps = parse_settings("prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp)], environ={})
     prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
     try:
         ds = parse_settings(

@@ -1,4 +1,6 @@
-"""Mutual TLS between the services (--tls-cert/--tls-key/--tls-ca) with certificates made here."""
+"""TLS between the services with certificates made here (the openssl CLI): server-only TLS with a
+private CA (--tls-cert/--tls-key/--tls-ca), and mutual TLS (--tls-client-ca), where a client
+without a certificate is refused."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def certs(tmp_path: Path) -> dict[str, str]:
 
 
 async def test_mutual_tls_pair_and_refused_plain_client(start_prefill: Any, start_decode: Any, certs: dict[str, str]) -> None:
-    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"], "--tls-client-ca", certs["ca"]]
     prefill = await start_prefill(*tls)
     decode = await start_decode(prefill.port, *tls)  # ready: its handshake went over mTLS
     creds = grpc.ssl_channel_credentials(
@@ -87,7 +89,7 @@ async def test_mutual_tls_pair_and_refused_plain_client(start_prefill: Any, star
 async def test_generate_cli_without_client_certificate_is_refused(
     start_prefill: Any, start_decode: Any, certs: dict[str, str]
 ) -> None:
-    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"], "--tls-client-ca", certs["ca"]]
     prefill = await start_prefill(*tls)
     decode = await start_decode(prefill.port, *tls)
 
@@ -107,3 +109,31 @@ async def test_generate_cli_without_client_certificate_is_refused(
     assert code == 1 and err.startswith("UNAVAILABLE"), err
     code, err = await cli("--tls-ca", certs["ca"], "--tls-cert", certs["cert"], "--tls-key", certs["key"])
     assert code == 0, err
+
+
+async def generate_over(channel: grpc.aio.Channel) -> int:
+    tokens = 0
+    async for response in dpb_grpc.DecodeServiceStub(channel).Generate(
+        dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=3), timeout=20
+    ):
+        tokens += len(response.chunk.token_ids)
+    return tokens
+
+
+async def test_server_only_tls_with_a_private_ca(start_prefill: Any, start_decode: Any, certs: dict[str, str]) -> None:
+    """No --tls-client-ca: the servers ask for no client certificate, and clients that trust the
+    private CA get through; one that trusts only the system roots, or speaks plaintext, does not."""
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
+    prefill = await start_prefill(*tls)
+    decode = await start_decode(prefill.port, *tls)  # ready: decode -> prefill went over TLS, checked by the CA
+    trusts_ca = grpc.ssl_channel_credentials(root_certificates=Path(certs["ca"]).read_bytes())  # no client cert
+    async with grpc.aio.secure_channel(f"127.0.0.1:{decode.port}", trusts_ca) as channel:
+        assert await generate_over(channel) == 3
+    for channel in (
+        grpc.aio.secure_channel(f"127.0.0.1:{decode.port}", grpc.ssl_channel_credentials()),  # system roots only
+        grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}"),
+    ):
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -55,7 +55,7 @@ def make_certs(directory: Path, dns_name: str) -> list[str]:
         "-extfile",
         str(ext),
     )
-    return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
+    return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--tls-client-ca", ca]
 
 
 async def pair(tls: list[str]) -> tuple[PrefillApp, DecodeApp]:

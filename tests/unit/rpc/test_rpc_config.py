@@ -12,8 +12,8 @@ from shared.config import FLAGS, build_parser, parse_settings
 
 def test_defaults() -> None:
     s = parse_settings("prefill", [], environ={})
-    assert (s.model, s.tp, s.device, s.engine, s.port, s.kernel_block_size) == ("tiny-mamba2", 1, "cpu", "synthetic", 50051, 16)
-    assert s.num_blocks is None and s.memory_budget == 256 << 20
+    assert (s.model, s.tp, s.device, s.engine, s.port, s.kernel_block_size) == ("tiny-mamba2", 1, "cpu", "reference", 50051, 16)
+    assert s.num_blocks is None and s.memory_budget is None  # sized from the model at start
     assert s.engine_id.startswith("prefill-")
     assert not s.tls.enabled and s.loop == "uvloop" and s.metrics_port is None
 
@@ -93,6 +93,11 @@ def test_tls_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_settings("prefill", ["--tls-cert", str(cert)], environ={})
     assert "go together" in capsys.readouterr().err
+    s = parse_settings("prefill", ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(cert)], environ={})
+    assert s.tls.client_ca == cert and s.tls.ca is None  # mutual TLS without a client trust root
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", [], environ={"HYBRID_PD_TLS_CLIENT_CA": str(cert)})
+    assert "--tls-client-ca needs --tls-cert and --tls-key too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -116,3 +121,67 @@ def test_ignored_environment_variables_are_warned_about(capsys: pytest.CaptureFi
     assert "HYBRID_PD_TP" not in err and "HYBRID_PD_TEST_PAUSE" not in err
     parse_settings("decode", ["--prefill", "h:1"], environ={"HYBRID_PD_TP": "1"})
     assert capsys.readouterr().err == ""  # nothing ignored, nothing said
+
+
+@pytest.mark.parametrize(
+    ("role", "argv", "flag", "owner"),
+    [
+        ("decode", ["--prefill", "h:1", "--lease-seconds", "3"], "--lease-seconds", "prefill"),
+        ("decode", ["--prefill", "h:1", "--heartbeat-seconds=2"], "--heartbeat-seconds", "prefill"),
+        ("prefill", ["--check-state"], "--check-state", "decode"),
+        ("prefill", ["--prefill", "h:1"], "--prefill", "decode"),
+        ("prefill", ["--read-timeout-seconds", "3"], "--read-timeout-seconds", "decode"),
+    ],
+)
+def test_each_service_refuses_the_others_flags(
+    capsys: pytest.CaptureFixture[str], role: str, argv: list[str], flag: str, owner: str
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_settings(role, argv, environ={})  # type: ignore[arg-type]
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"{role}-svc: error: {flag} is a {owner}-svc flag; {role}-svc does not take it"
+
+
+def test_flags_both_services_take_are_accepted_by_both() -> None:
+    """Negative control of the refusal: shared flags pass, and one-role flags keep their role."""
+    s = parse_settings("decode", ["--prefill", "h:1", "--max-pinned-requests", "8", "--drain-seconds", "2"], environ={})
+    assert (s.max_pinned_requests, s.drain_seconds, s.heartbeat_seconds) == (8, 2.0, 5.0)
+    s = parse_settings("prefill", ["--lease-seconds", "3", "--heartbeat-seconds", "2"], environ={})
+    assert (s.lease_seconds, s.heartbeat_seconds) == (3.0, 2.0)
+    roles = {f.name: f.roles for f in FLAGS}
+    assert roles["lease-seconds"] == roles["heartbeat-seconds"] == ("prefill",)
+    assert roles["check-state"] == roles["read-timeout-seconds"] == roles["prefill"] == ("decode",)
+
+
+def test_the_default_engine_follows_the_model(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    cases = {
+        "tiny-mamba2": "reference",
+        "tiny-gdn": "reference",
+        "nemotron-3-nano-30b-a3b": "synthetic",
+        str(config): "synthetic",  # a config.json alone has no weights
+        str(tmp_path): "hf",  # a checkpoint directory
+    }
+    for model, engine in cases.items():
+        s = parse_settings("prefill", ["--model", model], environ={})
+        assert (s.engine, s.engine_from_model) == (engine, True), model
+    # An explicit --engine (flag or env) wins over what the model implies.
+    s = parse_settings("prefill", ["--model", "tiny-mamba2", "--engine", "synthetic"], environ={})
+    assert (s.engine, s.engine_from_model) == ("synthetic", False)
+    s = parse_settings("prefill", ["--model", "tiny-mamba2"], environ={"HYBRID_PD_ENGINE": "synthetic"})
+    assert (s.engine, s.engine_from_model) == ("synthetic", False)
+
+
+def test_start_up_says_which_engine_and_warns_of_a_default_synthetic_one() -> None:
+    import logging
+
+    from shared.runtime.engine_host import engine_line
+
+    level, line = engine_line(parse_settings("prefill", ["--model", "nemotron-3-nano-30b-a3b"], environ={}), "nemotron")
+    assert level == logging.WARNING and "byte patterns" in line and "chosen by --model" in line
+    level, line = engine_line(parse_settings("prefill", ["--engine", "synthetic"], environ={}), "tiny-mamba2")
+    assert level == logging.INFO and "byte patterns" in line and "chosen" not in line  # asked for: no warning
+    level, line = engine_line(parse_settings("prefill", [], environ={}), "tiny-mamba2")
+    assert level == logging.INFO and line.startswith("engine reference (chosen by --model")
