@@ -10,6 +10,7 @@ UCX is limited to `UCX_TLS=tcp` on each host's eth0.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None)
         prefill, decode = net.hosts
         link: dict[str, Any] = {"transport": "UCX tcp over a veth pair and a bridge", "rate": rate, "delay": delay}
         if rate is not None:
+            link["rate_gbps"] = rate_gbps(rate)
             link["qdisc"] = prefill.shape(rate, delay or "0us")
             if link["qdisc"] != "netem":
                 link["delay"] = None  # tbf shapes the rate only
@@ -60,6 +62,21 @@ def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None)
         ]
         proc = net.spawn(decode, argv, env)
         return proc.wait()
+
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(i?)(bit|bps)$")
+_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def rate_gbps(rate: str) -> float | None:
+    """A tc rate (e.g. `10gbit`, `1.5gbps`, `100mibit`) in GB/s (1e9 bytes); None if not understood.
+    As in tc: `bit` is bits and `bps` bytes per second, k/m/g/t powers of 1000 (1024 with `i`)."""
+    m = _RATE.match(rate.strip().lower())
+    if m is None:
+        return None
+    number, prefix, binary, unit = m.groups()
+    per_second = float(number) * float((1024 if binary else 1000) ** _PREFIX[prefix])
+    return (per_second / 8 if unit == "bit" else per_second) / 1e9
 
 
 def _note(link: dict[str, Any]) -> str:

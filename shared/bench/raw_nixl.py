@@ -9,6 +9,10 @@
 Like the decode service, each decode rank has its own agent, and the READs of different
 decode ranks run at the same time (one thread per rank; NIXL releases the GIL during the copy).
 A timed round is exactly make_prepped_xfer + transfer (+ polls until DONE) + release.
+
+While a READ is in flight both sides progress UCX as a pumping strategy says (raw_pumping.py):
+the reader between its polls, the target (`RawTarget.serve`) from just before the READ is
+posted until its notification arrives. Over TCP the target's pumping is what serves the READ.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shared.bench.raw_pumping import pause
 from shared.cache.host_memory import host_buffer
 from shared.layout.read_lists import IdArray
 from shared.transport.nixl_env import load_nixl
@@ -91,12 +96,22 @@ class RawTarget:
 
     def rewrite(self) -> None:
         """Have the target write new bytes into every region (as prefill does before a READ)."""
+        self._ask("rewrite")
+
+    def serve(self, pumping: str, notif: bytes, count: int) -> None:
+        """Rewrite every region, then have the target pump as `pumping` says until `count`
+        notifications `notif` arrive (the READs about to be posted); returns once it pumps."""
+        pause(pumping)  # an unknown name fails here, not in the target
+        self._ask(f"serve {pumping} {count} {notif.hex()}")
+
+    def _ask(self, line: str) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("rewrite\n")
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline().strip()
         if answer != "ok":
-            raise RuntimeError(f"the raw NIXL target answered {answer!r} to rewrite (exit code {self.proc.poll()})")
+            word = line.split()[0]
+            raise RuntimeError(f"the raw NIXL target answered {answer!r} to {word} (exit code {self.proc.poll()})")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -185,25 +200,29 @@ class RawReader:
             int(local_idx.size),
         )
 
-    def run(self, reads: Sequence[PreparedRead], notif: bytes) -> float:
-        """Post every READ (ranks in parallel, one rank's READs in order); seconds until all are DONE."""
+    def run(self, reads: Sequence[PreparedRead], notif: bytes, pumping: str = "spin") -> float:
+        """Post every READ (ranks in parallel, one rank's READs in order), polling each as
+        `pumping` says (raw_pumping.py); seconds until all are DONE."""
+        between_polls = pause(pumping)
         by_rank: dict[int, list[PreparedRead]] = {}
         for r in reads:
             by_rank.setdefault(r.decode_rank, []).append(r)
         started = time.perf_counter()
         if len(by_rank) == 1:
-            self._run_rank(next(iter(by_rank.values())), notif)
+            self._run_rank(next(iter(by_rank.values())), notif, between_polls)
         else:
-            for future in [self._pool.submit(self._run_rank, rs, notif) for rs in by_rank.values()]:
+            futures = [self._pool.submit(self._run_rank, rs, notif, between_polls) for rs in by_rank.values()]
+            for future in futures:
                 future.result()
         return time.perf_counter() - started
 
-    def _run_rank(self, reads: Sequence[PreparedRead], notif: bytes) -> None:
+    def _run_rank(self, reads: Sequence[PreparedRead], notif: bytes, between_polls: Callable[[], None]) -> None:
         for r in reads:
             agent = self.agents[r.decode_rank]
             handle = agent.make_prepped_xfer("READ", r.local_handle, r.local_idx, r.remote_handle, r.remote_idx, notif)
             state = agent.transfer(handle)
             while state == "PROC":
+                between_polls()
                 state = agent.check_xfer_state(handle)
             agent.release_xfer_handle(handle)
             if state != "DONE":

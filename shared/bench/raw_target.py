@@ -2,13 +2,20 @@
 
 `python -m shared.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
 NIXL agents (no progress thread, as the services run them), registers R pre-faulted regions of
-B bytes with each (the services' kind of memory: on huge pages unless `--huge-pages off`), prints one JSON line (`ranks`: name, metadata as hex, region base
-addresses), then pumps every agent's notifications about every millisecond (the target side
-of a READ must progress UCX: wire-up answers, notifications) until its stdin closes.
+B bytes with each (the services' kind of memory: on huge pages unless `--huge-pages off`),
+prints one JSON line (`ranks`: name, metadata as hex, region base addresses), then pumps every
+agent about every millisecond while idle (the target side must progress UCX: wire-up answers,
+notifications) until its stdin closes.
 
 A `rewrite` line on stdin rewrites every region with new bytes and answers `ok`: like a
 prefill engine that has just written a request's state, so a baseline READ finds its source
 freshly written, as ours does (re-reading untouched memory measured a few % faster here).
+
+A `serve PUMPING COUNT TAG` line rewrites likewise, answers `ok`, then pumps every agent as
+strategy PUMPING says (raw_pumping.py) until COUNT notifications TAG (hex) have arrived: what a
+prefill that has just offered its state does while the READs are in flight (ours pumps its
+agents at the busy rate until the READ's notification, prefill_svc/pins.py). Over TCP this
+pumping is what serves the READ. A new line on stdin ends it early (the reader gave up).
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import json
 import queue
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from shared.bench.raw_pumping import pause
 from shared.cache.host_memory import host_buffer
 from shared.transport.nixl_env import load_nixl
 
@@ -76,18 +84,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = ""
         if command == "quit":
             break
-        if command == "rewrite":
+        word, *rest = command.split() or [""]
+        if word in ("rewrite", "serve"):
             value = value % 250 + 1
             for tensors in regions:
                 for t in tensors:
                     t.fill_(value)
             sys.stdout.write("ok\n")
             sys.stdout.flush()
+        if word == "serve":
+            pumping, count, tag = rest
+            _serve(agents, pause(pumping), int(count), bytes.fromhex(tag), commands)
         for agent in agents:
             agent.get_new_notifs()
     for agent, reg in zip(agents, registrations):
         agent.deregister_memory(reg)
     return 0
+
+
+def _serve(agents: list[Any], pause_: Callable[[], None], count: int, tag: bytes, commands: queue.Queue[str]) -> None:
+    """Pump every agent, `pause_()` between rounds, until `count` notifications `tag` arrived."""
+    seen = 0
+    while seen < count and commands.empty():
+        for agent in agents:
+            for messages in agent.get_new_notifs().values():
+                seen += messages.count(tag)
+        pause_()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ target process, with memory sized like the services' and rewritten by the target
 READ (prefill has always just written what decode reads); (c) one single-threaded torch copy
 of the same number of bytes (memcpy.py).
 
+Both raw targets pump while a raw READ is in flight, as a pumping strategy says, and the reader
+polls the same way (raw_pumping.py). Across hosts (UCX over TCP, where that pumping bounds the
+READ) every round measures (a) and (b) under each strategy, in a rotating order, and each counts
+with its fastest strategy (the others are reported as `raw_nixl_pumping`); on one host (cma) the
+strategy cannot matter and only one is run.
+
 The descriptor set of (a) is rebuilt from the layout math: same plan, same read lists, and the
 block ids the services allocate (sizing.py). Its byte and descriptor counts are checked against
 every GenerateSummary (`descriptor_set_matches`).
@@ -37,6 +43,7 @@ from shared.bench.memcpy import CopyBaseline
 from shared.bench.pairs import pair_lists, request_reads, total_sections
 from shared.bench.progress import Progress
 from shared.bench.raw_nixl import PreparedRead, RawReader, RawTarget, coalesce_per_region
+from shared.bench.raw_pumping import ACROSS_HOSTS, ONE_HOST
 from shared.bench.sections import SectionBytes
 from shared.bench.sizing import blocks_needed, prefill_tokens, request_blocks
 from shared.bench.transfer_report import TransferSamples, build_result
@@ -130,9 +137,11 @@ async def run_transfer(
         sections = total_sections(reads)
         copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages)
         progress.advance(1, "measuring")
+        pumpings = ACROSS_HOSTS if prefill_launch else ONE_HOST
         samples, service, matches = await _rounds(
-            cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress
+            cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress, pumpings
         )
+        samples.take_fastest_pumping()
     finally:
         progress.finish()
         if reader is not None:
@@ -164,6 +173,7 @@ async def run_transfer(
         samples=samples,
         descriptor_set_matches=matches and service.sections == sections,
         command=command,
+        moved_bytes={"raw_nixl": sum(r.nbytes for r in identical), "raw_nixl_coalesced": sum(r.nbytes for r in coalesced)},
     )
 
 
@@ -183,11 +193,13 @@ async def _rounds(
     coalesced: list[PreparedRead],
     copy: CopyBaseline,
     progress: Progress,
+    pumpings: Sequence[str],
 ) -> tuple[TransferSamples, ServiceCounts, bool]:
     rng = np.random.default_rng(cfg.seed)
     samples = TransferSamples()
     service = ServiceCounts()
     expected_descriptors = sum(r.descriptors for r in identical)
+    samples.by_pumping = {m: {p: [] for p in pumpings} for m in ("raw_nixl", "raw_nixl_coalesced")}
     matches = True
     async with grpc.aio.insecure_channel(decode_address) as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
@@ -202,15 +214,18 @@ async def _rounds(
             matches = matches and service.sections in (None, got) and t.descriptor_count == expected_descriptors
             service.sections, service.descriptors = got, int(t.descriptor_count)
             await asyncio.sleep(SETTLE_SECONDS)
-            target.rewrite()
-            raw = reader.run(identical, f"bench-a-{i}".encode())
-            target.rewrite()
-            raw_coalesced = reader.run(coalesced, f"bench-b-{i}".encode())
+            raw: list[tuple[str, str, float]] = []
+            for k in range(len(pumpings)):
+                pumping = pumpings[(i + k) % len(pumpings)]  # rotated: no strategy always goes first
+                for method, prepared in (("raw_nixl", identical), ("raw_nixl_coalesced", coalesced)):
+                    notif = f"bench-{method}-{i}-{pumping}".encode()
+                    target.serve(pumping, notif, len(prepared))
+                    raw.append((method, pumping, reader.run(prepared, notif, pumping)))
             mem = copy.run()
             if i >= cfg.warmup:
                 samples.ours.append(seconds(s.read_duration))
-                samples.raw_nixl.append(raw)
-                samples.raw_nixl_coalesced.append(raw_coalesced)
+                for method, pumping, took in raw:
+                    samples.add_raw(method, pumping, took)
                 samples.memcpy.append(mem)
                 samples.ttft.append(seconds(s.time_to_first_token))
                 samples.prefill.append(seconds(s.prefill_duration))
