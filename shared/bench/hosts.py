@@ -19,6 +19,10 @@ from typing import Any
 from shared.bench.netns import Host, Network, why_unavailable
 
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+# UCX emulates a READ over TCP with messages of at most these segments: the defaults (8 KiB out,
+# 64 KiB in) held raw NIXL and ours alike to ~0.7 GB/s here, 512 KiB took both past 1.5 GB/s
+# (docs/performance.md). The TX size may not exceed the RX size (UCX refuses the worker).
+UCX_TCP_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 INSIDE_FLAG = "--inside-hosts"
 
 
@@ -39,7 +43,7 @@ def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None)
 
     root = str(Path(__file__).resolve().parents[2])
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    env |= UCX_ENV | {"PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)}
+    env |= UCX_ENV | UCX_TCP_SEGMENTS | {"PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)}
     with Network.create(2) as net:
         prefill, decode = net.hosts
         link: dict[str, Any] = {"transport": "UCX tcp over a veth pair and a bridge", "rate": rate, "delay": delay}
