@@ -11,6 +11,7 @@ pairs            the READs of one request: read lists and descriptor ids per ran
 crossover        bytes moved per request against prompt length, from the layout math (pure)
 descids          micro-benchmark of per-request descriptor ids (`read_indices`)
 raw_target       the process the raw NIXL baselines read from (plain agents)
+raw_pumping      how raw NIXL progresses UCX on both sides while its READ is in flight
 raw_nixl         plain NIXL agents: the raw READ baselines (identical descriptors, one per region)
 memcpy           the in-process copy baseline (memory-bandwidth limit)
 client           a Generate client that timestamps tokens

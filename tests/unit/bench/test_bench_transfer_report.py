@@ -79,3 +79,45 @@ def test_digest_shares_are_per_request_against_that_requests_read() -> None:
     assert worse["targets"]["digest_check_vs_read"]["met"] is False  # type: ignore[index]
     assert "digests: decode check" in format_table(r)
     json.dumps(result(TransferSamples(ours=[0.1])))  # no digest samples: still plain JSON
+
+
+def test_each_raw_method_counts_its_fastest_pumping_and_every_strategy_is_reported() -> None:
+    samples = TransferSamples(ours=[0.5, 0.5, 0.5], memcpy=[0.1] * 3)
+    # raw_nixl: spin median 2.0 s, sleep-1ms 0.4 s; coalesced: spin 0.25 s, sleep-1ms 1.0 s
+    for spin, sleep in ((2.0, 0.4), (1.0, 0.4), (3.0, 0.5)):
+        samples.add_raw("raw_nixl", "spin", spin)
+        samples.add_raw("raw_nixl", "sleep-1ms", sleep)
+    for spin, sleep in ((0.25, 1.0), (0.25, 1.0), (0.25, 1.0)):
+        samples.add_raw("raw_nixl_coalesced", "spin", spin)
+        samples.add_raw("raw_nixl_coalesced", "sleep-1ms", sleep)
+    assert samples.take_fastest_pumping() == {"raw_nixl": "sleep-1ms", "raw_nixl_coalesced": "spin"}
+    assert samples.raw_nixl == [0.4, 0.4, 0.5] and samples.raw_nixl_coalesced == [0.25] * 3
+    r = result(samples)
+    assert r["raw_nixl_gbps"] == 2.5 and r["raw_nixl_coalesced_gbps"] == 4.0  # the fastest strategies' medians
+    assert r["raw_nixl_pumping"] == {
+        "raw_nixl": {"chosen": "sleep-1ms", "gbps": {"spin": 0.5, "sleep-1ms": 2.5}},
+        "raw_nixl_coalesced": {"chosen": "spin", "gbps": {"spin": 4.0, "sleep-1ms": 1.0}},
+    }
+    assert "(a) raw NIXL pumping, GB/s: spin 0.50, sleep-1ms 2.50; counted: sleep-1ms" in format_table(r)  # type: ignore[arg-type]
+    json.dumps(r)
+
+
+def test_moved_bytes_and_shares_of_a_shaped_link() -> None:
+    samples = TransferSamples(ours=[0.5], raw_nixl=[0.4], raw_nixl_coalesced=[0.25], memcpy=[0.1])
+    link = {"transport": "UCX tcp", "rate": "40gbit", "rate_gbps": 5.0, "delay": None, "qdisc": "tbf"}
+    r = build_result(
+        config=CONFIG | {"hosts": link},
+        sections=SectionBytes(fa=600_000_000, conv=100_000_000, ssm=300_000_000),
+        descriptors={"ours": 100, "raw_nixl": 100, "raw_nixl_coalesced": 4},
+        reads=2,
+        samples=samples,
+        descriptor_set_matches=True,
+        command="hybrid-pd bench transfer --hosts --link-rate 40gbit",
+        moved_bytes={"raw_nixl": 1_000_000_000, "raw_nixl_coalesced": 1_000_000_000},
+    )
+    assert r["moved_bytes"] == {"ours": 1_000_000_000, "raw_nixl": 1_000_000_000, "raw_nixl_coalesced": 1_000_000_000}
+    # 2.0, 2.5 and 4.0 GB/s over a 5 GB/s link
+    assert r["vs_link_rate"] == {"ours": 0.4, "raw_nixl": 0.5, "raw_nixl_coalesced": 0.8}
+    assert "link shaped to 40gbit = 5.000 GB/s (tbf): ours 0.40 of it, (a) 0.50, (b) 0.80" in format_table(r)
+    unshaped = result(samples)
+    assert "vs_link_rate" not in unshaped and "link" not in format_table(unshaped)  # type: ignore[arg-type]
