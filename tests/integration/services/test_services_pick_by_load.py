@@ -6,6 +6,7 @@ two alternate again."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from typing import Any
 
@@ -107,7 +108,7 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
         assert tokens == stamp.expected_tokens(prompt, 4, vocab)
         served.append(engine)
     assert sorted(set(served)) == ["busy-prefill", "idle-prefill"], served
-    assert all(a != b for a, b in zip(served, served[1:])), served  # idle pool: round-robin
+    assert all(a != b for a, b in itertools.pairwise(served)), served  # idle pool: round-robin
     holder.cancel()
     await until(lambda: decode.host.allocator.num_used == 0 and busy.host.allocator.num_used == 0)
     await until(lambda: idle.host.allocator.num_used == 0)
