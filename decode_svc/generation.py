@@ -1,6 +1,6 @@
 """One Generate request, end to end on the decode side.
 
-validate -> pick a ready prefill peer (round-robin) -> allocate local blocks (prompt +
+validate -> pick a ready prefill peer (the least loaded) -> allocate local blocks (prompt +
 max_tokens, so decoding never waits for memory; queued while the cache is full) -> job on the
 peer's Session stream -> manifest -> one READ per (decode rank, prefill rank) -> [check the
 state: digests, and the recompute with --check-state] -> engine decode steps off the loop ->
@@ -19,8 +19,10 @@ releases its READ handles and then its blocks.
 Every failure leaves both sides' blocks free: local blocks in `finally`, once the last model
 call of the request ended and every READ handle of the request is released (a READ that timed
 out may still be landing until then); prefill's through the READ notifications, an explicit
-release sent once those handles are released, or its lease. If the prefill session is lost while a request waits for its manifest or reads,
-that request fails at once with UNAVAILABLE naming the peer; requests past their READ carry on.
+release sent once those handles are released, or its lease. If the prefill session is lost while a request reads, that request
+fails at once with UNAVAILABLE naming the peer; requests past their READ carry on. A job the
+chosen prefill fails before its manifest (session lost, draining, no capacity) goes to another
+ready prefill engine (decode_svc/prefill_retry.py); a P/D decode leg never moves.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from decode_svc import tokenizer
 from decode_svc.learned_peers import LearnedPeers, check_claimed, remote_prefill_of
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
+from decode_svc.prefill_retry import on_some_prefill
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
@@ -219,14 +222,13 @@ class Generation:
                 raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
             if not peer.ready:  # lost while this request waited for blocks
                 peer = self.peers.pick()
-            session, link = peer.session, peer.link
-            assert session is not None and link is not None
             job_sent = time.monotonic()
-            if remote is None:
-                check_fits_prefill(self.host, link, req)
-                manifest = await session.submit(req.request_id, req.prompt, wait_deadline(deadline, loop.time()) - loop.time())
+            if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
+                attempt = functools.partial(self._submit, req)
+                session, link, manifest = await on_some_prefill(self.peers, peer, attempt, deadline, self._count_retry)
             else:
-                assert remote.transfer_id is not None
+                assert peer.session is not None and peer.link is not None and remote.transfer_id is not None
+                session, link = peer.session, peer.link
                 manifest = await session.claim(remote.request_id, remote.transfer_id)
             prefill_seconds = time.monotonic() - job_sent
             pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
@@ -247,6 +249,19 @@ class Generation:
                 yield response
         finally:
             compute.free_when_idle(key, reads)
+
+    async def _submit(self, req: RequestContext, peer: PrefillPeer) -> tuple[SessionClient, PeerLink, Manifest]:
+        """The request's job on `peer`: the session and link it went through, and its manifest."""
+        session, link = peer.session, peer.link
+        if session is None or link is None:
+            raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
+        check_fits_prefill(self.host, link, req)
+        now = asyncio.get_running_loop().time()
+        return session, link, await session.submit(req.request_id, req.prompt, wait_deadline(req.deadline, now) - now)
+
+    def _count_retry(self, reason: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.prefill_retries.labels(reason=reason).inc()
 
     async def _read(
         self, link: PeerLink, manifest: Manifest, local: RequestBlocks, deadline: float, reads: ReadFence

@@ -21,11 +21,12 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import grpc
 
 from decode_svc.peer_link import PeerLink
+from decode_svc.prefill_load import PeerLoad, peer_load
 from decode_svc.session_client import SessionClient
 from shared.config import TlsSettings
 from shared.errors import FailedPrecondition, ServiceError, Unavailable
@@ -103,10 +104,12 @@ class PrefillPeer:
         )
 
     @property
-    def load(self) -> int:
-        """This decode engine's requests on the peer right now."""
-        s = self.session
-        return s.in_flight if s is not None else 0
+    def load(self) -> PeerLoad:
+        """This decode engine's requests on the peer right now, with the peer's latest report."""
+        s, link = self.session, self.link
+        if s is None or link is None:
+            return peer_load(0, None, 1)
+        return peer_load(s.in_flight, s.load, link.remote.num_logical_blocks)
 
     @property
     def busy(self) -> bool:
@@ -300,18 +303,11 @@ class PrefillPeers:
         peer.on_state_change()
 
     def pick(self) -> PrefillPeer:
-        """The ready peer with the fewest of this engine's requests on it (waiting for a manifest,
-        holding one or reading); ties go round-robin, so an idle pool alternates."""
-        n = len(self.peers)
-        best: PrefillPeer | None = None
-        best_at = 0
-        for i in range(n):
-            at = (self._next + i) % n
-            peer = self.peers[at]
-            if peer.ready and (best is None or peer.load < best.load):
-                best, best_at = peer, at
+        """The least loaded ready peer (decode_svc/prefill_load.py: fewest jobs, this engine's and
+        the others' as reported, then the smallest share of its cache pinned); ties go
+        round-robin, so an idle pool alternates."""
+        best = self.pick_other(())
         if best is not None:
-            self._next = (best_at + 1) % n
             return best
         if not self.configured:
             raise FailedPrecondition(
@@ -327,6 +323,24 @@ class PrefillPeers:
             for p in self.peers
         )
         raise Unavailable(f"no prefill engine is ready ({states})", reason="NO_PREFILL_PEER")
+
+    def pick_other(self, tried: Collection[PrefillPeer]) -> PrefillPeer | None:
+        """As `pick()`, among the ready peers not in `tried`; None when there is none."""
+        n = len(self.peers)
+        best: PrefillPeer | None = None
+        best_load: PeerLoad | None = None
+        best_at = 0
+        for i in range(n):
+            at = (self._next + i) % n
+            peer = self.peers[at]
+            if not peer.ready or peer in tried:
+                continue
+            load = peer.load
+            if best_load is None or load < best_load:
+                best, best_load, best_at = peer, load, at
+        if best is not None:
+            self._next = (best_at + 1) % n
+        return best
 
     @property
     def any_ready(self) -> bool:

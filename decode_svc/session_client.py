@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from decode_svc.prefill_load import LoadReport, report_from_message
 from shared import tracing
 from shared.cache.manifest import Manifest
 from shared.errors import ServiceError, Unavailable, error_for_status
@@ -48,6 +49,7 @@ class SessionClient:
         self.source = source  # what manifests from this peer are checked against
         self.ready: pb.SessionReady | None = None
         self.draining = False
+        self.load: LoadReport | None = None  # the prefill's latest report (None: it never sent one)
         self.closed = asyncio.Event()
         self.close_reason = ""
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
@@ -81,6 +83,7 @@ class SessionClient:
             call.cancel()
             raise Unavailable(f"prefill {self.peer_name} answered the hello with {first.WhichOneof('payload')}")
         self.ready = first.ready
+        self._heard_load(first.ready.HasField("load"), first.ready.load)
         self._last_heard = asyncio.get_running_loop().time()
         self._tasks = [
             asyncio.ensure_future(self._read_loop()),
@@ -183,6 +186,8 @@ class SessionClient:
                     self._arrived(msg.manifest)
                 elif kind == "failure":
                     self._resolve(msg.failure.request_id, error=job_error(self.peer_name, msg.failure))
+                elif kind == "heartbeat":
+                    self._heard_load(msg.heartbeat.HasField("load"), msg.heartbeat.load)
                 elif kind == "drain":
                     self.draining = True
                     log.info("prefill %s is draining: %s", self.peer_name, msg.drain.reason)
@@ -221,6 +226,10 @@ class SessionClient:
             if now >= next_send:
                 next_send = now + send_every
                 self._send(pb.SessionRequest(heartbeat=pb.DecodeHeartbeat(request_ids=sorted(self._holding))))
+
+    def _heard_load(self, present: bool, msg: pb.PrefillLoad) -> None:
+        if present:  # a peer that does not report keeps `load` None: unknown, not idle
+            self.load = report_from_message(msg)
 
     def _arrived(self, msg: pb.Manifest) -> None:
         try:

@@ -95,6 +95,9 @@ class JobRunner:
             raise
         try:
             await fault_hooks.pause("before_manifest", job.request_id)
+            injected = fault_hooks.failure_for(job.request_id)
+            if injected is not None:
+                raise injected
         except BaseException:
             self.host.free(tid)
             raise

@@ -56,6 +56,10 @@ class PinTable:
     def __len__(self) -> int:
         return len(self._pins)
 
+    def blocks(self) -> int:
+        """Cache blocks held by pins, every owner's."""
+        return sum(self.host.allocator.held(tid) for tid in self._pins)
+
     def count_for(self, owner: str) -> int:
         return sum(1 for p in self._pins.values() if p.owner == owner)
 

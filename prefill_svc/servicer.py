@@ -10,6 +10,7 @@ import grpc
 
 from prefill_svc.handoff import Handoffs
 from prefill_svc.jobs import JobRunner
+from prefill_svc.load import LoadBoard
 from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
 from prefill_svc.session import PrefillSession, SessionConfig
@@ -40,6 +41,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.metrics = metrics or ServiceMetrics("prefill")
         self.peers = DecodePeers()
         self.runner = JobRunner(host, pins)
+        self.load = LoadBoard(pins)  # what every session reports to its decode engine
         self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.HandshakeResponse:
@@ -70,6 +72,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             lifecycle=self.lifecycle,
             config=self.config,
             handoffs=self.handoffs,
+            load=self.load,
         )
         async for response in session.stream(request_iterator):
             yield response

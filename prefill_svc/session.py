@@ -9,6 +9,8 @@ Protocol (decode -> prefill / prefill -> decode):
   its blocks were pinned before this session knew of it).
 - `cancel` aborts a running job or ends a pinned request; `release` ends a pinned request;
   `heartbeat` renews the leases of the named pinned requests.
+- `ready` and every prefill `heartbeat` carry the engine's load (prefill_svc/load.py), which
+  decode picks a prefill engine by.
 - prefill sends `heartbeat` every interval and `drain` when it shuts down; then it refuses new
   jobs (UNAVAILABLE) and ends the stream once this session's running jobs and pins are done.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 from prefill_svc.handoff import Handoffs
 from prefill_svc.jobs import JobRunner, job_from_message
+from prefill_svc.load import LoadBoard
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
 from shared import tracing
@@ -79,8 +82,10 @@ class PrefillSession:
         lifecycle: Lifecycle,
         config: SessionConfig,
         handoffs: Handoffs | None = None,
+        load: LoadBoard | None = None,
     ) -> None:
         self.host = host
+        self.load = load or LoadBoard(pins)  # shared by every session of the engine
         self.handoffs = handoffs
         self.pins = pins
         self.peers = peers
@@ -137,6 +142,7 @@ class PrefillSession:
                 lease_duration=duration(self.config.lease_seconds),
                 heartbeat_interval=duration(self.config.heartbeat_seconds),
                 max_pinned_requests=self._max_pinned,
+                load=self.load.report(self.owner),
             )
         )
 
@@ -210,7 +216,8 @@ class PrefillSession:
             due += interval
             await asyncio.sleep(max(0.0, due - loop.time()))
             count = self.pins.count_for(self.owner)
-            self._out.put_nowait(pb.SessionResponse(heartbeat=pb.PrefillHeartbeat(pinned_request_count=count)))
+            beat = pb.PrefillHeartbeat(pinned_request_count=count, load=self.load.report(self.owner))
+            self._out.put_nowait(pb.SessionResponse(heartbeat=beat))
 
     async def _drain_watch(self) -> None:
         await self.lifecycle.draining.wait()
@@ -236,7 +243,11 @@ class PrefillSession:
         if rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
             self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
             return
-        self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
+        task = self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
+        owner = self.owner
+        self.load.job_started(owner)
+        # A callback, not the job's `finally`: a job cancelled before it first ran is counted out too.
+        task.add_done_callback(lambda _: self.load.job_ended(owner))
 
     async def _run_job(self, message: pb.PrefillJob) -> None:
         rid = message.request_id

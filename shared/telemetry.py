@@ -59,6 +59,8 @@ FAILURE_REASONS = (
     "READ_FAILED",
     "READ_TIMEOUT",
 )
+# Why a job was sent to another prefill engine before its manifest (decode_svc/prefill_retry.py).
+PREFILL_RETRY_REASONS = ("PEER_UNAVAILABLE", "DRAINING", "NO_CREDIT", "CACHE_FULL", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
 class Telemetry:
@@ -109,6 +111,12 @@ class Telemetry:
         )
         self.failures = Counter("hybrid_pd_failures", "Failed requests, by reason", ["reason"], registry=decode)
         self.requests = Counter("hybrid_pd_requests", "Requests finished, by gRPC status", ["status"], registry=decode)
+        self.prefill_retries = Counter(
+            "hybrid_pd_prefill_retries",
+            "Jobs sent to another prefill engine after the chosen one failed them before the manifest, by reason",
+            ["reason"],
+            registry=decode,
+        )
         self.time_to_first_token = Histogram(
             "hybrid_pd_time_to_first_token_seconds",
             "Generate received to first token sent",
@@ -140,6 +148,8 @@ class Telemetry:
             self.requests.labels(status=status)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
+        for reason in PREFILL_RETRY_REASONS:
+            self.prefill_retries.labels(reason=reason)
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

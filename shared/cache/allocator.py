@@ -71,6 +71,10 @@ class BlockAllocator:
         self._held.setdefault(request_id, []).append(ids)
         return ids.copy()
 
+    def held(self, request_id: str) -> int:
+        """How many blocks `request_id` holds (0: none)."""
+        return sum(int(ids.size) for ids in self._held.get(request_id, ()))
+
     def free(self, request_id: str) -> int:
         """Return all of a request's blocks; returns how many. Freeing twice returns 0."""
         parts = self._held.pop(request_id, None)

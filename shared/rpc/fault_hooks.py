@@ -14,6 +14,10 @@ watches the output knows when to strike.
 `HYBRID_PD_TEST_CORRUPT` (TEST-ONLY too): `SECTION[:REQUEST_ID_PREFIX]` with SECTION one of fa,
 conv, ssm: prefill flips one byte of that section in a request's blocks right after taking its
 digests, as memory corrupted between the write and the READ would be.
+
+`HYBRID_PD_TEST_FAIL` (TEST-ONLY too): `STATUS[:REQUEST_ID_PREFIX]` with STATUS a gRPC status
+name, e.g. `RESOURCE_EXHAUSTED:victim-`: prefill fails each such job at `before_manifest` (the
+state is computed, nothing pinned) with that status, as a job that ran out of capacity would.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+
+from shared.errors import ERRORS_BY_STATUS, ServiceError, error_for_status
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,26 @@ def corruption_for(request_id: str, spec: str | None = None) -> str | None:
     return section if request_id.startswith(prefix) else None
 
 
+FAIL_ENV_VAR = "HYBRID_PD_TEST_FAIL"
+
+
+def failure_for(request_id: str, spec: str | None = None) -> ServiceError | None:
+    """The error to fail this job with before its manifest (None: let it run)."""
+    text = os.environ.get(FAIL_ENV_VAR, "") if spec is None else spec
+    if not text:
+        return None
+    status, _, prefix = text.partition(":")
+    if status not in ERRORS_BY_STATUS:
+        raise ValueError(f"{FAIL_ENV_VAR}: {text!r} is not STATUS[:PREFIX] with STATUS a gRPC status name")
+    if not request_id.startswith(prefix):
+        return None
+    return error_for_status(status, f"TEST-ONLY failure of job {request_id} before its manifest ({FAIL_ENV_VAR})")
+
+
 def warn_if_active() -> None:
     """Say loudly at start-up that this process runs with test pauses."""
+    if os.environ.get(FAIL_ENV_VAR):
+        log.warning("%s is set: TEST-ONLY job failures %r before the manifest", FAIL_ENV_VAR, os.environ[FAIL_ENV_VAR])
     if os.environ.get(CORRUPT_ENV_VAR):
         log.warning("%s is set: TEST-ONLY corruption of %r after digests", CORRUPT_ENV_VAR, os.environ[CORRUPT_ENV_VAR])
     if _PAUSES:

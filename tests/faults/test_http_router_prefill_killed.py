@@ -1,6 +1,7 @@
 """A prefill killed (SIGKILL) under the real vllm-router: 2 prefill and 2 decode processes, the
 router in front of the decode engines' HTTP APIs, 32 concurrent openai-client requests. Each
-request either succeeds with the colocated run's text (the router may retry one that failed) or
+request either succeeds with the colocated run's text (decode sends a job the dead prefill held
+before its manifest to the other one; the router may retry one that failed) or
 fails cleanly (an HTTP error or an
 SSE error event, never a hang or a wrong answer); requests after the kill succeed on the
 surviving prefill; every block is freed on every surviving process."""
@@ -74,12 +75,13 @@ async def test_prefill_killed_under_the_router() -> None:
             if how == "ok":
                 assert text == expected(f"request {i} " * 3), i
         assert sum(how == "ok" for how, _ in results) > 0
-        # The kill hit requests in flight (decode failed them with UNAVAILABLE; the router, which
-        # retries 5xx answers, sent them again); every answer a client got OK was a decode's OK.
+        # The kill hit jobs held before their manifest: decode sent them to the surviving prefill
+        # (a request failed otherwise, the router, which retries 5xx answers, sent again); every
+        # answer a client got OK was a decode's OK.
         counts = [await d.metrics() for d in decodes]
-        unavailable = sum(m.get("hybrid_pd_requests_total{status=UNAVAILABLE}", 0) for m in counts)
+        retried = sum(m.get("hybrid_pd_prefill_retries_total{reason=PEER_UNAVAILABLE}", 0) for m in counts)
         ok = sum(m.get("hybrid_pd_requests_total{status=OK}", 0) for m in counts)
-        assert unavailable > 0
+        assert retried > 0
         assert ok == sum(how == "ok" for how, _ in [*results, *after])
         assert [how for how, _ in after] == ["ok"] * 8, after
         for survivor in [prefills[1], *decodes]:

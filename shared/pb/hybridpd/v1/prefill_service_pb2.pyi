@@ -259,6 +259,7 @@ class SessionReady(_message.Message):
     LEASE_DURATION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
     MAX_PINNED_REQUESTS_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     prefill_engine_id: _builtins.str
     prefill_incarnation: _builtins.int
     max_pinned_requests: _builtins.int
@@ -270,6 +271,10 @@ class SessionReady(_message.Message):
     def heartbeat_interval(self) -> _duration_pb2.Duration:
         """How often each side sends a heartbeat on this stream."""
 
+    @_builtins.property
+    def load(self) -> Global___PrefillLoad:
+        """The prefill engine's load as the session opens (see PrefillLoad)."""
+
     def __init__(
         self,
         *,
@@ -278,10 +283,11 @@ class SessionReady(_message.Message):
         lease_duration: _duration_pb2.Duration | None = ...,
         heartbeat_interval: _duration_pb2.Duration | None = ...,
         max_pinned_requests: _builtins.int = ...,
+        load: Global___PrefillLoad | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "lease_duration", b"lease_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "lease_duration", b"lease_duration", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "lease_duration", b"lease_duration", "max_pinned_requests", b"max_pinned_requests", "prefill_engine_id", b"prefill_engine_id", "prefill_incarnation", b"prefill_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "lease_duration", b"lease_duration", "load", b"load", "max_pinned_requests", b"max_pinned_requests", "prefill_engine_id", b"prefill_engine_id", "prefill_incarnation", b"prefill_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -568,20 +574,58 @@ class PrefillHeartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PINNED_REQUEST_COUNT_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     pinned_request_count: _builtins.int
     """Requests still pinned for this session."""
+    @_builtins.property
+    def load(self) -> Global___PrefillLoad:
+        """The prefill engine's load as the heartbeat leaves. Absent from a peer that does not report
+        it: decode then knows only its own requests there.
+        """
+
     def __init__(
         self,
         *,
         pinned_request_count: _builtins.int = ...,
+        load: Global___PrefillLoad | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned_request_count", b"pinned_request_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "pinned_request_count", b"pinned_request_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillHeartbeat: _TypeAlias = PrefillHeartbeat  # noqa: Y015
+
+@_typing.final
+class PrefillLoad(_message.Message):
+    """What decode picks a prefill engine by (with its own requests there, which it counts itself)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    OTHER_JOBS_FIELD_NUMBER: _builtins.int
+    pinned_blocks: _builtins.int
+    """Cache blocks held by pinned requests of every decode engine (and the unclaimed P/D legs'):
+    blocks new jobs cannot use until those are read, released or their lease ends.
+    """
+    other_jobs: _builtins.int
+    """Jobs of the other sessions (other decode engines) computing or waiting for a credit or for
+    blocks; this session's own are left out, as decode counts those exactly.
+    """
+    def __init__(
+        self,
+        *,
+        pinned_blocks: _builtins.int = ...,
+        other_jobs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["other_jobs", b"other_jobs", "pinned_blocks", b"pinned_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillLoad: _TypeAlias = PrefillLoad  # noqa: Y015
 
 @_typing.final
 class Drain(_message.Message):

@@ -1,0 +1,59 @@
+"""PeerLoad orders prefill peers (fewest jobs, then smallest pinned share; a peer that never
+reported loses ties); which failures before the manifest are retried elsewhere, and under which
+label; the TEST-ONLY job failure hook."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_svc.prefill_load import LoadReport, peer_load
+from decode_svc.prefill_retry import retry_reason
+from shared.errors import DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, Unavailable
+from shared.rpc import fault_hooks
+
+
+def test_jobs_first_then_the_pinned_share() -> None:
+    idle = peer_load(0, LoadReport(pinned_blocks=0, other_jobs=0), 64)
+    pinned = peer_load(0, LoadReport(pinned_blocks=48, other_jobs=0), 64)
+    busy_elsewhere = peer_load(0, LoadReport(pinned_blocks=0, other_jobs=2), 64)
+    assert idle < pinned < busy_elsewhere
+    assert peer_load(2, LoadReport(0, 0), 64) == busy_elsewhere  # our requests and the others' count alike
+    assert pinned.pinned_share == 0.75
+
+
+def test_a_peer_without_report_is_ranked_by_our_requests_and_loses_ties() -> None:
+    unknown = peer_load(0, None, 64)
+    assert peer_load(0, LoadReport(64, 0), 64) < unknown  # even a fully pinned known peer wins the tie
+    assert unknown < peer_load(1, LoadReport(0, 0), 64)  # but not against more jobs
+    assert peer_load(0, None, 64) == peer_load(0, None, 8)  # an all-unknown pool ties: round-robin
+
+
+@pytest.mark.parametrize(
+    ("error", "label"),
+    [
+        (Unavailable("session lost", reason="PEER_UNAVAILABLE"), "PEER_UNAVAILABLE"),
+        (Unavailable("draining", reason="DRAINING"), "DRAINING"),
+        (ResourceExhausted("no credit", reason="NO_CREDIT"), "NO_CREDIT"),
+        (ResourceExhausted("cache full", reason="CACHE_FULL"), "CACHE_FULL"),
+        (Unavailable("some other reason", reason="ELSEWHERE"), "UNAVAILABLE"),
+        (ResourceExhausted("plain"), "RESOURCE_EXHAUSTED"),
+    ],
+)
+def test_retried_failures_and_their_labels(error: Exception, label: str) -> None:
+    assert retry_reason(error) == label  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "error", [InvalidArgument("bad prompt", field="prompt_token_ids"), DeadlineExceeded("late"), Internal("bug")]
+)
+def test_failures_that_would_repeat_anywhere_are_not_retried(error: Exception) -> None:
+    assert retry_reason(error) is None  # type: ignore[arg-type]
+
+
+def test_the_fail_hook_fails_only_matching_jobs_with_the_status() -> None:
+    error = fault_hooks.failure_for("victim-1", "RESOURCE_EXHAUSTED:victim-")
+    assert isinstance(error, ResourceExhausted) and "TEST-ONLY" in error.message
+    assert fault_hooks.failure_for("other-1", "RESOURCE_EXHAUSTED:victim-") is None
+    assert isinstance(fault_hooks.failure_for("any", "UNAVAILABLE"), Unavailable)
+    with pytest.raises(ValueError, match="HYBRID_PD_TEST_FAIL"):
+        fault_hooks.failure_for("x", "NOT_A_STATUS")
