@@ -1,10 +1,10 @@
 """One Generate request, end to end on the decode side.
 
-validate -> pick a ready prefill peer (the least loaded) -> allocate local blocks (prompt +
-max_tokens, so decoding never waits for memory; queued while the cache is full) -> job on the
-peer's Session stream -> manifest -> one READ per (decode rank, prefill rank) -> [check the
-state: digests, and the recompute with --check-state] -> engine decode steps off the loop ->
-token chunks, then a summary.
+validate -> pick a ready prefill peer (the least loaded) -> allocate local blocks (the prompt and
+the first step; queued while the cache is full) -> job on the peer's Session stream -> manifest
+-> one READ per (decode rank, prefill rank) -> [check the state: digests, and the recompute with
+--check-state] -> engine decode steps off the loop, the blocks grown as the sequence crosses
+block boundaries (decode_svc/growing_blocks.py) -> token chunks, then a summary.
 
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from decode_svc import tokenizer
+from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed, remote_prefill_of
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
@@ -214,7 +215,8 @@ class Generation:
             peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
 
         key = req.request_id
-        local = await self.host.allocate_queued(key, len(req.prompt) + req.max_tokens, wait_deadline(deadline, loop.time()))
+        admit = admission_tokens(len(req.prompt))
+        local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
         compute = ComputeGuard(self.host)
         reads = ReadFence()
         try:
@@ -296,10 +298,10 @@ class Generation:
         decoder = tokenizer.for_engine(self.host.engine).stream()
         first_token_at: float | None = None
         generated = 0
-        capacity = self._capacity(local)
+        blocks = GrowingBlocks(self.host, local, len(req.prompt))
         sampling, stop = req.sampling, req.stop
         decode = await compute.run(
-            lambda: self.host.engine.start_decode(req.prompt, num_computed, local, capacity, sampling=sampling)
+            lambda: self.host.engine.start_decode(req.prompt, num_computed, local, blocks.ensure, sampling=sampling)
         )
         finish = None
         while finish is None:
@@ -307,6 +309,7 @@ class Generation:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
+            n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
             ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             generated += len(ids)
             if first_token_at is None:
@@ -390,22 +393,6 @@ class Generation:
             shown = "; ".join(mismatches[:5])
             raise DataLoss(f"transferred state differs from prefill's in {len(mismatches)} places: {shown}")
 
-    def _capacity(self, blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
-        """`ensure_capacity` for the engine: blocks for prompt + max_tokens are already there."""
-        current = [blocks]
-        loop = asyncio.get_running_loop()
-
-        def ensure(n: int) -> RequestBlocks:
-            have = self.host.blocks_per_group(n)
-            if all(len(ids) >= need for ids, need in zip(current[0].block_ids, have)):
-                return current[0]
-            # Called on the compute thread; the allocator lives on the loop.
-            future = asyncio.run_coroutine_threadsafe(_grow(self.host, current[0], n), loop)
-            current[0] = future.result()
-            return current[0]
-
-        return ensure
-
 
 async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any, T]) -> T:
     """Await `work`, but give up (cancelling it) as soon as the prefill session is lost: a dead or
@@ -422,7 +409,3 @@ async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any,
     if task.cancelled():
         raise session.ended_error()
     return task.result()
-
-
-async def _grow(host: EngineHost, blocks: RequestBlocks, n: int) -> RequestBlocks:
-    return host.grow(blocks, n)

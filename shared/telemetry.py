@@ -76,9 +76,16 @@ class Telemetry:
         self.build_info.labels(version=version(), role=role, python=platform.python_version()).set(1)
         # Both roles.
         self.blocks_in_use = Gauge(  # per engine, not per rank: one allocator serves every rank with the same ids
-            "hybrid_pd_blocks_in_use", "Cache blocks held by requests (every rank holds the same ids)", registry=both
+            "hybrid_pd_blocks_in_use",
+            "Cache blocks reserved by requests (decode: grown as they generate; every rank holds the same ids)",
+            registry=both,
         )
         self.blocks_capacity = Gauge("hybrid_pd_blocks_capacity", "Cache blocks of the engine (per rank)", registry=both)
+        self.requests_queued_for_blocks = Gauge(
+            "hybrid_pd_requests_queued_for_blocks",
+            "Requests (decode: to start or to grow) and jobs (prefill) held up until cache blocks are freed",
+            registry=both,
+        )
         self.queue_wait = Histogram(
             "hybrid_pd_queue_wait_seconds",
             "A request's (decode) or job's (prefill) wait for free cache blocks",

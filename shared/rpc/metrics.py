@@ -49,6 +49,7 @@ class ServiceMetrics:
         # One allocator per engine (a request's block ids are the same on every rank): one value.
         t.blocks_in_use.set_function(lambda: host.allocator.num_used)
         t.blocks_capacity.set_function(lambda: host.num_blocks)
+        t.requests_queued_for_blocks.set_function(lambda: host.waiting_for_blocks)
         host.on_queue_wait = t.queue_wait.observe
         self.gauge(
             "hybrid_pd_open_read_handles", "NIXL READ handles not released yet (in flight, or a cancel that failed)",

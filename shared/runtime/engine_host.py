@@ -117,6 +117,7 @@ class EngineHost:
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
+    waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
 
     def __post_init__(self) -> None:
@@ -261,24 +262,47 @@ class EngineHost:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
         `counted`: the wait goes to `on_queue_wait` (requests and jobs; not start-up probes)."""
+        started = asyncio.get_running_loop().time()
+        blocks = await self._when_free(
+            lambda: self.allocate(key, num_tokens), sum(self.blocks_per_group(num_tokens)), deadline, counted=counted
+        )
+        tracing.mark(Step.ALLOCATED)
+        if counted and self.on_queue_wait is not None:
+            self.on_queue_wait(asyncio.get_running_loop().time() - started)
+        return blocks
+
+    async def grow_queued(self, blocks: RequestBlocks, num_tokens: int, deadline: float) -> RequestBlocks:
+        """`grow`, but while the cache is full wait for frees until `deadline` (event-loop time),
+        then raise RESOURCE_EXHAUSTED. Decode, as a sequence crosses a block boundary."""
+        return await self._when_free(lambda: self.grow(blocks, num_tokens), sum(self.blocks_per_group(num_tokens)), deadline)
+
+    async def _when_free(
+        self, attempt: Callable[[], RequestBlocks], total_blocks: int, deadline: float, *, counted: bool = True
+    ) -> RequestBlocks:
+        """`attempt()` until it finds the blocks, waking at every free; RESOURCE_EXHAUSTED once
+        `deadline` passes, or at once when `total_blocks` exceed the whole cache. While it waits the
+        caller counts in `waiting_for_blocks` (`counted`)."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        while True:
-            try:
-                blocks = self.allocate(key, num_tokens)
-                tracing.mark(Step.ALLOCATED)
-                if counted and self.on_queue_wait is not None:
-                    self.on_queue_wait(loop.time() - started)
-                return blocks
-            except ResourceExhausted as e:
-                left = deadline - loop.time()
-                if left <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
-                    raise ResourceExhausted(
-                        f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL"
-                    ) from None
-                freed = self._freed
-                with contextlib.suppress(TimeoutError):  # full still: the loop says so
-                    await asyncio.wait_for(freed.wait(), left)
+        waiting = False
+        try:
+            while True:
+                try:
+                    return attempt()
+                except ResourceExhausted as e:
+                    left = deadline - loop.time()
+                    if left <= 0 or total_blocks > self.num_blocks:
+                        raise ResourceExhausted(
+                            f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL"
+                        ) from None
+                    if counted and not waiting:
+                        waiting = True
+                        self.waiting_for_blocks += 1
+                    freed = self._freed
+                    with contextlib.suppress(TimeoutError):  # full still: the loop says so
+                        await asyncio.wait_for(freed.wait(), left)
+        finally:
+            if waiting:
+                self.waiting_for_blocks -= 1
 
     # ---- compute ----
 

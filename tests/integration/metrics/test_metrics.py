@@ -53,6 +53,8 @@ async def test_metrics_after_requests() -> None:
     assert decode["hybrid_pd_request_duration_seconds_count"] == 4
     assert decode["hybrid_pd_inter_token_latency_seconds_count"] == 4 * 2  # 3 tokens: 2 gaps each
     assert decode["hybrid_pd_queue_wait_seconds_count"] == 4 and prefill["hybrid_pd_queue_wait_seconds_count"] == 4
+    # Nothing waits for blocks once every request ended (test_services_decode_blocks.py sees it at 1).
+    assert decode["hybrid_pd_requests_queued_for_blocks"] == 0 and prefill["hybrid_pd_requests_queued_for_blocks"] == 0
     # Buckets reach past a long prompt's TTFT (16 s seen at 60k tokens).
     assert 'hybrid_pd_time_to_first_token_seconds_bucket{le="120.0"}' in decode
     # Failure labels exist before any failure, so rate() starts from zero.

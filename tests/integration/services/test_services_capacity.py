@@ -40,12 +40,20 @@ async def until(condition: Any, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.01)
 
 
+class SlowerStamp(stamp.SlowStamp):
+    """FAKE (see stamp_engine.py): 32 steps take ~2.4 s, as long as the refused request must queue."""
+
+    step_seconds = 0.075
+
+
 async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     prefill = await start_prefill()
-    # 6 blocks: 2 Mamba + 4 attention blocks of 32 tokens; the hog takes all of them for ~2 s.
-    decode = await start_decode(prefill.port, "--num-blocks", "6", engine=stamp.SlowStamp)
+    # 6 blocks: 2 Mamba + 4 attention blocks of 32 tokens; the hog's prompt and first step (97
+    # tokens) take all of them at once, for ~2.4 s (decode blocks grow on demand, so a long
+    # prompt, not a long max_tokens, fills the cache at admission).
+    decode = await start_decode(prefill.port, "--num-blocks", "6", engine=SlowerStamp)
     channel = channel_to(decode.port)
-    hog = asyncio.ensure_future(generate(channel, [1] * 8, 120, timeout=30))
+    hog = asyncio.ensure_future(generate(channel, [1] * 96, 32, timeout=30))
     await until(lambda: decode.host.allocator.num_free == 0)
     # Decode takes the hog's blocks before its job reaches prefill: count only after prefill ran it.
     await until(lambda: prefill.host.engine.prefills == 1)
