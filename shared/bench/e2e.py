@@ -23,9 +23,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -37,19 +34,16 @@ import numpy as np
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.cpu import process_cpu_seconds
 from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
-from shared.bench.local_pair import LISTENING, LocalPair, start_pair
 from shared.bench.plotting import Chart, Series
 from shared.bench.progress import Progress
-from shared.bench.sizing import blocks_needed, prefill_tokens
+from shared.bench.setups import SETUPS, model_spec, start_setups
 from shared.bench.stats import Summary, json_number, ratio
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
-from shared.layout.spec import ModelSpec
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e/v1"
 TARGET_TTFT_RATIO = 1.10
-SETUPS = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
@@ -70,44 +64,6 @@ class E2EConfig:
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests_per_level or max(4, 2 * concurrency)
-
-
-class Colocated:
-    """The colocated_server process."""
-
-    def __init__(self, args: Sequence[str], timeout: float = 60.0) -> None:
-        cmd = [sys.executable, "-m", "shared.bench.colocated_server", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        output: list[str] = []
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("colocated server exited before listening:\n" + "".join(output[-20:]))
-            output.append(line)
-            match = LISTENING.search(line)
-            if match:
-                self.port = int(match.group(1))
-                break
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"colocated server did not listen within {timeout:.0f} s")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout or ()], daemon=True).start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @dataclass
@@ -195,73 +151,40 @@ async def _level(
     return LevelResult(setup, concurrency, list(timings), wall, used)
 
 
-def _spec(model: str, engine: str) -> ModelSpec:
-    if engine == "hf":
-        from shared.engine.hf.model_spec import hf_model_spec
-
-        return hf_model_spec(model)
-    return load_model(model)
-
-
 async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = _spec(cfg.model, cfg.engine)
-    prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
-    decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
-    top = max(cfg.concurrency)
-    p_blocks = top * blocks_needed(prefill, prefill_tokens(spec, cfg.prompt_tokens)) + 1
-    d_blocks = top * blocks_needed(decode, cfg.prompt_tokens + cfg.max_tokens) + 1
-    common = ["--model", cfg.model, "--engine", cfg.engine, "--kernel-block-size", str(cfg.kernel_block_size)]
+    spec = model_spec(cfg.model, cfg.engine)
     total = 2 * (cfg.warmup + sum(cfg.requests_at(c) for c in cfg.concurrency))
     progress = Progress("bench e2e", total, enabled=show_progress)
     progress.advance(0, "starting services")
-    pair: LocalPair = await start_pair(
-        [
-            *common,
-            "--tp",
-            str(cfg.prefill_tp),
-            "--num-blocks",
-            str(p_blocks),
-            "--engine-id",
-            "bench-e2e-prefill",
-            "--log-level",
-            "WARNING",
-        ],
-        [
-            *common,
-            "--tp",
-            str(cfg.decode_tp),
-            "--num-blocks",
-            str(d_blocks),
-            "--engine-id",
-            "bench-e2e-decode",
-            "--log-level",
-            "WARNING",
-        ],
-    )
-    colocated: Colocated | None = None
     levels: list[LevelResult] = []
     try:
-        colocated = Colocated([*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks)])
-        disagg_pids = [pair.prefill.proc.pid, pair.decode.proc.pid]
-        if cfg.warmup:  # first requests pay for lazy initialisation (torch, wire-up): not measured
-            warm = _prompts(cfg, spec.vocab_size, cfg.warmup, -1)
-            await _level("disaggregated", pair.decode.address, disagg_pids, warm, cfg, 1, progress)
-            await _level("colocated", colocated.address, [colocated.proc.pid], warm, cfg, 1, progress)
-        for level, c in enumerate(cfg.concurrency):
-            prompts = _prompts(cfg, spec.vocab_size, cfg.requests_at(c), level)
-            results = {setup: LevelResult(setup, c, [], 0.0, 0.0) for setup in SETUPS}
-            for part in _parts(len(prompts), cfg.interleave):
-                for setup, address, pids in (
-                    ("disaggregated", pair.decode.address, disagg_pids),
-                    ("colocated", colocated.address, [colocated.proc.pid]),
-                ):
-                    results[setup].add(await _level(setup, address, pids, [prompts[i] for i in part], cfg, c, progress))
-            levels += results.values()
+        async with start_setups(
+            spec,
+            model=cfg.model,
+            engine=cfg.engine,
+            prefill_tp=cfg.prefill_tp,
+            decode_tp=cfg.decode_tp,
+            kernel_block_size=cfg.kernel_block_size,
+            prompt_tokens=cfg.prompt_tokens,
+            max_tokens=cfg.max_tokens,
+            concurrent=max(cfg.concurrency),
+        ) as running:
+            address, pids = running.addresses, running.pids
+            if cfg.warmup:  # first requests pay for lazy initialisation (torch, wire-up): not measured
+                warm = _prompts(cfg, spec.vocab_size, cfg.warmup, -1)
+                for setup in SETUPS:
+                    await _level(setup, address[setup], pids[setup], warm, cfg, 1, progress)
+            for level, c in enumerate(cfg.concurrency):
+                prompts = _prompts(cfg, spec.vocab_size, cfg.requests_at(c), level)
+                results = {setup: LevelResult(setup, c, [], 0.0, 0.0) for setup in SETUPS}
+                for part in _parts(len(prompts), cfg.interleave):
+                    for setup in SETUPS:
+                        results[setup].add(
+                            await _level(setup, address[setup], pids[setup], [prompts[i] for i in part], cfg, c, progress)
+                        )
+                levels += results.values()
     finally:
         progress.finish()
-        if colocated is not None:
-            colocated.stop()
-        pair.stop()
     cross_spec = load_model(cfg.crossover_model) if cfg.crossover_model else spec
     crossover = bytes_by_prompt_length(
         build_engine_layout(cross_spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size),
@@ -396,14 +319,18 @@ def _f(value: Any, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def parse_levels(text: str) -> tuple[int, ...]:
-    """ "1,2,4,8" -> (1, 2, 4, 8); each level >= 1, no repeats, kept in the order given."""
+def parse_levels(text: str, what: str = "concurrency level") -> tuple[int, ...]:
+    """ "1,2,4,8" -> (1, 2, 4, 8); each value >= 1, no repeats, kept in the order given (also the
+    prompt lengths of the long-prompt workload, `what` naming them in the messages)."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
-        raise ValueError("give at least one concurrency level")
-    levels = tuple(int(p) for p in parts)
+        raise ValueError(f"give at least one {what}")
+    try:
+        levels = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{what}s must be integers, got {text!r}") from None
     if any(v < 1 for v in levels):
-        raise ValueError("concurrency levels must be >= 1")
+        raise ValueError(f"{what}s must be >= 1")
     if len(set(levels)) != len(levels):
-        raise ValueError("concurrency levels repeat")
+        raise ValueError(f"{what}s repeat")
     return levels

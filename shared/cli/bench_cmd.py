@@ -5,6 +5,7 @@
              descriptor per region, and a single-threaded memcpy of the same bytes
   control    control-plane cost of one request with a tiny state (median and p99)
   e2e        TTFT, inter-token latency and tokens/s, disaggregated vs colocated, per concurrency
+             (--workload long-prompt: per prompt length; --workload multi-turn: per conversation turn)
   descids    micro-benchmark of per-request descriptor ids (read_indices) for 100k blocks
 
 Tables go to stdout, progress to stderr; --json prints one JSON object instead (a `schema` key
@@ -65,6 +66,15 @@ def _levels(text: str) -> tuple[int, ...]:
 
     try:
         return parse_levels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    from shared.bench.e2e import parse_levels
+
+    try:
+        return parse_levels(text, "prompt length")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -223,12 +233,40 @@ def _control(args: argparse.Namespace) -> int:
 # ---- e2e ----
 
 E2E_FLAGS = (
-    "model", "engine", "concurrency", "prompt-tokens", "max-tokens", "requests-per-level", "warmup", "interleave",
-    "prefill-tp", "decode-tp", "crossover-model",
+    "workload", "model", "engine", "concurrency", "prompt-tokens", "max-tokens", "requests-per-level", "warmup",
+    "interleave", "prefill-tp", "decode-tp", "crossover-model",
 )  # fmt: skip
+LONG_PROMPT_FLAGS = (
+    "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
+)  # fmt: skip
+MULTI_TURN_FLAGS = (
+    "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
+    "prefill-tp", "decode-tp",
+)  # fmt: skip
+WORKLOADS = ("concurrency", "long-prompt", "multi-turn")
+
+
+def _engine_and_model(args: argparse.Namespace) -> None:
+    """Fill in the workload's engine (concurrency: reference; the long ones: hf, whose prefill of
+    a 32k prompt takes seconds, not minutes) and model (reference: tiny-mamba2; hf: the tiny
+    checkpoint of --hf-family, made on first use)."""
+    if args.engine is None:
+        args.engine = "reference" if args.workload == "concurrency" else "hf"
+    if args.model is None:
+        if args.engine == "hf":
+            from shared.engine.hf.tiny_checkpoints import cached_checkpoint
+
+            args.model = cached_checkpoint(args.hf_family)
+        else:
+            args.model = "tiny-mamba2"
 
 
 def _e2e(args: argparse.Namespace) -> int:
+    _engine_and_model(args)
+    if args.workload == "long-prompt":
+        return _long_prompt(args)
+    if args.workload == "multi-turn":
+        return _multi_turn(args)
     from shared.bench.e2e import E2EConfig, e2e_charts, format_e2e, run_e2e
     from shared.bench.plotting import sibling
 
@@ -251,6 +289,51 @@ def _e2e(args: argparse.Namespace) -> int:
         return [(str(sibling(args.plot, tag)), figure) for tag, figure in e2e_charts(result)]
 
     return _finish(args, result, format_e2e(result), chart)
+
+
+def _no_chart(args: argparse.Namespace) -> None:
+    if args.plot:
+        print(f"--plot: the {args.workload} workload has no chart (its figures are in the table and --json)", file=sys.stderr)
+
+
+def _long_prompt(args: argparse.Namespace) -> int:
+    from shared.bench.long_prompt import LongPromptConfig, format_long_prompt, run_long_prompt
+
+    cfg = LongPromptConfig(
+        model=args.model,
+        engine=args.engine,
+        prompt_lengths=args.prompt_lengths,
+        requests_per_length=args.requests_per_length,
+        max_tokens=args.max_tokens,
+        warmup=args.warmup,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+    )
+    command = _command("e2e", args, LONG_PROMPT_FLAGS)
+    result = _run_async(run_long_prompt(cfg, command=command, show_progress=not args.no_progress))
+    _no_chart(args)
+    return _finish(args, result, format_long_prompt(result), None)
+
+
+def _multi_turn(args: argparse.Namespace) -> int:
+    from shared.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
+
+    cfg = MultiTurnConfig(
+        model=args.model,
+        engine=args.engine,
+        turns=args.turns,
+        conversations=args.conversations,
+        first_turn_tokens=args.first_turn_tokens,
+        turn_tokens=args.turn_tokens,
+        max_tokens=args.max_tokens,
+        warmup=args.warmup,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+    )
+    command = _command("e2e", args, MULTI_TURN_FLAGS)
+    result = _run_async(run_multi_turn(cfg, command=command, show_progress=not args.no_progress))
+    _no_chart(args)
+    return _finish(args, result, format_multi_turn(result), None)
 
 
 # ---- descids ----
@@ -350,17 +433,34 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser(
         "e2e",
         help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
-        description=_doc("shared.bench.e2e"),
+        description="\n\n".join(_doc(m) for m in ("shared.bench.e2e", "shared.bench.long_prompt", "shared.bench.multi_turn")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add(e, "model", "tiny-mamba2", "model preset, or with --engine hf a checkpoint directory", metavar="PRESET|DIR")
+    _add(
+        e,
+        "workload",
+        "concurrency",
+        "concurrency (levels of concurrent requests), long-prompt (TTFT and bytes per prompt length) or "
+        "multi-turn (conversations, each turn extending the previous one)",
+        choices=WORKLOADS,
+    )
+    _add(
+        e,
+        "model",
+        None,
+        "model preset, or with --engine hf a checkpoint directory (default: tiny-mamba2; with --engine hf the "
+        "tiny --hf-family checkpoint, made on first use)",
+        metavar="PRESET|DIR",
+    )
     _add(
         e,
         "engine",
-        "reference",
-        "reference (tiny models, real math), synthetic (real-model sizes, no math) or hf (a Hugging Face checkpoint)",
+        None,
+        "reference (tiny models, real math), synthetic (real-model sizes, no math) or hf (a Hugging Face "
+        "checkpoint); default reference for the concurrency workload, hf for long-prompt and multi-turn",
         choices=("reference", "synthetic", "hf"),
     )
+    _add(e, "hf-family", "nemotron_h", "with --engine hf and no --model: the family of the tiny checkpoint", metavar="FAMILY")
     _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
     _add(
         e,
@@ -383,6 +483,26 @@ def register(subparsers: Any) -> None:
     )
     tp_flags(e)
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
+    _add(
+        e,
+        "prompt-lengths",
+        "8192,16384,32768",
+        "long-prompt: prompt lengths (the tiny hf checkpoint prefills 32k tokens in ~15 s on two cores)",
+        type=_lengths,
+        metavar="LIST",
+    )
+    _add(e, "requests-per-length", 2, "long-prompt: prompts per length, each on both setups", type=_positive, metavar="K")
+    _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
+    _add(e, "conversations", 2, "multi-turn: conversations, each on both setups", type=_positive, metavar="N")
+    _add(e, "first-turn-tokens", 2048, "multi-turn: the first turn's prompt length", type=_positive, metavar="N")
+    _add(
+        e,
+        "turn-tokens",
+        256,
+        "multi-turn: each later turn's new user message, after the previous answer",
+        type=_positive,
+        metavar="N",
+    )
     _common(e)
     e.set_defaults(func=_guarded(_e2e))
 

@@ -1,0 +1,201 @@
+"""`bench e2e --workload long-prompt`: what moving the state adds to TTFT at long prompts.
+
+At each prompt length, the same prompts go to both setups (setups.py), one request at a time,
+alternating which setup goes first, so drift on a shared machine hits both alike. Per length:
+- exposed transfer time: TTFT(disaggregated) - TTFT(colocated), paired per prompt (median
+  over the pairs), which holds the whole cost of disaggregation but also the run-to-run
+  spread of the prefill compute itself;
+- the same difference after taking each setup's server-reported prefill time out of its TTFT
+  (`-prefill`), which leaves the compute spread out: transfer, control plane, first step;
+- decode's READ time (first READ posted -> last done), its share of TTFT, and the bytes moved
+  by section (attention K/V, conv, SSM), as the decode service reports them;
+- whether both setups generated the same tokens.
+
+An engine that really computes is needed (prefill time must grow with the prompt): the hf
+engine on a tiny checkpoint (the default: prefill of a 32k prompt takes ~15 s on two cores) or
+the reference engine (tiny presets; a 2k prompt takes ~10 s, superlinear, so keep it under 4k).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from shared.bench.client import Timed, generate, seconds
+from shared.bench.progress import Progress
+from shared.bench.setups import SETUPS, model_spec, start_setups
+from shared.bench.stats import Summary, json_number, ratio
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+
+SCHEMA = "hybrid-pd.bench.e2e.long-prompt/v1"
+DEFAULT_PROMPT_LENGTHS = (8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class LongPromptConfig:
+    model: str
+    engine: str = "hf"
+    prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
+    requests_per_length: int = 2  # per setup
+    max_tokens: int = 8
+    warmup: int = 1  # unmeasured requests per setup first, at the shortest length
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    kernel_block_size: int = 16
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    """One prompt, generated on both setups."""
+
+    prompt_tokens: int
+    results: dict[str, Timed] = field(default_factory=dict)
+
+
+def _prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
+    spec = model_spec(cfg.model, cfg.engine)
+    rng = np.random.default_rng(cfg.seed)
+    total = 2 * (cfg.warmup + cfg.requests_per_length * len(cfg.prompt_lengths))
+    progress = Progress("bench e2e long-prompt", total, enabled=show_progress)
+    progress.advance(0, "starting services")
+    samples: list[Sample] = []
+    try:
+        async with start_setups(
+            spec,
+            model=cfg.model,
+            engine=cfg.engine,
+            prefill_tp=cfg.prefill_tp,
+            decode_tp=cfg.decode_tp,
+            kernel_block_size=cfg.kernel_block_size,
+            prompt_tokens=max(cfg.prompt_lengths),
+            max_tokens=cfg.max_tokens,
+            name="bench-long-prompt",
+        ) as running:
+            channels = {s: grpc.aio.insecure_channel(a) for s, a in running.addresses.items()}
+            stubs = {s: pb_grpc.DecodeServiceStub(c) for s, c in channels.items()}
+            try:
+                for _ in range(cfg.warmup):  # lazy initialisation and wire-up: not measured
+                    prompt = _prompt(rng, spec.vocab_size, min(cfg.prompt_lengths))
+                    for setup in SETUPS:
+                        await generate(stubs[setup], prompt, cfg.max_tokens, ignore_eos=True)
+                        progress.advance(1, f"warmup {setup}")
+                for n in cfg.prompt_lengths:
+                    for i in range(cfg.requests_per_length):
+                        prompt = _prompt(rng, spec.vocab_size, n)
+                        sample = Sample(n)
+                        for setup in SETUPS if i % 2 == 0 else SETUPS[::-1]:
+                            sample.results[setup] = await generate(stubs[setup], prompt, cfg.max_tokens, ignore_eos=True)
+                            progress.advance(1, f"{n} tokens {setup}")
+                        samples.append(sample)
+            finally:
+                for channel in channels.values():
+                    await channel.close()
+    finally:
+        progress.finish()
+    return build_long_prompt_result(cfg, samples, command)
+
+
+def _ms(values: Sequence[float]) -> dict[str, Any]:
+    return Summary.of([v for v in values if not math.isnan(v)]).scaled(1e3).as_dict()
+
+
+def _minus_prefill(t: Timed) -> float:
+    return t.ttft - seconds(t.summary.prefill_duration) if t.summary is not None else math.nan
+
+
+def length_row(n: int, samples: Sequence[Sample]) -> dict[str, Any]:
+    """The figures of one prompt length, from its samples."""
+    errors = [t.error for s in samples for t in s.results.values() if t.error]
+    ok = [s for s in samples if all(not t.error for t in s.results.values()) and len(s.results) == len(SETUPS)]
+    d = [s.results["disaggregated"] for s in ok]
+    c = [s.results["colocated"] for s in ok]
+    summaries = [t.summary for t in d if t.summary is not None]
+    first = summaries[0] if summaries else None
+    exposed = [a.ttft - b.ttft for a, b in zip(d, c)]
+    exposed_minus_prefill = [_minus_prefill(a) - _minus_prefill(b) for a, b in zip(d, c)]
+    read = [seconds(s.read_duration) for s in summaries]
+    d_ttft = Summary.of([t.ttft for t in d]).median
+    return {
+        "prompt_tokens": n,
+        "requests": len(samples),
+        "errors": errors[:5],
+        "ttft_ms": {"disaggregated": _ms([t.ttft for t in d]), "colocated": _ms([t.ttft for t in c])},
+        "prefill_ms": {
+            "disaggregated": _ms([seconds(t.summary.prefill_duration) for t in d if t.summary is not None]),
+            "colocated": _ms([seconds(t.summary.prefill_duration) for t in c if t.summary is not None]),
+        },
+        "ttft_ratio": json_number(ratio(d_ttft, Summary.of([t.ttft for t in c]).median)),
+        # Paired per prompt: disaggregated minus colocated.
+        "exposed_transfer_ms": _ms(exposed),
+        "exposed_minus_prefill_ms": _ms(exposed_minus_prefill),
+        "read_ms": _ms(read),
+        "read_share_of_ttft": Summary.of([r / t.ttft for r, t in zip(read, d) if t.ttft > 0]).as_dict(6),
+        "transferred_tokens": first.num_transferred_tokens if first else None,
+        "bytes": {
+            "attention": first.transfer.attention_bytes if first else None,
+            "conv": first.transfer.conv_bytes if first else None,
+            "ssm": first.transfer.ssm_bytes if first else None,
+            "total": first.transfer.total_bytes if first else None,
+        },
+        "reads": first.transfer.read_count if first else None,
+        "descriptors": first.transfer.descriptor_count if first else None,
+        "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(samples)}",
+    }
+
+
+def build_long_prompt_result(cfg: LongPromptConfig, samples: Sequence[Sample], command: str) -> dict[str, Any]:
+    rows = [length_row(n, [s for s in samples if s.prompt_tokens == n]) for n in cfg.prompt_lengths]
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "config": asdict(cfg) | {"prompt_lengths": list(cfg.prompt_lengths)},
+        "lengths": rows,
+    }
+
+
+def _f(value: Any, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mb(value: Any) -> str:
+    return "-" if value is None else f"{value / 1e6:.3f}"
+
+
+def format_long_prompt(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"bench e2e --workload long-prompt: {c['model']} ({c['engine']} engine), prefill TP {c['prefill_tp']} -> "
+        f"decode TP {c['decode_tp']}, {c['requests_per_length']} prompts per length, {c['max_tokens']} new tokens each",
+        "",
+        f"{'prompt':>7} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'exposed ms':>11} {'-prefill':>9} "
+        f"{'READ ms':>8} {'READ/TTFT':>10} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} {'same':>5}",
+    ]
+    for r in result["lengths"]:
+        share = r["read_share_of_ttft"]["median"]
+        b = r["bytes"]
+        lines.append(
+            f"{r['prompt_tokens']:>7} {_f(r['ttft_ms']['disaggregated']['median'], 1):>10} "
+            f"{_f(r['ttft_ms']['colocated']['median'], 1):>10} {_f(r['ttft_ratio'], 3):>6} "
+            f"{_f(r['exposed_transfer_ms']['median'], 1):>11} {_f(r['exposed_minus_prefill_ms']['median'], 1):>9} "
+            f"{_f(r['read_ms']['median'], 2):>8} {_f(None if share is None else 100 * share, 3) + ' %':>10} "
+            f"{_mb(b['attention']):>8} {_mb(b['conv']):>8} {_mb(b['ssm']):>8} {r['tokens_match']:>5}"
+            + (f"  errors: {r['errors']}" if r["errors"] else "")
+        )
+    lines += [
+        "",
+        "exposed: TTFT disaggregated - colocated, paired per prompt (median); it carries the run-to-run spread of",
+        "the prefill compute too. -prefill: the same difference with each side's server-reported prefill time",
+        "taken out of its TTFT (transfer, control plane, first decode step). READ: decode's first READ posted ->",
+        "last READ done.",
+    ]
+    return "\n".join(lines)
