@@ -58,6 +58,10 @@ def test_huge_pages_take_the_services_spellings(monkeypatch: pytest.MonkeyPatch)
     [
         ["e2e", "--concurrency", "0,2"],
         ["e2e", "--concurrency", "2,2"],
+        ["e2e", "--prompt-lengths", "8192,0"],
+        ["e2e", "--prompt-lengths", "8k"],
+        ["e2e", "--workload", "chat"],
+        ["e2e", "--turns", "0"],
         ["transfer", "--requests", "0"],
         ["transfer", "--huge-pages", "maybe"],
         ["control", "--breakdown", "--separate-processes"],  # the breakdown needs both in one process
@@ -73,6 +77,26 @@ def test_parse_levels() -> None:
     assert parse_levels("1, 2 4") == (1, 2, 4)
     with pytest.raises(ValueError):
         parse_levels("")
+
+
+def test_e2e_workloads_pick_their_engine_and_model() -> None:
+    p = parser()
+    default = p.parse_args(["bench", "e2e"])
+    assert default.workload == "concurrency" and default.engine is None and default.model is None
+    bench_cmd._engine_and_model(default)
+    assert (default.engine, default.model) == ("reference", "tiny-mamba2")
+    long = p.parse_args(["bench", "e2e", "--workload", "long-prompt", "--model", "CKPT"])
+    assert long.prompt_lengths == (8192, 16384, 32768) and long.requests_per_length == 2
+    bench_cmd._engine_and_model(long)
+    assert (long.engine, long.model) == ("hf", "CKPT")  # a given model is kept
+    chat = p.parse_args(["bench", "e2e", "--workload", "multi-turn", "--engine", "reference", "--prompt-lengths", "64,128"])
+    assert (chat.turns, chat.conversations, chat.first_turn_tokens, chat.turn_tokens) == (4, 2, 2048, 256)
+    assert chat.prompt_lengths == (64, 128)
+    bench_cmd._engine_and_model(chat)
+    assert (chat.engine, chat.model) == ("reference", "tiny-mamba2")
+    assert bench_cmd._command("e2e", chat, bench_cmd.MULTI_TURN_FLAGS).startswith(
+        "hybrid-pd bench e2e --workload multi-turn --model tiny-mamba2 --engine reference --turns 4"
+    )
 
 
 def test_descids_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,111 @@
+"""The long-prompt and multi-turn workloads of `bench e2e`: their reports from recorded results
+(pure), and each run end to end at tiny sizes on real services (no time is asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from shared.bench.client import Timed
+from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
+from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.proto_time import duration
+
+
+def summary(prompt: int, attention: int, *, prefill: float, read: float = 0.0) -> pb.GenerateSummary:
+    return pb.GenerateSummary(
+        prompt_token_count=prompt,
+        num_transferred_tokens=prompt - 1,
+        transfer=pb.TransferStats(attention_bytes=attention, conv_bytes=10, ssm_bytes=100, total_bytes=attention + 110),
+        prefill_duration=duration(prefill),
+        read_duration=duration(read),
+    )
+
+
+def timed(ttft: float, tokens: list[int], s: pb.GenerateSummary) -> Timed:
+    return Timed(sent=0.0, token_ids=tokens, first_token=ttft, last_token=ttft + 0.1, done=ttft + 0.1, summary=s)
+
+
+@pytest.mark.timeout(30)
+def test_long_prompt_report_pairs_the_setups_per_prompt() -> None:
+    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=2)
+    samples = [
+        Sample(64, {"disaggregated": timed(1.25, [1, 2], summary(64, 4096, prefill=1.0, read=0.05)),
+                    "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=0.9))}),
+        Sample(64, {"disaggregated": timed(2.0, [3, 4], summary(64, 4096, prefill=1.8, read=0.05)),
+                    "colocated": timed(2.5, [3, 5], summary(64, 0, prefill=2.4))}),
+    ]  # fmt: skip
+    r = build_long_prompt_result(cfg, samples, "test")
+    row = r["lengths"][0]
+    assert row["exposed_transfer_ms"]["count"] == 2
+    assert row["exposed_transfer_ms"]["median"] == pytest.approx(-125.0)  # (+250, -500) ms, paired
+    assert row["exposed_minus_prefill_ms"]["median"] == pytest.approx(125.0)  # (+150, +100) ms: the prefill spread out
+    assert row["read_ms"]["median"] == pytest.approx(50.0)
+    assert row["bytes"] == {"attention": 4096, "conv": 10, "ssm": 100, "total": 4206}
+    assert row["transferred_tokens"] == 63
+    assert row["tokens_match"] == "1/2"  # the second prompt's tokens differ: counted, not hidden
+    json.dumps(r)
+    assert "1/2" in format_long_prompt(r)
+
+
+@pytest.mark.timeout(30)
+def test_multi_turn_report_sets_attention_bytes_against_the_new_tokens() -> None:
+    cfg = MultiTurnConfig(model="m", turns=2, conversations=1, first_turn_tokens=64, turn_tokens=28, max_tokens=4)
+    turns = [
+        Turn(0, 1, 64, 64, {"disaggregated": timed(1.0, [1] * 4, summary(64, 63 * 8, prefill=0.9)),
+                            "colocated": timed(1.0, [1] * 4, summary(64, 0, prefill=0.9))}),
+        Turn(0, 2, 96, 32, {"disaggregated": timed(1.0, [2] * 4, summary(96, 95 * 8, prefill=0.9)),
+                            "colocated": timed(1.0, [2] * 4, summary(96, 0, prefill=0.9))}),
+    ]  # fmt: skip
+    r = build_multi_turn_result(cfg, turns, "test")
+    first, second = r["turns"]
+    assert (first["new_tokens"], second["new_tokens"]) == (64, 32)
+    assert first["attention_bytes_if_only_new"] == 63 * 8  # turn 1: everything is new
+    assert second["attention_bytes_if_only_new"] == 32 * 8
+    assert second["attention_bytes_per_new_token"] == pytest.approx(95 * 8 / 32)
+    assert r["later_turns"]["reuse_would_save_share"] == pytest.approx(1 - 32 / 95, rel=1e-3)  # 4 significant digits
+    assert first["tokens_match"] == second["tokens_match"] == "1/1"
+    json.dumps(r)
+    assert "would be saved" in format_multi_turn(r)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_long_prompt_runs_both_setups_at_each_length() -> None:
+    cfg = LongPromptConfig(
+        model="tiny-mamba2", engine="reference", prompt_lengths=(48, 112), requests_per_length=1, max_tokens=3, warmup=0
+    )
+    r = asyncio.run(run_long_prompt(cfg, command="test", show_progress=False))
+    short, long = r["lengths"]
+    assert [short["prompt_tokens"], long["prompt_tokens"]] == [48, 112]
+    for row, n in ((short, 48), (long, 112)):
+        assert row["errors"] == [] and row["tokens_match"] == "1/1"
+        assert row["transferred_tokens"] == n - 1  # SSM layers: decode computes the last token
+        b = row["bytes"]
+        assert b["total"] == b["attention"] + b["conv"] + b["ssm"] and b["ssm"] > 0
+        assert row["ttft_ms"]["disaggregated"]["count"] == row["ttft_ms"]["colocated"]["count"] == 1
+        assert row["read_ms"]["count"] == 1
+    assert long["bytes"]["attention"] > short["bytes"]["attention"]  # K/V grows with the prompt
+    assert long["bytes"]["ssm"] == short["bytes"]["ssm"]  # the recurrent state does not
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_multi_turn_extends_each_prompt_and_reads_it_all_again() -> None:
+    cfg = MultiTurnConfig(
+        model="tiny-mamba2", engine="reference", turns=3, conversations=1, first_turn_tokens=32, turn_tokens=16,
+        max_tokens=4, warmup=0,
+    )  # fmt: skip
+    r = asyncio.run(run_multi_turn(cfg, command="test", show_progress=False))
+    rows = r["turns"]
+    assert [t["prompt_tokens"] for t in rows] == [32, 52, 72]  # + 4 answer + 16 message per turn
+    assert [t["new_tokens"] for t in rows] == [32, 20, 20]
+    assert [t["transferred_tokens"] for t in rows] == [31, 51, 71]  # the whole prompt, every turn
+    assert all(t["errors"] == [] and t["tokens_match"] == "1/1" for t in rows)
+    attention = [t["bytes"]["attention"] for t in rows]
+    assert attention[0] < attention[1] < attention[2]  # no prefix reuse: grows with the prompt
+    assert len({t["bytes"]["ssm"] for t in rows}) == 1 and rows[0]["bytes"]["conv"] > 0
+    assert r["later_turns"]["reuse_would_save_share"] > 0
