@@ -140,6 +140,10 @@ def length_row(n: int, samples: Sequence[Sample]) -> dict[str, Any]:
         "exposed_minus_prefill_ms": _ms(exposed_minus_prefill),
         "read_ms": _ms(read),
         "read_share_of_ttft": Summary.of([r / t.ttft for r, t in zip(read, d) if t.ttft > 0]).as_dict(6),
+        # The digests of the state (--verify-transfer digest, the default): prefill takes them
+        # before its manifest (inside prefill_ms), decode checks them before its first step.
+        "prefill_digest_ms": _ms([seconds(s.prefill_digest_duration) for s in summaries]),
+        "digest_check_ms": _ms([seconds(s.digest_check_duration) for s in summaries]),
         "transferred_tokens": first.num_transferred_tokens if first else None,
         "bytes": {
             "attention": first.transfer.attention_bytes if first else None,
@@ -178,7 +182,7 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         f"decode TP {c['decode_tp']}, {c['requests_per_length']} prompts per length, {c['max_tokens']} new tokens each",
         "",
         f"{'prompt':>7} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'exposed ms':>11} {'-prefill':>9} "
-        f"{'READ ms':>8} {'READ/TTFT':>10} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} {'same':>5}",
+        f"{'READ ms':>8} {'READ/TTFT':>10} {'digest ms':>9} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} {'same':>5}",
     ]
     for r in result["lengths"]:
         share = r["read_share_of_ttft"]["median"]
@@ -188,6 +192,7 @@ def format_long_prompt(result: dict[str, Any]) -> str:
             f"{_f(r['ttft_ms']['colocated']['median'], 1):>10} {_f(r['ttft_ratio'], 3):>6} "
             f"{_f(r['exposed_transfer_ms']['median'], 1):>11} {_f(r['exposed_minus_prefill_ms']['median'], 1):>9} "
             f"{_f(r['read_ms']['median'], 2):>8} {_f(None if share is None else 100 * share, 3) + ' %':>10} "
+            f"{_f(r['digest_check_ms']['median'], 2):>9} "
             f"{_mb(b['attention']):>8} {_mb(b['conv']):>8} {_mb(b['ssm']):>8} {r['tokens_match']:>5}"
             + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
@@ -196,6 +201,7 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         "exposed: TTFT disaggregated - colocated, paired per prompt (median); it carries the run-to-run spread of",
         "the prefill compute too. -prefill: the same difference with each side's server-reported prefill time",
         "taken out of its TTFT (transfer, control plane, first decode step). READ: decode's first READ posted ->",
-        "last READ done.",
+        "last READ done. digest: decode checking the state's digests before its first step (prefill's own digest",
+        "time is inside its prefill time).",
     ]
     return "\n".join(lines)

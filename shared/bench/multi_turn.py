@@ -152,6 +152,7 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
         "ttft_ms": {"disaggregated": _ms([r.ttft for r in d]), "colocated": _ms([r.ttft for r in c])},
         "ttft_ratio": json_number(ratio(d_ttft, c_ttft)),
         "read_ms": _ms([seconds(s.read_duration) for s in summaries]),
+        "digest_check_ms": _ms([seconds(s.digest_check_duration) for s in summaries]),
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(turns)}",
     }
 
