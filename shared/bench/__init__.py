@@ -22,5 +22,8 @@ echo             a bare grpc.aio stream round trip (the floor of a Session excha
 control          `bench control`: the control-plane cost of one request
 cpu              CPU seconds of a process (throughput per core used)
 colocated_server one process that prefills and decodes (the baseline of `bench e2e`)
+setups           both setups of `bench e2e` (service pair, colocated server), started side by side
 e2e              `bench e2e`: TTFT, inter-token latency, tokens/s, disaggregated vs colocated
+long_prompt      `bench e2e --workload long-prompt`: exposed transfer time and bytes per prompt length
+multi_turn       `bench e2e --workload multi-turn`: bytes moved and TTFT per turn of growing conversations
 """
