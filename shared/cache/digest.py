@@ -99,6 +99,26 @@ def _bytes(t: Tensor) -> memoryview:
     return t.contiguous().view(torch.uint8).cpu().numpy().data
 
 
+def _kernel_blocks(layout: EngineLayout, block_ids: npt.ArrayLike, num_tokens: int) -> Tensor:
+    """The kernel blocks holding a request's first `num_tokens` tokens, in token order."""
+    needed = -(-num_tokens // layout.kernel_block_size)
+    ids = layout.kernel_block_ids(block_ids)
+    if ids.size < needed:
+        raise IndexError(f"{num_tokens} tokens need {needed} kernel blocks, the request has {ids.size}")
+    return torch.from_numpy(ids[:needed])
+
+
+def _token_major(fa: Tensor, kernel_blocks: Tensor, heads: slice, num_tokens: int) -> Tensor:
+    """K/V of heads `heads` for the first `num_tokens` tokens of `kernel_blocks`, as
+    [token, K|V, head, head_dim], in one pass: each block is transposed straight into its place
+    (indexing token by token, or gathering blocks and then transposing, copies more)."""
+    _, kv, _, slots, dim = fa.shape
+    out = torch.empty(kernel_blocks.numel(), slots, kv, heads.stop - heads.start, dim, dtype=fa.dtype)
+    for i, block in enumerate(kernel_blocks.tolist()):
+        out[i].copy_(fa[block, :, heads].permute(2, 0, 1, 3))  # [K|V, head, slot, dim] -> [slot, K|V, head, dim]
+    return out.view(-1, kv, heads.stop - heads.start, dim)[:num_tokens]
+
+
 def state_digests(
     layout: EngineLayout,
     ranks: Sequence[RankViews],
@@ -125,7 +145,6 @@ def state_digests(
     source_index = {
         "fa": kv_head_index, "conv": conv_channel_index, "ssm": ssm_row_index,
     }  # fmt: skip
-    positions = np.arange(num_tokens)
     out: list[SectionDigest] = []
     for p in range(src.tp):
 
@@ -137,10 +156,13 @@ def state_digests(
         for g, group in enumerate(layout.groups):
             if group.kind == "attention":
                 h = xxhash.xxh3_128()
-                kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(block_ids[g], positions))
+                kernel_blocks = _kernel_blocks(layout, block_ids[g], num_tokens)
                 head_runs = runs("fa")
                 for region in range(len(group.layers)):
-                    pieces = [ranks[r.rank].fa[region][kernel, :, r.local : r.local + r.length, slot, :] for r in head_runs]
+                    pieces = [
+                        _token_major(ranks[r.rank].fa[region], kernel_blocks, slice(r.local, r.local + r.length), num_tokens)
+                        for r in head_runs
+                    ]
                     h.update(_bytes(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)))
                 out.append(SectionDigest(p, "fa", g, h.digest()))
                 continue
