@@ -6,6 +6,12 @@ the first step; queued while the cache is full) -> job on the peer's Session str
 --check-state] -> engine decode steps off the loop, the blocks grown as the sequence crosses
 block boundaries (decode_svc/growing_blocks.py) -> token chunks, then a summary.
 
+At the full-N boundary (--boundary full) the manifest brings the first output token, sampled
+by prefill: it goes to the client as soon as the READ is posted, before the READ completes (the
+transfer hides behind the first token), and decoding continues by feeding it. A first token that
+ends the request (a stop token, or max_tokens 1) needs no state at all: nothing is READ and
+prefill's pin is released at once.
+
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
 sight, decode_svc/learned_peers.py) and a `claim` of the request it pinned instead of a job.
@@ -50,8 +56,9 @@ from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import SamplingParams
-from shared.engine.stopping import StopRule, steps
-from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, InvalidArgument, Unavailable
+from shared.engine.stopping import FinishReason, StopRule, steps
+from shared.engine.text import TextStream
+from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, Internal, InvalidArgument, Unavailable
 from shared.http.kv_transfer import RemotePrefill
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
@@ -146,6 +153,44 @@ def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) ->
         )
 
 
+class ClientStream:
+    """What the client has been sent: token chunks with their text, and when the first one left."""
+
+    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None) -> None:
+        self._text = text
+        self._started = started
+        self._telemetry = telemetry
+        self.generated = 0
+        self.first_token_at: float | None = None
+
+    def chunk(self, ids: list[int]) -> pb.GenerateResponse:
+        self.generated += len(ids)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            if self._telemetry is not None:
+                self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
+        return pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=self._text.feed(ids)))
+
+    def tail(self) -> pb.GenerateResponse | None:
+        """The text still held back (an incomplete character), if any."""
+        rest = self._text.finish()
+        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest)) if rest else None
+
+
+def first_token_of(manifest: Manifest, host: EngineHost, peer: str) -> int | None:
+    """The manifest's first token, which the full-N boundary needs and the n-1 boundary must not
+    have (the handshake made both engines state the same boundary: a mismatch is a peer bug)."""
+    full = host.engine.boundary == "full"
+    if full == (manifest.first_token is not None):
+        return manifest.first_token
+    said = "no first token" if full else f"first token {manifest.first_token}"
+    raise Internal(
+        f"prefill {peer} sent a manifest with {said}; this decode engine runs the {host.engine.boundary} boundary",
+        field="manifest.first_token_id",
+        reason="BAD_MANIFEST",
+    )
+
+
 class ComputeGuard:
     """Model calls of one request, on the compute thread. A cancelled request's call still runs
     to its end, so the request's blocks are freed only after the last call finished, and only
@@ -234,20 +279,45 @@ class Generation:
                 manifest = await session.claim(remote.request_id, remote.transfer_id)
             prefill_seconds = time.monotonic() - job_sent
             pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
+            out = ClientStream(tokenizer.for_engine(self.host.engine).stream(), req.started, self.telemetry)
             try:
                 if remote is not None:
                     computed = self.host.engine.num_prefill_tokens(len(req.prompt))
                     check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
-                stats = await _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
-                transfer = Transfer(link, manifest, stats, prefill_seconds)
+                first = first_token_of(manifest, self.host, link.engine_id)
+                ended = None if first is None else req.stop.finish(first, 1)
+                if ended is None:
+                    reading = asyncio.ensure_future(
+                        _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
+                    )
+                    try:
+                        if first is not None:
+                            yield out.chunk([first])  # while the READ runs: the transfer hides behind it
+                        stats = await reading
+                    finally:
+                        if not reading.done():  # the client went away during the first chunk
+                            reading.cancel()
+                            await asyncio.gather(reading, return_exceptions=True)
             except BaseException as e:
                 # Prefill may reuse its blocks once no READ of ours can still be reading them.
                 reason = f"read not completed: {type(e).__name__}"
                 reads.when_released(lambda: session.release(pinned_as, reason))
                 raise
+            if ended is not None:
+                assert first is not None
+                # The first token ended the request: the state is never needed, so never READ.
+                session.release(pinned_as, "the first token ended the request")
+                for response in (out.chunk([first]), out.tail()):
+                    if response is not None:
+                        yield response
+                yield self._summary(
+                    req, out, ended, Transfer(link, manifest, ReadStats(), prefill_seconds), transferred=0, read=False
+                )
+                return
             session.done_reading(pinned_as)
             self._count_read(stats)
-            async for response in self._decode(req, transfer, local, compute):
+            transfer = Transfer(link, manifest, stats, prefill_seconds)
+            async for response in self._decode(req, transfer, local, compute, out, first):
                 yield response
         finally:
             compute.free_when_idle(key, reads)
@@ -259,7 +329,11 @@ class Generation:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
         check_fits_prefill(self.host, link, req)
         now = asyncio.get_running_loop().time()
-        return session, link, await session.submit(req.request_id, req.prompt, wait_deadline(req.deadline, now) - now)
+        return (
+            session,
+            link,
+            await session.submit(req.request_id, req.prompt, wait_deadline(req.deadline, now) - now, req.sampling),
+        )
 
     def _count_retry(self, reason: str) -> None:
         if self.telemetry is not None:
@@ -282,10 +356,18 @@ class Generation:
             return await read_request(self.host, link, manifest, local, timeout=timeout, fence=reads)
 
     async def _decode(
-        self, req: RequestContext, transfer: Transfer, local: RequestBlocks, compute: ComputeGuard
+        self,
+        req: RequestContext,
+        transfer: Transfer,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode steps from the READ state (after `first_token`, already sent, at the full-N
+        boundary), streamed to the client, then the summary."""
         loop = asyncio.get_running_loop()
-        link, manifest, stats, started, deadline = transfer.link, transfer.manifest, transfer.stats, req.started, req.deadline
+        link, manifest, deadline = transfer.link, transfer.manifest, req.deadline
         await fault_hooks.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
         digest_check_seconds = 0.0
@@ -295,37 +377,47 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
-        decoder = tokenizer.for_engine(self.host.engine).stream()
-        first_token_at: float | None = None
-        generated = 0
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
         sampling, stop = req.sampling, req.stop
         decode = await compute.run(
-            lambda: self.host.engine.start_decode(req.prompt, num_computed, local, blocks.ensure, sampling=sampling)
+            lambda: self.host.engine.start_decode(
+                req.prompt, num_computed, local, blocks.ensure, sampling=sampling, first_token=first_token
+            )
         )
-        finish = None
+        finish: FinishReason | None = None
         while finish is None:
+            generated = out.generated
             if loop.time() > deadline:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
             n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
             ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
-            generated += len(ids)
-            if first_token_at is None:
-                first_token_at = time.monotonic()
-                if self.telemetry is not None:
-                    self.telemetry.time_to_first_token.observe(first_token_at - started)
-            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=decoder.feed(ids)))
-        tail = decoder.finish()
-        if tail:
-            yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
-        yield pb.GenerateResponse(
+            yield out.chunk(ids)
+        tail = out.tail()
+        if tail is not None:
+            yield tail
+        yield self._summary(req, out, finish, transfer, transferred=num_computed, digest_check_seconds=digest_check_seconds)
+
+    def _summary(
+        self,
+        req: RequestContext,
+        out: ClientStream,
+        finish: FinishReason,
+        transfer: Transfer,
+        *,
+        transferred: int,
+        digest_check_seconds: float = 0.0,
+        read: bool = True,
+    ) -> pb.GenerateResponse:
+        """`read`: False when the request ended before any state was READ (or checked)."""
+        link, manifest, stats, started = transfer.link, transfer.manifest, transfer.stats, req.started
+        return pb.GenerateResponse(
             summary=pb.GenerateSummary(
                 request_id=req.request_id,
                 prompt_token_count=len(req.prompt),
-                generated_token_count=generated,
-                num_transferred_tokens=num_computed,
+                generated_token_count=out.generated,
+                num_transferred_tokens=transferred,
                 finish_reason=finish_reason_message(finish),
                 prefill_engine_id=link.engine_id,
                 prefill_target=link.target,
@@ -339,13 +431,13 @@ class Generation:
                 ),
                 prefill_duration=duration(transfer.prefill_seconds),
                 read_duration=duration(stats.seconds),
-                time_to_first_token=duration((first_token_at or time.monotonic()) - started),
+                time_to_first_token=duration((out.first_token_at or time.monotonic()) - started),
                 total_duration=duration(time.monotonic() - started),
-                state_verified=self.check_state,
-                digests_verified=self.host.verify_transfer,
+                state_verified=self.check_state and read,
+                digests_verified=self.host.verify_transfer and read,
                 digest_check_duration=duration(digest_check_seconds),
                 prefill_digest_duration=nanoseconds(manifest.digest_ns),
-                seed=sampling.seed,
+                seed=req.sampling.seed,
             )
         )
 

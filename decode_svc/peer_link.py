@@ -71,7 +71,9 @@ class PeerLink:
     def manifest_source(self, digests_required: bool) -> ManifestSource:
         """What a manifest from this peer must fit (its layout's groups and blocks)."""
         r = self.remote
-        return ManifestSource(r.engine_id, len(r.groups), r.num_logical_blocks, digests_required=digests_required)
+        return ManifestSource(
+            r.engine_id, len(r.groups), r.num_logical_blocks, digests_required=digests_required, vocab_size=r.model.vocab_size
+        )
 
     def readers_per_prefill_rank(self) -> list[int]:
         """How many decode ranks read from (and notify) each prefill rank per request."""

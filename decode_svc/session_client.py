@@ -28,11 +28,13 @@ import grpc
 from decode_svc.prefill_load import LoadReport, report_from_message
 from shared import tracing
 from shared.cache.manifest import Manifest
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import ServiceError, Unavailable, error_for_status
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message
 from shared.rpc.proto_time import duration, seconds
+from shared.rpc.sampling_message import job_sampling_message
 from shared.rpc.status import code_name, describe, from_rpc_status
 from shared.tracing import Step
 
@@ -94,9 +96,11 @@ class SessionClient:
 
     # ---- requests ----
 
-    async def submit(self, request_id: str, prompt: Sequence[int], timeout: float | None) -> Manifest:
+    async def submit(
+        self, request_id: str, prompt: Sequence[int], timeout: float | None, sampling: SamplingParams = GREEDY
+    ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError."""
-        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt))
+        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt), sampling=job_sampling_message(sampling))
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         return await self._ask(request_id, pb.SessionRequest(job=job))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from prefill_svc.jobs import Job, JobRunner
 from prefill_svc.pins import UNCLAIMED, PinTable
 from shared.cache.manifest import Manifest
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import AlreadyExists, FailedPrecondition
 
 # The prefill leg waits this long for cache blocks while the cache is full (then 429).
@@ -35,14 +36,22 @@ class Handoffs:
     def __len__(self) -> int:
         return len(self._unclaimed)
 
-    async def prefill(self, request_id: str, prompt: Sequence[int], timeout: float = PREFILL_LEG_TIMEOUT_SECONDS) -> Manifest:
-        """Compute and pin the prompt's state for whoever claims it (errors name `job.*` fields)."""
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        timeout: float = PREFILL_LEG_TIMEOUT_SECONDS,
+        *,
+        sampling: SamplingParams = GREEDY,
+    ) -> Manifest:
+        """Compute and pin the prompt's state for whoever claims it (errors name `job.*` fields);
+        at the full-N boundary its first token is drawn with `sampling`."""
         if self.pins.lookup(UNCLAIMED, request_id) is not None:
             raise AlreadyExists(
                 f"{request_id!r} is already prefilled here and waits for its decode engine", field="job.request_id"
             )
         deadline = asyncio.get_running_loop().time() + timeout
-        job = Job(request_id, list(prompt), deadline, owner=UNCLAIMED, readers_per_rank=[])
+        job = Job(request_id, list(prompt), deadline, owner=UNCLAIMED, readers_per_rank=[], sampling=sampling)
         manifest = await self.runner.run(job)
         # No await since the pin was made: it cannot have ended yet.
         pin = self.pins.lookup(UNCLAIMED, request_id)

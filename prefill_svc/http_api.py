@@ -11,6 +11,7 @@ Anything but a prefill leg is a 400: this engine only prefills.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from prefill_svc.handoff import Handoffs
 from shared.config import split_advertised
+from shared.engine.sampling import SamplingError, SamplingParams
 from shared.errors import InvalidArgument, ServiceError
 from shared.http import objects
 from shared.http.app import ServiceInfo, api, check_model, json_body
@@ -29,6 +31,7 @@ from shared.http.chat_template import ChatTemplate
 from shared.http.errors import renamed
 from shared.http.kv_transfer import prefill_answer, wants_remote_decode
 from shared.http.params import ChatParams, CompletionParams, parse_chat, parse_completion
+from shared.http.params import SamplingParams as HttpSampling
 from shared.http.render import prompt_ids
 from shared.runtime.engine_host import EngineHost
 
@@ -44,6 +47,17 @@ def advertised_address(advertise: str | None, listen_host: str, grpc_port: int) 
         return host, port if port is not None else grpc_port
     host = listen_host.strip("[]") if listen_host not in WILDCARD_HOSTS else socket.gethostname()
     return host, grpc_port
+
+
+def first_token_sampling(s: HttpSampling) -> SamplingParams:
+    """How the prefill leg draws the first token at the full-N boundary: with the body's sampling,
+    as the decode leg (sent the same body) draws the rest. Without a seed in the body each leg
+    picks its own, so only seeded sampled requests are reproducible across the two legs."""
+    seed = s.seed % 2**64 if s.seed is not None else (secrets.randbits(64) if s.temperature > 0 else 0)
+    try:
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed)
+    except SamplingError as e:
+        raise InvalidArgument(e.detail, field=e.field) from None
 
 
 class PrefillHttp:
@@ -87,7 +101,7 @@ class PrefillHttp:
         rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         names = {"job.prompt_token_ids": prompt_field, "job.request_id": "X-Request-Id", "job.timeout": "kv_transfer_params"}
         try:
-            manifest = await self.handoffs.prefill(rid, ids)
+            manifest = await self.handoffs.prefill(rid, ids, sampling=first_token_sampling(params.sampling))
         except ServiceError as e:
             raise renamed(e, names) from None
         host, port = self.address()

@@ -17,11 +17,13 @@ from shared import tracing
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, state_digests
 from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.proto_time import seconds
+from shared.rpc.sampling_message import sampling_of_job
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 
@@ -35,12 +37,13 @@ class Job:
     deadline: float | None  # event-loop time; None: the job has no deadline
     owner: str  # the decode incarnation whose pin this becomes
     readers_per_rank: list[int]  # decode ranks that READ from each prefill rank
+    sampling: SamplingParams = GREEDY  # draws the first output token at the full-N boundary
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
     """The job once as domain values; `now` is event-loop time (the timeout travels as a duration)."""
     deadline = now + seconds(job.timeout) if job.HasField("timeout") else None
-    return Job(job.request_id, list(job.prompt_token_ids), deadline, owner, readers_per_rank)
+    return Job(job.request_id, list(job.prompt_token_ids), deadline, owner, readers_per_rank, sampling_of_job(job))
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -83,9 +86,9 @@ class JobRunner:
         tid = self.next_transfer_id()
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
-        compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(prompt, blocks, computed, job.request_id)))
+        compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(job, blocks, computed)))
         try:
-            digests, digest_seconds = await asyncio.shield(compute)
+            first_token, digests, digest_seconds = await asyncio.shield(compute)
         except asyncio.CancelledError:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
@@ -122,23 +125,22 @@ class JobRunner:
             digests=tuple(digests),
             digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
             digest_ns=int(digest_seconds * 1e9),
+            first_token=first_token,
         )
 
-    def _compute(
-        self, prompt: list[int], blocks: RequestBlocks, computed: int, request_id: str
-    ) -> tuple[list[SectionDigest], float]:
-        """On the compute thread: the engine writes the state, then its digests are taken
-        (returned with the seconds they took)."""
-        self.host.engine.prefill(prompt, blocks)
+    def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float]:
+        """On the compute thread: the engine writes the state (and at the full-N boundary samples
+        the first token), then its digests are taken (returned with the seconds they took)."""
+        first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
         if not self.host.verify_transfer:
-            return [], 0.0
+            return first_token, [], 0.0
         started = time.monotonic()
         digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed)
         took = time.monotonic() - started
-        section = fault_hooks.corruption_for(request_id)
+        section = fault_hooks.corruption_for(job.request_id)
         if section is not None:
             _flip_one_byte(self.host, blocks, section)
-        return digests, took
+        return first_token, digests, took
 
 
 def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str) -> None:

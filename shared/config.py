@@ -81,6 +81,7 @@ class ServiceSettings:
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
+    boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
 
     @property
     def listen_address(self) -> str:
@@ -249,6 +250,14 @@ FLAGS: tuple[Flag, ...] = (
         "dtype",
         choice("fp32", "bf16", "fp16"),
         "--engine hf: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
+    ),
+    Flag(
+        "boundary",
+        choice("n-1", "full"),
+        "where prefill stops; both services of a pair must use the same. full: prefill computes all N prompt "
+        "tokens and samples the first output token, which decode streams before its READ completes "
+        "(bit-identical to transformers' generate(); --engine hf only); n-1: prefill computes N-1, decode the "
+        "last (vLLM's convention). Default: full for --engine hf, n-1 for the others",
     ),
     Flag(
         "num-blocks",
@@ -598,6 +607,16 @@ def _engine(value: object, model: str) -> EngineKind:
     return default_engine(model)
 
 
+def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", "full"]:
+    """--boundary, or the engine's default: full where the engine samples in prefill (hf)."""
+    if value is None:
+        return "full" if engine == "hf" else "n-1"
+    if value == "full" and engine != "hf":
+        where = " (from HYBRID_PD_BOUNDARY)" if source == "env" else ""
+        raise SettingsError(f"--boundary{where} = 'full' needs --engine hf; the {engine} engine runs n-1 only")
+    return "full" if value == "full" else "n-1"
+
+
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
@@ -615,13 +634,15 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
     # Without --prefill a decode engine serves only the decode leg of a P/D router (it learns
     # each prefill engine from the request's kv_transfer_params).
     prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
+    engine = _engine(values["engine"], _req(values, "model", str))
     return ServiceSettings(
         role=role,
         model=_req(values, "model", str),
         tp=_req(values, "tp", int),
         device="cuda" if values["device"] == "cuda" else "cpu",
-        engine=_engine(values["engine"], _req(values, "model", str)),
+        engine=engine,
         engine_from_model=values["engine"] is None,
+        boundary=_boundary(values["boundary"], sources["boundary"], engine),
         num_blocks=num_blocks,
         memory_budget=memory_budget,
         block_size=_opt(values, "block_size", int),

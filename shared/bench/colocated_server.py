@@ -1,7 +1,8 @@
 """The colocated baseline of `bench e2e`: one process that prefills and decodes, behind the same
 DecodeService.Generate API as the decode service, so the same client measures both setups.
 
-Same engine, same cache layout (decode's TP), same single compute thread for model calls,
+Same engine, same cache layout (decode's TP), same boundary (at full, the first token is the
+one prefill sampled, sent before any decode step), same single compute thread for model calls,
 same streaming (the first token alone, then chunks of up to 16 tokens) and the same up-front
 allocation of prompt + max_tokens blocks as the decode service; no NIXL, no prefill peer.
 Prefill and decode steps of concurrent requests share the one compute thread, which is the
@@ -84,14 +85,21 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         blocks = self._allocate(key, len(prompt) + request.max_tokens)
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
-            await self._run(lambda: self.engine.prefill(prompt, blocks))
+            first = await self._run(lambda: self.engine.prefill(prompt, blocks, options.sampling))
             prefill_seconds = time.monotonic() - started
-            decode = await self._run(
-                lambda: self.engine.start_decode(prompt, computed, blocks, lambda n: blocks, sampling=options.sampling)
-            )
             generated = 0
             first_token_at: float | None = None
             finish = None
+            if first is not None:  # the full-N boundary: prefill sampled the first token
+                first_token_at = time.monotonic()
+                generated, finish = 1, options.stop.finish(first, 1)
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[first]))
+            if finish is None:
+                decode = await self._run(
+                    lambda: self.engine.start_decode(
+                        prompt, computed, blocks, lambda n: blocks, sampling=options.sampling, first_token=first
+                    )
+                )
             while finish is None:
                 n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
                 ids, finish = await self._run(functools.partial(steps, decode, n, options.stop, generated))
@@ -128,9 +136,11 @@ def colocated_servicer(
     kernel_block_size: int = 16,
     dtype: str | None = None,
     device: str = "cpu",
+    boundary: str | None = None,
 ) -> ColocatedServicer:
     """The servicer over a fresh engine: `model` is a preset name, or with `kind` hf a checkpoint
-    directory (computed in `dtype`, default the checkpoint's, on `device`)."""
+    directory (computed in `dtype`, default the checkpoint's, on `device`). `boundary`: as the
+    services' --boundary (default: full for hf, n-1 for the others)."""
     if kind == "hf":
         from shared.engine.hf.model_spec import hf_model_spec
 
@@ -140,7 +150,10 @@ def colocated_servicer(
     layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
     caches = [RankCache(layout.num_regions, num_blocks, layout.page_bytes) for _ in range(tp)]
     views = [RankViews(layout, c) for c in caches]
-    engine = make_engine(kind, layout, views, model_dir=model if kind == "hf" else None, dtype=dtype, device=device)
+    chosen = boundary or ("full" if kind == "hf" else "n-1")
+    engine = make_engine(
+        kind, layout, views, model_dir=model if kind == "hf" else None, dtype=dtype, device=device, boundary=chosen
+    )
     return ColocatedServicer(layout, engine, num_blocks)
 
 
@@ -153,6 +166,7 @@ async def serve(args: argparse.Namespace) -> None:
         kernel_block_size=args.kernel_block_size,
         dtype=args.dtype,
         device=args.device,
+        boundary=args.boundary,
     )
     server = build_server()
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
@@ -172,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-mamba2", help="a preset, or with --engine hf a checkpoint directory")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="--engine hf: compute dtype")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--boundary", choices=("n-1", "full"), default=None, help="as the services' (default: full for hf)")
     parser.add_argument("--engine", choices=ENGINE_KINDS, default="reference")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-blocks", type=int, required=True)

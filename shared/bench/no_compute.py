@@ -13,6 +13,7 @@ from shared.cache.regions import RankCache
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout import boundary
+from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout
 
 
@@ -25,6 +26,7 @@ class NoComputeEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False
     tokenizer = None  # the byte tokenizer
+    boundary: Boundary = "n-1"
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache] = ()) -> None:
         self.spec = layout.spec
@@ -32,7 +34,7 @@ class NoComputeEngine:
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> None:
         return None
 
     def start_decode(
@@ -43,6 +45,7 @@ class NoComputeEngine:
         ensure_capacity: EnsureCapacity,
         *,
         sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> DecodeSession:
         return _NoComputeSession()
 

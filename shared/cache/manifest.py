@@ -31,6 +31,8 @@ class Manifest:
     digests: tuple[SectionDigest, ...] = ()
     digest_algorithm: str = ""  # "" when prefill took no digests
     digest_ns: int = 0
+    # The full-N boundary: the first output token prefill sampled (None at n-1).
+    first_token: int | None = None
 
     @property
     def lease_seconds(self) -> float:
@@ -43,7 +45,7 @@ class Manifest:
             np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
-        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns")
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more))
 
     __hash__ = None  # type: ignore[assignment]

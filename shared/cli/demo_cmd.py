@@ -143,7 +143,7 @@ def _label(model: str, engine: str) -> str:
 
 
 def _expect_hf(directory: str, results: list[RequestResult], max_tokens: int) -> None:
-    """transformers run colocated, at the services' N-1 boundary, stopping at the same EOS ids."""
+    """transformers run colocated, at the services' boundary for --engine hf (full), stopping at the same EOS ids."""
     from shared.engine.hf.checkpoint import HfCheckpoint
     from shared.engine.hf.colocated import colocated_generate
     from shared.engine.hf.model_spec import compute_dtype
@@ -152,7 +152,7 @@ def _expect_hf(directory: str, results: list[RequestResult], max_tokens: int) ->
     tokenizer = HfTokenizer(directory)
     checkpoint = HfCheckpoint(directory, dtype=compute_dtype(directory, None))
     for r in results:
-        r.expected = colocated_generate(checkpoint, tokenizer.encode(r.prompt), max_tokens, boundary="n-1").token_ids
+        r.expected = colocated_generate(checkpoint, tokenizer.encode(r.prompt), max_tokens, boundary="full").token_ids
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

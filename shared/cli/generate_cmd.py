@@ -119,9 +119,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--boundary",
         choices=("n-1", "full"),
-        default="n-1",
-        help="with --colocated --engine hf: n-1 (prefill N-1 tokens, step the last: what the services "
-        "run today) or full (prefill all N, sample the first token from it); default n-1",
+        default="full",
+        help="with --colocated --engine hf: full (prefill all N, sample the first token from it: the "
+        "services' default for --engine hf, bit-identical to transformers' generate()) or n-1 (prefill "
+        "N-1 tokens, step the last); default full",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")

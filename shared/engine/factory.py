@@ -27,7 +27,9 @@ def make_engine(
 ) -> Engine:
     """`ranks`: typed views of every rank's cache, in rank order. The hf engine also needs the
     checkpoint directory; it computes in `dtype` (default: the checkpoint's) on `device` (cuda:
-    cuda:0). `boundary` "n-1" is what today's wire protocol carries (no first token in it yet)."""
+    cuda:0). `boundary` "full" (prefill samples the first token) only the hf engine can run."""
+    if boundary != "n-1" and kind != "hf":
+        raise ValueError(f"boundary {boundary!r}: the {kind} engine runs the n-1 boundary only (full needs --engine hf)")
     if kind == "reference":
         if layout.spec.model_type != "reference":
             raise ValueError(

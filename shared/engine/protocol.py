@@ -18,6 +18,7 @@ import numpy as np
 
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.engine.text import Tokenizer
+from shared.layout.boundary import Boundary
 from shared.layout.spec import ModelSpec
 
 
@@ -46,6 +47,9 @@ class Engine(Protocol):
     eos_token_ids: frozenset[int]
     # Whether decode honours temperature / top_p / top_k / seed (the synthetic engine has no logits).
     samples: bool
+    # Where prefill stops (shared/layout/boundary.py): "full" only where the engine samples the
+    # first token in prefill (the hf engine); both engines of a pair must state the same.
+    boundary: Boundary
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -53,11 +57,13 @@ class Engine(Protocol):
         ...
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
-        """Tokens prefill computes: N - 1 for models with SSM layers (decode recomputes the last)."""
+        """Tokens prefill computes: at "n-1", N - 1 for models with SSM layers (decode recomputes
+        the last); at "full", N."""
         ...
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
-        """Compute tokens [0, num_prefill_tokens) and write every rank's shard into `blocks`."""
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
+        """Compute tokens [0, num_prefill_tokens) and write every rank's shard into `blocks`. At
+        the "full" boundary also sample output token 0 with `sampling` and return it; else None."""
         ...
 
     def start_decode(
@@ -68,9 +74,11 @@ class Engine(Protocol):
         ensure_capacity: EnsureCapacity,
         *,
         sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> DecodeSession:
         """Continue a request whose state for `num_computed` tokens sits in `blocks`, sampling
-        output token i with `sampling` at index i (greedy unless `samples`)."""
+        output token i with `sampling` at index i (greedy unless `samples`). At the "full"
+        boundary `first_token` is the token prefill sampled: the first step feeds it."""
         ...
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:

@@ -20,6 +20,7 @@ from shared.engine.reference.model import greedy
 from shared.engine.reference.state_store import read_global_state
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout import boundary
+from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout
 
 
@@ -66,6 +67,7 @@ class ReferenceEngine:
     eos_token_ids: frozenset[int] = frozenset()  # byte-level tiny models: no EOS
     samples = True
     tokenizer = None  # the byte tokenizer
+    boundary: Boundary = "n-1"
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec
@@ -80,7 +82,7 @@ class ReferenceEngine:
     def _store(self, blocks: RequestBlocks) -> PagedStateStore:
         return PagedStateStore(self.layout, self.ranks, blocks)
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> None:
         store = self._store(blocks)
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
@@ -93,7 +95,10 @@ class ReferenceEngine:
         ensure_capacity: EnsureCapacity,
         *,
         sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> DecodeSession:
+        if first_token is not None:
+            raise ValueError("first_token: this engine runs the n-1 boundary only (decode computes the last prompt token)")
         return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling)
 
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:

@@ -20,6 +20,7 @@ from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.layout import boundary
+from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import global_conv_dim, global_ssm_shape
 
@@ -33,6 +34,7 @@ def _seed(prompt: Sequence[int], *parts: object) -> int:
 class SyntheticEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False  # tokens come from a state checksum, not logits: greedy only
+    boundary: Boundary = "n-1"
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:
@@ -66,7 +68,7 @@ class SyntheticEngine:
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> None:
         store = PagedStateStore(self.layout, self.ranks, blocks)
         n = self.num_prefill_tokens(len(prompt))
         for layer in self.spec.attention_layers:
@@ -84,7 +86,10 @@ class SyntheticEngine:
         ensure_capacity: EnsureCapacity,
         *,
         sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> DecodeSession:
+        if first_token is not None:
+            raise ValueError("first_token: this engine runs the n-1 boundary only (decode computes the last prompt token)")
         if not sampling.greedy:
             raise ValueError("temperature: the synthetic engine decodes greedily only (it has no logits)")
         return SyntheticDecodeSession(self, prompt, num_computed, blocks, ensure_capacity)

@@ -39,11 +39,12 @@ class EngineFacts:
     tp: int
     kernel_block_size: int
     conv_layout: str = "ds"  # our layout math always stores conv state dim-major per rank
+    boundary: str = "n-1"  # where prefill stops (shared/layout/boundary.py): the engine's, not the layout's
     protocol_version: int = 0  # 0: not a live engine (a layout the plan was given)
     engine_id: str = ""
 
     @classmethod
-    def of(cls, layout: EngineLayout, *, protocol_version: int = 0, engine_id: str = "") -> EngineFacts:
+    def of(cls, layout: EngineLayout, *, protocol_version: int = 0, engine_id: str = "", boundary: str = "n-1") -> EngineFacts:
         spec = layout.spec
         return cls(
             model_name=spec.name,
@@ -61,6 +62,7 @@ class EngineFacts:
             kernel_block_size=layout.kernel_block_size,
             protocol_version=protocol_version,
             engine_id=engine_id,
+            boundary=boundary,
         )
 
 
@@ -74,7 +76,7 @@ class PairingIssue:
 def _shown(field: str, value: object) -> str:
     if field == "model.fingerprint":
         return str(value)[:12]
-    if isinstance(value, str) and not field.endswith(("dtype", "family", "conv_layout")):
+    if isinstance(value, str) and not field.endswith(("dtype", "family", "conv_layout", "boundary")):
         return repr(value)
     return str(value)
 
@@ -92,6 +94,7 @@ MUST_MATCH: tuple[tuple[str, str, str], ...] = (
     ("model.num_spec_tokens", "speculative conv rows", "num_spec_tokens"),
     ("model.vocab_size", "vocabulary size", "vocab_size"),
     ("conv_layout", "conv layout", "conv_layout"),
+    ("boundary", "prefill/decode boundary (--boundary)", "boundary"),
     ("num_regions", "regions", "num_regions"),
 )
 

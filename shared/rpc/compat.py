@@ -22,7 +22,7 @@ from shared.layout.page import EngineLayout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.layout_message import rank_geometry, rebuild_layout
+from shared.rpc.layout_message import BOUNDARY_NAMES, rank_geometry, rebuild_layout
 from shared.rpc.protocol_version import PROTOCOL_VERSION
 
 
@@ -51,6 +51,7 @@ def facts_of(msg: pb.EngineLayout) -> EngineFacts:
         conv_layout=_enum_text(pb.ConvLayout.Name, msg.conv_layout),
         protocol_version=msg.protocol_version,
         engine_id=msg.engine_id,
+        boundary=BOUNDARY_NAMES.get(msg.boundary, "unspecified"),
     )
 
 
@@ -86,6 +87,7 @@ def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssu
         f"{msg.num_physical_blocks} != num_logical_blocks x physical_per_logical",
     )
     need(msg.num_regions >= 1, "num_regions", "must be >= 1")
+    need(msg.boundary != pb.BOUNDARY_UNSPECIFIED, "boundary", "must be set (n-1 or full)")
     need(len(msg.groups) >= 1, "groups", "must list the KV-cache groups")
     for g, group in enumerate(msg.groups):
         need(group.kind != pb.GROUP_KIND_UNSPECIFIED, f"groups[{g}].kind", "must be set")

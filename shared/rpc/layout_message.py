@@ -30,6 +30,8 @@ FAMILIES: dict[str, int] = {
 GROUP_KINDS: dict[str, int] = {"attention": pb.GROUP_KIND_ATTENTION, "mamba": pb.GROUP_KIND_MAMBA}
 ROLES: dict[str, int] = {"prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE}
 DEVICE_TYPES: dict[str, int] = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA}
+BOUNDARIES: dict[str, int] = {"n-1": pb.BOUNDARY_N_MINUS_1, "full": pb.BOUNDARY_FULL}
+BOUNDARY_NAMES: dict[int, str] = {v: k for k, v in BOUNDARIES.items()}
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,9 @@ def engine_layout_message(
     incarnation: int,
     num_logical_blocks: int,
     ranks: Sequence[RankMemory],
+    boundary: str = "n-1",
 ) -> pb.EngineLayout:
+    """`boundary`: the engine's (--boundary), which its peer must share."""
     msg = pb.EngineLayout(
         protocol_version=PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -99,6 +103,7 @@ def engine_layout_message(
         num_logical_blocks=num_logical_blocks,
         num_physical_blocks=layout.num_kernel_blocks(num_logical_blocks),
         num_regions=layout.num_regions,
+        boundary=BOUNDARIES[boundary],  # type: ignore[arg-type]
         groups=[
             pb.CacheGroup(kind=GROUP_KINDS[g.kind], layer_indices=list(g.layers))  # type: ignore[arg-type]
             for g in layout.groups

@@ -3,7 +3,8 @@
 Prefill builds the message from its domain manifest (`manifest_message`, trusted). Decode turns
 the message into a domain manifest once, when it arrives (`manifest_from_message`), and refuses
 one that does not fit the prefill engine it came from, naming the field: group count and block
-ids against the peer's layout (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
+ids against the peer's layout, a first token outside the vocabulary or without the whole prompt
+computed (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
 another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
 mismatch). Nothing of a refused manifest is read.
 """
@@ -35,6 +36,7 @@ class ManifestSource:
     num_groups: int
     num_logical_blocks: int
     digests_required: bool  # this decode engine checks digests (--verify-transfer digest)
+    vocab_size: int = 0  # the model's; a first token must be below it (0: unchecked)
 
 
 def manifest_message(m: Manifest) -> pb.Manifest:
@@ -54,6 +56,8 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     msg.lease_duration.FromNanoseconds(m.lease_ns)
     msg.prefill_duration.FromNanoseconds(m.prefill_ns)
     msg.digest_duration.FromNanoseconds(m.digest_ns)
+    if m.first_token is not None:
+        msg.first_token_id = m.first_token
     return msg
 
 
@@ -97,6 +101,22 @@ def _digests(msg: pb.Manifest, source: ManifestSource) -> tuple[SectionDigest, .
     return tuple(digests)
 
 
+def _first_token(msg: pb.Manifest, source: ManifestSource) -> int | None:
+    """The full-N boundary's first token: it follows the whole prompt, and is a token."""
+    if not msg.HasField("first_token_id"):
+        return None
+    peer, token = source.engine_id, msg.first_token_id
+    if msg.num_computed_tokens != msg.prompt_token_count:
+        raise _bad(
+            f"prefill {peer} sent a first token with {msg.num_computed_tokens} of {msg.prompt_token_count} prompt tokens "
+            "computed (the full-N boundary computes them all)",
+            "manifest.first_token_id",
+        )
+    if source.vocab_size and token >= source.vocab_size:
+        raise _bad(f"prefill {peer} sent first token {token} >= the vocabulary's {source.vocab_size}", "manifest.first_token_id")
+    return int(token)
+
+
 def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
     """The domain manifest, or the error that names what does not fit `source`."""
     blocks = _block_ids(msg, source)
@@ -105,6 +125,7 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
             f"prefill {source.engine_id}: num_computed_tokens {msg.num_computed_tokens} > prompt {msg.prompt_token_count}",
             "manifest.num_computed_tokens",
         )
+    first_token = _first_token(msg, source)
     return Manifest(
         request_id=msg.request_id,
         transfer_id=msg.transfer_id,
@@ -117,4 +138,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         digests=_digests(msg, source),
         digest_algorithm=msg.digest_algorithm,
         digest_ns=msg.digest_duration.ToNanoseconds(),
+        first_token=first_token,
     )

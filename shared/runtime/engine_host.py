@@ -177,6 +177,7 @@ class EngineHost:
             incarnation=incarnation,
             num_logical_blocks=num_blocks,
             ranks=ranks,
+            boundary=engine.boundary,
         )
         host = cls(
             role=settings.role,
@@ -334,7 +335,15 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
         try:
             if settings is None:
                 return make_engine(kind, layout, views)
-            return make_engine(kind, layout, views, model_dir=settings.model, dtype=settings.dtype, device=settings.device)
+            return make_engine(
+                kind,
+                layout,
+                views,
+                model_dir=settings.model,
+                dtype=settings.dtype,
+                device=settings.device,
+                boundary=settings.boundary,
+            )
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e
 

@@ -8,9 +8,9 @@ process per side; TP only decides where the bytes live.
 
 Two boundaries (`boundary`):
 - "full" (the default): prefill computes all N prompt tokens and samples the first output
-  token (`prefill_and_sample`); decode resumes from the state after N, feeding that token.
+  token (`prefill`); decode resumes from the state after N, feeding that token.
   Bit-identical to transformers' generate() in fp32 and bf16.
-- "n-1" (vLLM's convention, today's wire protocol): prefill computes N-1 tokens, decode steps
+- "n-1" (vLLM's convention): prefill computes N-1 tokens, decode steps
   the last prompt token. Close to generate() but not bit-identical (a chunked scan over N
   tokens and a per-token step sum in different orders); disaggregated still equals colocated.
 """
@@ -103,7 +103,7 @@ class HfEngine:
         logits = self.checkpoint.forward(prompt[:length], 0, cache)
         return extract_state(cache, self.spec, length), logits
 
-    def prefill_and_sample(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
         """Write the prompt's state into `blocks`; at the full-N boundary also sample and return
         the first output token (output index 0), else None."""
         if not prompt:
@@ -117,11 +117,6 @@ class HfEngine:
             assert logits is not None
             return sample(logits, sampling, 0)
         return None
-
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
-        """The `Engine` protocol's prefill (today's services, N-1): greedy, no token returned.
-        At the full boundary the caller needs `prefill_and_sample`, which hands the token out."""
-        self.prefill_and_sample(prompt, blocks)
 
     # --- decode -------------------------------------------------------------------------
     def read_state(self, blocks: RequestBlocks, length: int) -> HfState:

@@ -99,6 +99,7 @@ class CorruptingEngine(ReferenceEngine):
         ensure_capacity: EnsureCapacity,
         *,
         sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
     ) -> DecodeSession:
         store = PagedStateStore(self.layout, self.ranks, blocks)
         self.corruption(self.model, store, prompt)

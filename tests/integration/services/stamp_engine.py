@@ -47,6 +47,7 @@ class _Session:
 class StampEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False
+    boundary = "n-1"
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache]) -> None:
@@ -72,7 +73,7 @@ class StampEngine:
                     pages.append((layer, cache.page(region, block)[: self.layout.mamba_bytes]))
         return pages
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: Any = None) -> None:
         for layer, page in self._mamba_pages(blocks):
             page.copy_(self._pattern(prompt, layer))
         self.prefills += 1
@@ -96,7 +97,7 @@ class SlowStamp(StampEngine):
     prefill_seconds = 0.3
     step_seconds = 0.02
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks) -> None:
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: Any = None) -> None:
         time.sleep(self.prefill_seconds)
         super().prefill(prompt, blocks)
 

@@ -1,13 +1,14 @@
-"""`--engine hf` through the real services (today's N-1 protocol): real grpc.aio servers on port
-0, real NIXL READs over UCX on DRAM, a tiny transformers checkpoint loaded from disk."""
+"""`--engine hf` through the real services at their default boundary for it (full-N): real
+grpc.aio servers on port 0, real NIXL READs over UCX on DRAM, a tiny transformers checkpoint
+loaded from disk. The full-N boundary itself (generate() equality, the first token before the
+READ, the N-1 mode) is tested in test_services_hf_boundary.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,90 +16,18 @@ import grpc
 import openai
 import pytest
 
-from decode_svc.app import DecodeApp
 from decode_svc.request_options import sampling_from
-from prefill_svc.app import PrefillApp
 from shared.bench.colocated_server import colocated_servicer
-from shared.config import parse_settings
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.tiny_checkpoints import build_checkpoint
 from shared.engine.hf.tokenizer import HfTokenizer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
-from shared.runtime.engine_host import engine_factory_for
 from tests.integration.services.colocated import colocated_port
+from tests.integration.services.hf_services import generate_ids, generate_with, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
-
-COMMON = [
-    "--engine",
-    "hf",
-    "--num-blocks",
-    "32",
-    "--port",
-    "0",
-    "--host",
-    "127.0.0.1",
-    "--loop",
-    "asyncio",
-    "--log-level",
-    "WARNING",
-]
-
-
-@asynccontextmanager
-async def hf_pair(
-    prefill_dir: str,
-    decode_dir: str,
-    p_tp: int,
-    d_tp: int,
-    *,
-    ready: bool = True,
-    decode_flags: tuple[str, ...] = (),
-) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
-    ps = parse_settings("prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp)], environ={})
-    prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
-    try:
-        ds = parse_settings(
-            "decode",
-            [
-                *COMMON,
-                "--model",
-                decode_dir,
-                "--tp",
-                str(d_tp),
-                "--check-state",
-                "--prefill",
-                f"127.0.0.1:{prefill.port}",
-                *decode_flags,
-            ],
-            environ={},
-        )
-        decode = await DecodeApp.start(ds, engine_factory_for("hf", ds))
-        try:
-            if ready:
-                await decode.wait_ready(30)
-            yield prefill, decode
-        finally:
-            await asyncio.wait_for(decode.stop(), 30)
-    finally:
-        await asyncio.wait_for(prefill.stop(), 30)
-
-
-async def _generate(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], dpb.GenerateSummary]:
-    ids: list[int] = []
-    summary = dpb.GenerateSummary()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = dpb_grpc.DecodeServiceStub(channel).Generate(
-            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60
-        )
-        async for reply in call:
-            if reply.HasField("chunk"):
-                ids.extend(reply.chunk.token_ids)
-            else:
-                summary = reply.summary
-    return ids, summary
 
 
 async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
@@ -112,10 +41,10 @@ async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
         assert prefill.host.message.model.fingerprint == decode.host.message.model.fingerprint
         block = decode.host.layout.block_size
         for prompt in ([42], [7, 8, 9, 10, 11], [(5 * i) % 150 + 4 for i in range(block + 1)]):
-            ids, summary = await _generate(decode.port, prompt, block // 2 + 3)
+            ids, summary = await generate_ids(decode.port, prompt, block // 2 + 3)
             # Off the event loop: the services in this process keep their heartbeats meanwhile.
             want = (
-                await asyncio.to_thread(colocated_generate, ckpt, prompt, block // 2 + 3, boundary="n-1", stop_at_eos=False)
+                await asyncio.to_thread(colocated_generate, ckpt, prompt, block // 2 + 3, boundary="full", stop_at_eos=False)
             ).token_ids
             assert ids == want, prompt
             assert summary.state_verified
@@ -142,24 +71,12 @@ async def test_different_weights_are_refused_naming_the_fingerprint(hf_checkpoin
 SEEDED = dpb.SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=1234)
 
 
-async def _generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
-    ids: list[int] = []
-    summary = dpb.GenerateSummary()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=60):
-            if reply.HasField("chunk"):
-                ids.extend(reply.chunk.token_ids)
-            else:
-                summary = reply.summary
-    return ids, summary
-
-
 async def test_hf_seeded_sampling_is_the_same_disaggregated_and_colocated(hf_checkpoint: Callable[[str], str]) -> None:
     directory = hf_checkpoint("nemotron_h")
     prompt = [(11 * i) % 300 + 4 for i in range(21)]
     ckpt = HfCheckpoint(directory, dtype="fp32")
     want = await asyncio.to_thread(
-        colocated_generate, ckpt, prompt, 12, boundary="n-1", sampling=sampling_from(SEEDED), stop_at_eos=False
+        colocated_generate, ckpt, prompt, 12, boundary="full", sampling=sampling_from(SEEDED), stop_at_eos=False
     )
     async with (
         hf_pair(directory, directory, 1, 2) as (_, decode),
@@ -171,12 +88,12 @@ async def test_hf_seeded_sampling_is_the_same_disaggregated_and_colocated(hf_che
                 sampling = dpb.SamplingParams()
                 sampling.CopyFrom(SEEDED)
                 sampling.seed = seed
-                ids, summary = await _generate_with(
+                ids, summary = await generate_with(
                     port, prompt_token_ids=prompt, max_tokens=12, sampling=sampling, ignore_eos=True
                 )
                 assert summary.finish_reason == dpb.FINISH_REASON_LENGTH and summary.seed == seed
                 runs[where, seed] = ids
-        greedy, _ = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
+        greedy, _ = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
     assert runs["disaggregated", 1234] == runs["colocated", 1234] == want.token_ids
     assert runs["disaggregated", 1235] == runs["colocated", 1235]
     assert runs["disaggregated", 1234] != runs["disaggregated", 1235]  # negative control: the seed decides
@@ -187,7 +104,7 @@ async def test_hf_stops_at_the_eos_of_generation_config(hf_checkpoint: Callable[
     original = hf_checkpoint("qwen3_5")
     prompt = [9, 40, 41, 42, 43, 44]
     ckpt = HfCheckpoint(original, dtype="fp32")
-    full = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 16, boundary="n-1", stop_at_eos=False)).token_ids
+    full = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 16, boundary="full", stop_at_eos=False)).token_ids
     cut = next(i for i, t in enumerate(full) if i >= 2 and t not in full[:i])
     # Decode's copy names that token as its EOS (generation_config is not part of the fingerprint).
     eos_dir = tmp_path / "eos"
@@ -196,9 +113,9 @@ async def test_hf_stops_at_the_eos_of_generation_config(hf_checkpoint: Callable[
     config["eos_token_id"] = [full[cut]]
     (eos_dir / "generation_config.json").write_text(json.dumps(config))
     async with hf_pair(original, str(eos_dir), 1, 1) as (_, decode):
-        ids, summary = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16)
+        ids, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16)
         assert ids == full[: cut + 1] and summary.finish_reason == dpb.FINISH_REASON_STOP
-        ignored, summary = await _generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16, ignore_eos=True)
+        ignored, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=16, ignore_eos=True)
         assert ignored == full and summary.finish_reason == dpb.FINISH_REASON_LENGTH  # control: ignore_eos goes on
 
 
@@ -209,7 +126,7 @@ async def test_hf_text_in_and_out_with_the_checkpoint_tokenizer(hf_checkpoint: C
     prompt = tok.encode(text)
     assert len(prompt) < len(text.encode())  # negative control: BPE merges, not the byte tokenizer
     ckpt = HfCheckpoint(directory, dtype="fp32")
-    want = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 20, boundary="n-1", stop_at_eos=False)).token_ids
+    want = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 20, boundary="full", stop_at_eos=False)).token_ids
     async with (
         hf_pair(directory, directory, 1, 1, decode_flags=("--http-port", "0")) as (_, decode),
         grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel,

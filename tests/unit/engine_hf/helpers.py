@@ -113,7 +113,7 @@ def disaggregated(
     params = sampling
     p_blocks = blocks_for(prefill.layout, len(prompt))
     d_blocks = blocks_for(decode.layout, len(prompt), first=2)
-    first = prefill.prefill_and_sample(prompt, p_blocks, params)
+    first = prefill.prefill(prompt, p_blocks, params)
     n = prefill.num_prefill_tokens(len(prompt))
     moved = transfer(prefill, p_blocks, decode, d_blocks, n)
     if tamper is not None:

@@ -100,7 +100,7 @@ def test_decode_grows_its_blocks_and_mirrors_every_new_k_v_into_them(family: str
     bs = eng.layout.block_size
     prompt = [(3 * i) % 150 + 4 for i in range(bs - 2)]
     blocks = blocks_for(eng.layout, len(prompt))
-    first = eng.prefill_and_sample(prompt, blocks)
+    first = eng.prefill(prompt, blocks)
     asked: list[int] = []
     spare = iter(range(20, 24))
     attention = [g for g, group in enumerate(eng.layout.groups) if group.kind == "attention"]

@@ -93,7 +93,7 @@ def test_generate_colocated_with_the_hf_engine(
     )
     out = json.loads(capsys.readouterr().out)
     prompt = HfTokenizer(directory).encode("hello world")
-    want = colocated_generate(checkpoint(directory), prompt, 6, boundary="n-1")
+    want = colocated_generate(checkpoint(directory), prompt, 6, boundary="full")
     assert out["token_ids"] == want.token_ids and out["prompt_token_count"] == len(prompt)
     assert out["text"] == HfTokenizer(directory).decode(want.token_ids)
     assert main(["generate", "--colocated", "--engine", "hf", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 1

@@ -14,15 +14,16 @@ from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message, manifest_message
 
-SOURCE = ManifestSource("p0", num_groups=3, num_logical_blocks=16, digests_required=True)
+SOURCE = ManifestSource("p0", num_groups=3, num_logical_blocks=16, digests_required=True, vocab_size=300)
 
 
 def manifest() -> Manifest:
+    """At the full-N boundary: every prompt token computed, and the first output token."""
     return Manifest(
         request_id="r1",
         transfer_id="t2a",
         block_ids=(np.array([3, 4, 9], dtype=np.int64), np.array([0], dtype=np.int64), np.array([15], dtype=np.int64)),
-        num_computed_tokens=40,
+        num_computed_tokens=41,
         prompt_token_count=41,
         lease_ns=2_000_000_001,
         lease_expire_time_ns=1_760_000_000_123_456_789,
@@ -34,6 +35,7 @@ def manifest() -> Manifest:
         ),
         digest_algorithm=DIGEST_ALGORITHM,
         digest_ns=987,
+        first_token=299,
     )
 
 
@@ -53,6 +55,16 @@ def test_every_field_survives_domain_to_message_to_domain() -> None:
             changed = value + 1
         assert dataclasses.replace(m, **{f.name: changed}) != back, f.name
     assert back.block_ids[0].dtype == np.int64
+
+
+def test_an_n_minus_1_manifest_has_no_first_token_both_ways() -> None:
+    m = dataclasses.replace(manifest(), num_computed_tokens=40, first_token=None)
+    msg = manifest_message(m)
+    assert not msg.HasField("first_token_id")
+    assert manifest_from_message(msg, SOURCE) == m
+    token_zero = dataclasses.replace(manifest(), first_token=0)  # 0 is a token, not "unset"
+    assert manifest_message(token_zero).HasField("first_token_id")
+    assert manifest_from_message(manifest_message(token_zero), SOURCE).first_token == 0
 
 
 def test_every_field_survives_message_to_domain_to_message() -> None:
@@ -92,6 +104,17 @@ def test_a_manifest_that_does_not_fit_its_prefill_engine_is_refused() -> None:
     msg = manifest_message(manifest())
     msg.digests[0].section = pb.STATE_SECTION_UNSPECIFIED
     assert refusal(msg).fields == ("manifest.digests",)
+
+    msg = manifest_message(manifest())
+    msg.num_computed_tokens = 40  # a first token needs the whole prompt computed
+    e = refusal(msg)
+    assert (e.status, e.fields, e.reason) == ("INTERNAL", ("manifest.first_token_id",), "BAD_MANIFEST")
+    assert "40 of 41 prompt tokens" in e.message
+
+    msg = manifest_message(manifest())
+    msg.first_token_id = 300
+    e = refusal(msg)
+    assert e.fields == ("manifest.first_token_id",) and "300 >= the vocabulary's 300" in e.message
 
 
 def test_missing_digests_are_refused_only_where_they_are_checked() -> None:

@@ -52,6 +52,21 @@ def test_every_differing_field_is_listed() -> None:
     assert set(fields) == set(err.value.fields)
 
 
+def test_a_boundary_mismatch_is_refused_naming_the_field() -> None:
+    prefill, decode = message("prefill", 1), message("decode", 1)
+    assert decode.boundary == pb.BOUNDARY_N_MINUS_1
+    check(prefill, decode)  # control: the same boundary pairs
+    prefill.boundary = pb.BOUNDARY_FULL
+    with pytest.raises(IncompatibleLayout) as err:
+        check(prefill, decode)
+    assert err.value.status == "FAILED_PRECONDITION" and err.value.fields == ("boundary",)
+    assert "boundary: prefill full, decode n-1" in err.value.message
+    decode.boundary = pb.BOUNDARY_UNSPECIFIED  # a peer that does not say
+    with pytest.raises(InvalidArgument) as bad:
+        check(prefill, decode)
+    assert "layout.boundary" in bad.value.fields
+
+
 def test_real_model_difference_names_model_fields() -> None:
     issues = pairing_issues(message("prefill", 1), message("decode", 1, model="tiny-gdn"))
     assert {"model.name", "model.fingerprint", "model.family"} <= {i.field for i in issues}

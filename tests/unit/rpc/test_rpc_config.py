@@ -185,3 +185,22 @@ def test_start_up_says_which_engine_and_warns_of_a_default_synthetic_one() -> No
     assert level == logging.INFO and "byte patterns" in line and "chosen" not in line  # asked for: no warning
     level, line = engine_line(parse_settings("prefill", [], environ={}), "tiny-mamba2")
     assert level == logging.INFO and line.startswith("engine reference (chosen by --model")
+
+
+def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for role in ("prefill", "decode"):
+        assert parse_settings(role, ["--model", str(tmp_path)], environ={}).boundary == "full"  # type: ignore[arg-type]
+        assert parse_settings(role, [], environ={}).boundary == "n-1"  # type: ignore[arg-type]
+    s = parse_settings("decode", ["--model", str(tmp_path)], environ={"HYBRID_PD_BOUNDARY": "n-1"})
+    assert s.boundary == "n-1"
+    for argv, env, needle in (
+        (["--boundary", "full"], {}, "--boundary = 'full' needs --engine hf; the reference engine runs n-1 only"),
+        (["--engine", "synthetic"], {"HYBRID_PD_BOUNDARY": "full"}, "--boundary (from HYBRID_PD_BOUNDARY) = 'full'"),
+        (["--boundary", "n"], {}, "--boundary = 'n': must be one of n-1, full"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_settings("prefill", argv, environ=env)
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err, argv

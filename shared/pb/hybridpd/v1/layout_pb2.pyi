@@ -156,6 +156,36 @@ ENGINE_ROLE_PREFILL: EngineRole.ValueType  # 1
 ENGINE_ROLE_DECODE: EngineRole.ValueType  # 2
 Global___EngineRole: _TypeAlias = EngineRole  # noqa: Y015
 
+class _Boundary:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BoundaryEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Boundary.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BOUNDARY_UNSPECIFIED: _Boundary.ValueType  # 0
+    BOUNDARY_N_MINUS_1: _Boundary.ValueType  # 1
+    """Prefill computes all but the last prompt token (for models with SSM layers); decode
+    computes the last one (vLLM's convention).
+    """
+    BOUNDARY_FULL: _Boundary.ValueType  # 2
+    """Prefill computes all N prompt tokens and samples the first output token (sent in the
+    Manifest); decode continues from the state after N.
+    """
+
+class Boundary(_Boundary, metaclass=_BoundaryEnumTypeWrapper):
+    """Where prefill stops and decode takes over; both sides of a pair must use the same one."""
+
+BOUNDARY_UNSPECIFIED: Boundary.ValueType  # 0
+BOUNDARY_N_MINUS_1: Boundary.ValueType  # 1
+"""Prefill computes all but the last prompt token (for models with SSM layers); decode
+computes the last one (vLLM's convention).
+"""
+BOUNDARY_FULL: Boundary.ValueType  # 2
+"""Prefill computes all N prompt tokens and samples the first output token (sent in the
+Manifest); decode continues from the state after N.
+"""
+Global___Boundary: _TypeAlias = Boundary  # noqa: Y015
+
 @_typing.final
 class ModelIdentity(_message.Message):
     """The model whose state is cached; both sides must agree on all of it."""
@@ -361,6 +391,7 @@ class EngineLayout(_message.Message):
     NUM_REGIONS_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    BOUNDARY_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of this contract's semantics; peers with different versions never pair."""
     engine_id: _builtins.str
@@ -380,6 +411,7 @@ class EngineLayout(_message.Message):
     num_physical_blocks: _builtins.int
     """num_logical_blocks * physical_per_logical."""
     num_regions: _builtins.int
+    boundary: Global___Boundary.ValueType
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     @_builtins.property
@@ -407,10 +439,11 @@ class EngineLayout(_message.Message):
         num_regions: _builtins.int = ...,
         groups: _abc.Iterable[Global___CacheGroup] | None = ...,
         ranks: _abc.Iterable[Global___RankLayout] | None = ...,
+        boundary: Global___Boundary.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_alignment", b"block_alignment", "block_size", b"block_size", "conv_layout", b"conv_layout", "engine_id", b"engine_id", "groups", b"groups", "incarnation", b"incarnation", "kernel_block_size", b"kernel_block_size", "model", b"model", "num_logical_blocks", b"num_logical_blocks", "num_physical_blocks", b"num_physical_blocks", "num_regions", b"num_regions", "physical_per_logical", b"physical_per_logical", "protocol_version", b"protocol_version", "ranks", b"ranks", "role", b"role", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_alignment", b"block_alignment", "block_size", b"block_size", "boundary", b"boundary", "conv_layout", b"conv_layout", "engine_id", b"engine_id", "groups", b"groups", "incarnation", b"incarnation", "kernel_block_size", b"kernel_block_size", "model", b"model", "num_logical_blocks", b"num_logical_blocks", "num_physical_blocks", b"num_physical_blocks", "num_regions", b"num_regions", "physical_per_logical", b"physical_per_logical", "protocol_version", b"protocol_version", "ranks", b"ranks", "role", b"role", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

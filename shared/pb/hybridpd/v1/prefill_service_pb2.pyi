@@ -302,6 +302,7 @@ class PrefillJob(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     @_builtins.property
@@ -310,20 +311,63 @@ class PrefillJob(_message.Message):
     def timeout(self) -> _duration_pb2.Duration:
         """Time left for the whole request, as gRPC deadlines travel (a duration, immune to clock skew)."""
 
+    @_builtins.property
+    def sampling(self) -> Global___JobSampling:
+        """How the request samples; prefill draws the first output token with it at the full-N
+        boundary (EngineLayout.boundary). Absent: greedy.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        sampling: Global___JobSampling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillJob: _TypeAlias = PrefillJob  # noqa: Y015
+
+@_typing.final
+class JobSampling(_message.Message):
+    """A request's sampling as decode resolved it (the seed already chosen when the client gave
+    none): output token i is drawn from a generator seeded by (seed, i), so prefill drawing
+    token 0 and decode drawing the rest give a colocated run's tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """0: greedy, ties to the lowest token id."""
+    top_p: _builtins.float
+    """Nucleus sampling in (0, 1]; 1: off."""
+    top_k: _builtins.int
+    """Keep the k most likely tokens; 0: off."""
+    seed: _builtins.int
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float = ...,
+        top_p: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobSampling: _TypeAlias = JobSampling  # noqa: Y015
 
 @_typing.final
 class CancelJob(_message.Message):
@@ -436,17 +480,24 @@ class Manifest(_message.Message):
     DIGESTS_FIELD_NUMBER: _builtins.int
     DIGEST_ALGORITHM_FIELD_NUMBER: _builtins.int
     DIGEST_DURATION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
     num_computed_tokens: _builtins.int
-    """Prompt tokens whose state sits in the blocks. For models with SSM layers this is
-    prompt_token_count - 1: decode recomputes the last prompt token, because a recurrent
-    state cannot be rolled back and must not see that token twice.
+    """Prompt tokens whose state sits in the blocks. At the n-1 boundary, for models with SSM
+    layers, this is prompt_token_count - 1: decode recomputes the last prompt token, because a
+    recurrent state cannot be rolled back and must not see that token twice. At the full-N
+    boundary it is prompt_token_count, and `first_token_id` is set.
     """
     prompt_token_count: _builtins.int
     digest_algorithm: _builtins.str
     """How `digests` were computed, e.g. "xxh3-128"."""
+    first_token_id: _builtins.int
+    """The full-N boundary only: the first output token, which prefill sampled from the logits
+    after the whole prompt with the job's sampling. Decode streams it before its READ, then
+    continues from the state by feeding it.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
         """One entry per group of the prefill layout, in group order."""
@@ -488,12 +539,15 @@ class Manifest(_message.Message):
         digests: _abc.Iterable[Global___StateDigest] | None = ...,
         digest_algorithm: _builtins.str = ...,
         digest_duration: _duration_pb2.Duration | None = ...,
+        first_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_duration", b"digest_duration", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
+    _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_id) -> _WhichOneofReturnType__first_token_id | None: ...
 
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
 

@@ -1,0 +1,102 @@
+"""The hf engine's service pair for integration tests: real prefill and decode apps in this
+process (grpc.aio on port 0, NIXL over UCX on DRAM), each loading a checkpoint directory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+
+from decode_svc.app import DecodeApp
+from prefill_svc.app import PrefillApp
+from shared.config import parse_settings
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.runtime.engine_host import engine_factory_for
+
+COMMON = [
+    "--engine",
+    "hf",
+    "--num-blocks",
+    "32",
+    "--port",
+    "0",
+    "--host",
+    "127.0.0.1",
+    "--loop",
+    "asyncio",
+    "--log-level",
+    "WARNING",
+]
+
+
+@asynccontextmanager
+async def hf_pair(
+    prefill_dir: str,
+    decode_dir: str,
+    p_tp: int,
+    d_tp: int,
+    *,
+    ready: bool = True,
+    decode_flags: tuple[str, ...] = (),
+    prefill_flags: tuple[str, ...] = (),
+) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
+    ps = parse_settings(
+        "prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp), *prefill_flags], environ={}
+    )
+    prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
+    try:
+        ds = parse_settings(
+            "decode",
+            [
+                *COMMON,
+                "--model",
+                decode_dir,
+                "--tp",
+                str(d_tp),
+                "--check-state",
+                "--prefill",
+                f"127.0.0.1:{prefill.port}",
+                *decode_flags,
+            ],
+            environ={},
+        )
+        decode = await DecodeApp.start(ds, engine_factory_for("hf", ds))
+        try:
+            if ready:
+                await decode.wait_ready(30)
+            yield prefill, decode
+        finally:
+            await asyncio.wait_for(decode.stop(), 30)
+    finally:
+        await asyncio.wait_for(prefill.stop(), 30)
+
+
+async def generate_ids(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], dpb.GenerateSummary]:
+    ids: list[int] = []
+    summary = dpb.GenerateSummary()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = dpb_grpc.DecodeServiceStub(channel).Generate(
+            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60
+        )
+        async for reply in call:
+            if reply.HasField("chunk"):
+                ids.extend(reply.chunk.token_ids)
+            else:
+                summary = reply.summary
+    return ids, summary
+
+
+async def generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
+    ids: list[int] = []
+    summary = dpb.GenerateSummary()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=60):
+            if reply.HasField("chunk"):
+                ids.extend(reply.chunk.token_ids)
+            else:
+                summary = reply.summary
+    return ids, summary
