@@ -92,7 +92,8 @@ async def test_without_traceparent_the_http_span_starts_a_trace(traced_pair: tup
     finished = memory.get_finished_spans()
     [http] = [s for s in finished if s.name == "POST /v1/completions"]
     assert http.parent is None and http.context is not None and http.context.trace_id != int(CALLER_TRACE, 16)
-    assert [s for s in finished if s.name == spans.GENERATE][0].context.trace_id == http.context.trace_id  # type: ignore[union-attr]
+    [generate] = [s for s in finished if s.name == spans.GENERATE]
+    assert generate.context is not None and generate.context.trace_id == http.context.trace_id
 
 
 async def test_an_unknown_path_is_named_by_its_method_alone(traced_pair: tuple[HttpPair, InMemorySpanExporter]) -> None:
