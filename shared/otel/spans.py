@@ -1,7 +1,7 @@
 """OpenTelemetry spans of one request across both services (README "Tracing").
 
 Tracing is off until a tracer provider is installed: by shared/otel/setup.py when the OTEL_*
-variables ask for it, or by a test with its own SDK provider. Every helper reads one module
+variables ask for it, or by a test with its own SDK provider. Every function here reads one module
 global first, so with tracing off a request pays a few function calls and builds no span,
 context or carrier.
 

@@ -1,6 +1,6 @@
 """The tracing SDK from the OTEL_* variables: off unless an exporter is named, the console
 exporter's one JSON line per span on stderr, the service name and its override, what is said
-when the SDK or an exporter's package is missing; and the helpers' cheap path when off."""
+when the SDK or an exporter's package is missing; and the span functions' cheap path when off."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_unknown_exporter_and_missing_otlp_package_are_named(
     assert not spans.enabled()
 
 
-def test_the_helpers_do_nothing_when_off() -> None:
+def test_the_span_functions_do_nothing_when_off() -> None:
     async def items() -> AsyncIterator[int]:
         yield 1
 
