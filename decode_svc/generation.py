@@ -60,6 +60,7 @@ from shared.engine.stopping import FinishReason, StopRule, steps
 from shared.engine.text import TextStream
 from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, Internal, InvalidArgument, Unavailable
 from shared.http.kv_transfer import RemotePrefill
+from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -453,6 +454,7 @@ class Generation:
             t.post_seconds.observe(posting)
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
 
+    @spans.traced(spans.DIGEST_CHECK)
     async def _verify_digests(
         self, compute: ComputeGuard, req: RequestContext, manifest: Manifest, link: PeerLink, local: RequestBlocks
     ) -> None:

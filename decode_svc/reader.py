@@ -18,6 +18,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
+
 from decode_svc.peer_link import PairLists, PeerLink
 from shared import tracing
 from shared.cache.id_buffers import IdBuffers
@@ -26,6 +29,7 @@ from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
 from shared.layout.read_lists import IdArray, read_indices
 from shared.layout.spec import LayoutError
+from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
@@ -68,6 +72,18 @@ def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens:
     return stats
 
 
+def read_attributes(link: PeerLink, stats: ReadStats) -> dict[str, AttributeValue]:
+    return {
+        "hybrid_pd.prefill_engine_id": link.engine_id,
+        "hybrid_pd.transfer.reads": stats.read_count,
+        "hybrid_pd.transfer.descriptors": stats.descriptor_count,
+        "hybrid_pd.transfer.bytes": stats.total_bytes,
+        "hybrid_pd.transfer.attention_bytes": stats.attention_bytes,
+        "hybrid_pd.transfer.conv_bytes": stats.conv_bytes,
+        "hybrid_pd.transfer.ssm_bytes": stats.ssm_bytes,
+    }
+
+
 async def _read_one(
     host: EngineHost,
     agent: RankAgent,
@@ -87,9 +103,13 @@ async def _read_one(
         agent, pair.local, lidx, pair.remote, ridx, notif, timeout=timeout, fence=fence, on_posted=ids.release
     )
     stats.post_seconds.append(result.post_seconds)
+    if spans.enabled():
+        pair_attributes = {"hybrid_pd.decode_rank": pair.decode_rank, "hybrid_pd.prefill_rank": pair.prefill_rank}
+        spans.event(spans.READ_PAIR, {**pair_attributes, "hybrid_pd.post_ms": round(result.post_seconds * 1e3, 3)})
     return result
 
 
+@spans.traced(spans.READ, SpanKind.CLIENT)
 async def read_request(
     host: EngineHost,
     link: PeerLink,
@@ -132,6 +152,8 @@ async def read_request(
             started = time.monotonic()
             await asyncio.gather(*jobs)
             stats.seconds = time.monotonic() - started
+            if spans.enabled():
+                spans.annotate(read_attributes(link, stats))
             return stats
         except BaseException:
             # Stop the other READs; the fence releases every handle and then runs what waits

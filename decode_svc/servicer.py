@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from decode_svc.generation import Generation, validate
 from decode_svc.learned_peers import LearnedPeers
@@ -19,6 +22,7 @@ from decode_svc.prefill_peer import PrefillPeers
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.logs import context as log_context
+from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.lifecycle import Lifecycle
@@ -68,7 +72,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         # aclosing: a call cancelled while this handler waits at its yield ends the generation now.
-        async with contextlib.aclosing(self.generate(request, context.time_remaining(), peer=context.peer())) as responses:
+        parent = spans.grpc_parent(context)  # the caller's traceparent, if it sent one
+        responses = self.generate(request, context.time_remaining(), peer=context.peer(), trace_parent=parent, from_grpc=True)
+        async with contextlib.aclosing(responses):
             async for response in responses:
                 yield response
 
@@ -79,14 +85,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         early_stop: EarlyStop | None = None,
         *,
         peer: str = "",
+        trace_parent: Context | None = None,
+        from_grpc: bool = False,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The one entry both front doors (gRPC Generate and the HTTP API) call: refused while
         draining, counted by final status, logged once when it ends. A consumer that closes this
         generator early counts as CANCELLED, unless it set `early_stop.stopped` first (an HTTP
-        stop sequence matched), or as DEADLINE_EXCEEDED once the client's deadline has passed."""
+        stop sequence matched), or as DEADLINE_EXCEEDED once the client's deadline has passed.
+        Traced as one span (the current span's child unless `trace_parent` names another)."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex  # named here, so every log line of the request carries it
         log_context.bind_request(request.request_id, peer)
+        span = _start_span(request, trace_parent, from_grpc)
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
         status, message = "INTERNAL", ""
@@ -98,7 +108,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             self.lifecycle.check_accepting("new requests")
             context = validate(self.host, request, time_remaining)  # the request once, as domain values
             with self.lifecycle.track():
-                async for response in self.generation.run(context):
+                async for response in spans.within(span, self.generation.run(context)):
                     if response.HasField("summary"):
                         summary = response.summary
                     elif n := len(response.chunk.token_ids):
@@ -129,6 +139,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         finally:
             t.requests.labels(status=status).inc()
             _log_finished(request, status, message, summary)
+            spans.finish(span, status, _span_attributes(summary), message)
 
     def _cut_status(self, deadline: float | None) -> str:
         if deadline is not None and asyncio.get_running_loop().time() >= deadline - DEADLINE_SLACK_SECONDS:
@@ -140,6 +151,33 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
         learned = self.generation.learned.peers.values()
         return pb.GetLayoutResponse(layout=self.host.message, peers=[p.status() for p in [*self.peers.peers, *learned]])
+
+
+def _start_span(request: pb.GenerateRequest, parent: Context | None, from_grpc: bool) -> Span | None:
+    if not spans.enabled():
+        return None
+    attributes: dict[str, AttributeValue] = {
+        "hybrid_pd.request_id": request.request_id,
+        "hybrid_pd.max_tokens": request.max_tokens,
+    }
+    if request.prompt_token_ids:
+        attributes["hybrid_pd.prompt_tokens"] = len(request.prompt_token_ids)
+    if from_grpc:  # the server span; under HTTP, the HTTP request's span is
+        attributes.update({"rpc.system": "grpc", "rpc.service": "hybridpd.v1.DecodeService", "rpc.method": "Generate"})
+    kind = SpanKind.SERVER if from_grpc else SpanKind.INTERNAL
+    return spans.start(spans.GENERATE, kind=kind, parent=parent, attributes=attributes)
+
+
+def _span_attributes(summary: pb.GenerateSummary | None) -> dict[str, AttributeValue]:
+    if summary is None:
+        return {}
+    return {
+        "hybrid_pd.prompt_tokens": summary.prompt_token_count,
+        "hybrid_pd.generated_tokens": summary.generated_token_count,
+        "hybrid_pd.prefill_engine_id": summary.prefill_engine_id,
+        "hybrid_pd.transfer.bytes": summary.transfer.total_bytes,
+        "hybrid_pd.transfer.reads": summary.transfer.read_count,
+    }
 
 
 def _log_finished(request: pb.GenerateRequest, status: str, message: str, summary: pb.GenerateSummary | None) -> None:

@@ -24,12 +24,14 @@ import logging
 from collections.abc import Sequence
 
 import grpc
+from opentelemetry.util.types import AttributeValue
 
 from decode_svc.prefill_load import LoadReport, report_from_message
 from shared import tracing
 from shared.cache.manifest import Manifest
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import ServiceError, Unavailable, error_for_status
+from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message
@@ -103,6 +105,7 @@ class SessionClient:
         job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt), sampling=job_sampling_message(sampling))
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
+        spans.inject(job.trace_context)  # prefill's job span joins this request's trace
         return await self._ask(request_id, pb.SessionRequest(job=job))
 
     async def claim(self, request_id: str, transfer_id: str) -> Manifest:
@@ -110,6 +113,7 @@ class SessionClient:
         leg); its manifest, or its JobFailure raised as a ServiceError."""
         # Also while prefill drains: the state exists already, and a drain waits for pinned requests.
         claim = pb.ClaimPinned(request_id=request_id, transfer_id=transfer_id)
+        spans.inject(claim.trace_context)
         return await self._ask(request_id, pb.SessionRequest(claim=claim), new_work=False)
 
     async def _ask(self, request_id: str, msg: pb.SessionRequest, *, new_work: bool = True) -> Manifest:
@@ -132,6 +136,8 @@ class SessionClient:
             raise
         finally:
             self._waiting.pop(request_id, None)
+        if spans.enabled():
+            spans.event(spans.MANIFEST, manifest_attributes(manifest, self.peer_name))
         return manifest
 
     def release(self, request_id: str, reason: str) -> None:
@@ -271,6 +277,17 @@ class SessionClient:
             if not future.done():
                 future.set_exception(self.ended_error())
         self._waiting.clear()
+
+
+def manifest_attributes(manifest: Manifest, peer_name: str) -> dict[str, AttributeValue]:
+    return {
+        "hybrid_pd.prefill": peer_name,
+        "hybrid_pd.transfer_id": manifest.transfer_id,
+        "hybrid_pd.computed_tokens": manifest.num_computed_tokens,
+        "hybrid_pd.blocks": sum(len(ids) for ids in manifest.block_ids),
+        "hybrid_pd.prefill_ms": round(manifest.prefill_ns / 1e6, 3),
+        "hybrid_pd.lease_ms": round(manifest.lease_ns / 1e6, 3),
+    }
 
 
 def job_error(peer_name: str, failure: pb.JobFailure) -> ServiceError:

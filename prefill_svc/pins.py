@@ -19,11 +19,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+from opentelemetry.util.types import AttributeValue
+
 from shared import tracing
+from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 
@@ -41,6 +46,8 @@ class Pin:
     waits: list[asyncio.Future[list[str]]] = field(default_factory=list)
     outcome: asyncio.Future[str] | None = None  # resolves with the reason when the pin ends
     on_end: Callable[[str], None] | None = None  # called once with the reason
+    trace: Context | None = None  # the job's (or claim's) trace context: the release span's parent
+    pinned_at_ns: int = 0  # wall clock, for the release span (0: tracing off)
 
 
 class PinTable:
@@ -74,6 +81,7 @@ class PinTable:
         """Pin a prefilled request's blocks; they are freed when every reader notified."""
         loop = asyncio.get_running_loop()
         pin = Pin(transfer_id, request_id, owner, loop.time() + self.lease_seconds, on_end=on_end)
+        self._trace(pin)
         self._pins[transfer_id] = pin
         self._by_request[(owner, request_id)] = transfer_id
         pin.outcome = loop.create_future()
@@ -105,6 +113,7 @@ class PinTable:
         pin.owner = owner
         self._by_request[(owner, request_id)] = transfer_id
         pin.lease_deadline = asyncio.get_running_loop().time() + self.lease_seconds
+        self._trace(pin)
         self._expect(pin, readers_per_rank)
         return pin
 
@@ -140,7 +149,25 @@ class PinTable:
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
         tracing.mark(Step.FREED)
+        if pin.trace is not None:
+            self._traced_release(pin, reason, freed)
         return True
+
+    def _trace(self, pin: Pin) -> None:
+        """Keep the current trace context (the job's or claim's span) for the release span."""
+        pin.trace = spans.current_context()
+        if pin.trace is not None:
+            pin.pinned_at_ns = time.time_ns()
+
+    def _traced_release(self, pin: Pin, reason: str, freed: int) -> None:
+        attributes: dict[str, AttributeValue] = {
+            "hybrid_pd.request_id": pin.request_id,
+            "hybrid_pd.transfer_id": pin.transfer_id,
+            "hybrid_pd.release.reason": reason,
+            "hybrid_pd.blocks": freed,
+            "hybrid_pd.pinned_ms": round((time.time_ns() - pin.pinned_at_ns) / 1e6, 3),
+        }
+        spans.record(spans.RELEASE, pin.trace, attributes)
 
     def _on_wait_done(self, pin: Pin, _wait: asyncio.Future[list[str]]) -> None:
         self._wait_done(pin)

@@ -30,6 +30,9 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
+
 from prefill_svc.handoff import Handoffs
 from prefill_svc.jobs import JobRunner, job_from_message
 from prefill_svc.load import LoadBoard
@@ -38,6 +41,7 @@ from prefill_svc.pins import PinTable
 from shared import tracing
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.logs import context as log_context
+from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.lifecycle import Lifecycle
@@ -250,6 +254,19 @@ class PrefillSession:
         task.add_done_callback(lambda _: self.load.job_ended(owner))
 
     async def _run_job(self, message: pb.PrefillJob) -> None:
+        if not spans.enabled():
+            return await self._job(message, None)
+        # A child of decode's request span when the job carries its trace context.
+        attributes: dict[str, AttributeValue] = {
+            "hybrid_pd.request_id": message.request_id,
+            "hybrid_pd.prompt_tokens": len(message.prompt_token_ids),
+        }
+        with spans.current(
+            spans.PREFILL_JOB, kind=SpanKind.CONSUMER, carrier=message.trace_context, attributes=attributes
+        ) as span:
+            await self._job(message, span)
+
+    async def _job(self, message: pb.PrefillJob, span: Span | None) -> None:
         rid = message.request_id
         log_context.bind_request(rid, self.owner)  # this job's own task: every line of it names the request
         loop = asyncio.get_running_loop()
@@ -299,8 +316,18 @@ class PrefillSession:
             self._jobs.pop(rid, None)
             fields.update(status=status, job_ms=round((loop.time() - started) * 1e3, 3))
             log.info("job %s finished: %s", rid, status, extra={"fields": fields})
+            if span is not None:
+                spans.settle(span, status, {f"hybrid_pd.{k}": v for k, v in fields.items() if isinstance(v, (str, int, float))})
 
     def _claim(self, claim: pb.ClaimPinned) -> None:
+        attributes: dict[str, AttributeValue] = {
+            "hybrid_pd.request_id": claim.request_id,
+            "hybrid_pd.transfer_id": claim.transfer_id,
+        }
+        with spans.current(spans.CLAIM, kind=SpanKind.CONSUMER, carrier=claim.trace_context, attributes=attributes):
+            self._claim_pinned(claim)
+
+    def _claim_pinned(self, claim: pb.ClaimPinned) -> None:
         try:
             if self.handoffs is None:
                 raise FailedPrecondition("this prefill engine does not serve P/D prefill legs", field="claim")

@@ -1,5 +1,6 @@
 """The Starlette app both services serve: `/health`, `/metrics`, `/version`, `/v1/models`, plus
-the service's own routes; OpenAI-style error objects for every failure, unknown routes included."""
+the service's own routes; OpenAI-style error objects for every failure, unknown routes included;
+a server span per request when tracing is on (shared/http/trace_middleware.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -20,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 from shared.errors import InvalidArgument, NotFound, ServiceError
 from shared.http.errors import HttpError, error_body, http_error, internal_error
 from shared.http.objects import model_list
+from shared.http.trace_middleware import TraceMiddleware
 from shared.version import version
 
 log = logging.getLogger(__name__)
@@ -97,13 +100,16 @@ def build_app(info: ServiceInfo, routes: Sequence[BaseRoute] = ()) -> Starlette:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code, headers=exc.headers)
 
+    every_route = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", get_version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        *routes,
+    ]
+    paths = [r.path for r in every_route if isinstance(r, Route)]
     return Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/version", get_version, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            *routes,
-        ],
+        routes=every_route,
         exception_handlers={HTTPException: http_exception},
+        middleware=[Middleware(TraceMiddleware, routes=paths)],
     )

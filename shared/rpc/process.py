@@ -11,6 +11,7 @@ from typing import Any
 from shared.config import ServiceSettings
 from shared.errors import InvalidArgument, ServiceError
 from shared.logs.setup import configure_logging
+from shared.otel.setup import configure_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 def run_service(settings: ServiceSettings, serve: Callable[[ServiceSettings], Coroutine[Any, Any, None]]) -> int:
     configure_logging(settings.log_level, settings.log_format, service=f"{settings.role}-svc", engine_id=settings.engine_id)
+    configure_tracing(f"{settings.role}-svc", settings.engine_id)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory(settings.loop)) as runner:
             runner.run(serve(settings))
@@ -36,4 +38,6 @@ def run_service(settings: ServiceSettings, serve: Callable[[ServiceSettings], Co
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        shutdown_tracing()  # the spans still queued are exported before the process exits
     return 0
