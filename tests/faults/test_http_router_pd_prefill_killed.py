@@ -7,7 +7,7 @@ kill lands on decode legs that claimed its blocks and on prefill legs it is stil
 
 Each request either succeeds with the colocated run's text or fails cleanly: a decode leg with
 our OpenAI error object (503, the lost session named), a prefill leg with the router's own 5xx
-naming the prefill request that failed (the router does not retry either); never a hang or a
+naming the prefill request that failed (both reach the client); never a hang or a
 wrong answer. The decode engines forget the dead prefill engine they had learned; once the
 router's health check has dropped it, every request succeeds on the survivor; every block is
 freed on the surviving prefill and on both decode engines."""
