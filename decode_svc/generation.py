@@ -25,10 +25,12 @@ releases its READ handles and then its blocks.
 Every failure leaves both sides' blocks free: local blocks in `finally`, once the last model
 call of the request ended and every READ handle of the request is released (a READ that timed
 out may still be landing until then); prefill's through the READ notifications, an explicit
-release sent once those handles are released, or its lease. If the prefill session is lost while a request reads, that request
-fails at once with UNAVAILABLE naming the peer; requests past their READ carry on. A job the
-chosen prefill fails before its manifest (session lost, draining, no capacity) goes to another
-ready prefill engine (decode_svc/prefill_retry.py); a P/D decode leg never moves.
+release sent once those handles are released, or its lease (a decode leg that fails before its
+claim gives the pin up at once where the prefill engine is reachable). If the prefill session is
+lost while a request reads, that request fails at once with UNAVAILABLE naming the peer;
+requests past their READ carry on. A job the chosen prefill fails before its manifest (session
+lost, draining, no capacity) goes to another ready prefill engine (decode_svc/prefill_retry.py);
+a P/D decode leg never moves.
 """
 
 from __future__ import annotations
@@ -253,16 +255,21 @@ class Generation:
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
         deadline, remote = req.deadline, req.remote
+        key = req.request_id
+        admit = admission_tokens(len(req.prompt))
         if remote is None:
             peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
             assert peer.link is not None
             check_fits_prefill(self.host, peer.link, req)
+            local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
         else:
-            peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
-
-        key = req.request_id
-        admit = admission_tokens(len(req.prompt))
-        local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
+            try:
+                peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
+                local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
+            except BaseException as e:
+                # Prefill pinned the state for whoever claims it: free it now, not at its lease's end.
+                self.learned.give_up(remote, f"decode leg failed before its claim: {type(e).__name__}")
+                raise
         compute = ComputeGuard(self.host)
         reads = ReadFence()
         try:

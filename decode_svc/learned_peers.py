@@ -8,7 +8,9 @@ peer (`--prefill`) that is the same engine serves the request itself: one link p
 
 What the params say is checked against what the engine said at its handshake (engine id,
 incarnation, TP size, groups, block range) before anything is claimed, and against the claimed
-manifest after (blocks, prompt length, boundary); every mismatch names its field.
+manifest after (blocks, prompt length, boundary); every mismatch names its field. A decode leg
+that fails before its claim (those checks, a full cache, its deadline) gives the pin up on the
+engine at once if it is reachable (`give_up`), instead of leaving it to its lease.
 """
 
 from __future__ import annotations
@@ -122,10 +124,7 @@ class LearnedPeers:
 
     async def peer_for(self, remote: RemotePrefill) -> PrefillPeer:
         """A ready peer for the engine the params name (handshaken now if new), params checked."""
-        peer = next(
-            (p for p in self.configured.peers if p.ready and p.link is not None and p.link.engine_id == remote.engine_id),
-            None,
-        )
+        peer = self._configured(remote)
         if peer is None:
             peer = self._learned(remote.grpc_target)
             try:
@@ -143,6 +142,22 @@ class LearnedPeers:
         assert peer.link is not None
         check_link(remote, peer.link)
         return peer
+
+    def give_up(self, remote: RemotePrefill, reason: str) -> bool:
+        """The decode leg failed before its claim: free its pin on prefill now where the engine is
+        reachable (a ready session to it); elsewhere its lease frees it. Whether it was sent."""
+        peer = self._configured(remote) or self.peers.get(remote.grpc_target)
+        if peer is None or not peer.ready or peer.session is None or remote.transfer_id is None:
+            return False
+        peer.session.give_up(remote.request_id, remote.transfer_id, reason)
+        return True
+
+    def _configured(self, remote: RemotePrefill) -> PrefillPeer | None:
+        """A ready configured peer (`--prefill`) that is the engine the params name."""
+        return next(
+            (p for p in self.configured.peers if p.ready and p.link is not None and p.link.engine_id == remote.engine_id),
+            None,
+        )
 
     def _learned(self, target: str) -> PrefillPeer:
         peer = self.peers.get(target)

@@ -148,6 +148,12 @@ class SessionClient:
         self._holding.discard(request_id)
         self._send(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason)))
 
+    def give_up(self, request_id: str, transfer_id: str, reason: str) -> None:
+        """Free a request prefill pinned for us unasked (vLLM's P/D prefill leg), never claimed:
+        its decode leg failed first. Prefill checks both ids (if the message is lost, the lease
+        frees the blocks)."""
+        self._send(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason, transfer_id=transfer_id)))
+
     def done_reading(self, request_id: str) -> None:
         """The READs finished (prefill frees on their notifications): stop renewing the lease."""
         self._holding.discard(request_id)

@@ -81,5 +81,14 @@ class Handoffs:
         lease_ns = max(0, int((pin.lease_deadline - asyncio.get_running_loop().time()) * 1e9))
         return dataclasses.replace(manifest, lease_ns=lease_ns, lease_expire_time_ns=time.time_ns() + lease_ns)
 
+    def give_up(self, request_id: str, transfer_id: str) -> bool:
+        """A decode engine failed the decode leg before its claim (its params did not match this
+        engine, its cache stayed full, its deadline passed): free the pin now, not at the end of
+        its lease. Only with both ids the prefill leg answered (False: no such unclaimed pin)."""
+        pin = self.pins.lookup(UNCLAIMED, request_id)
+        if pin is None or pin.transfer_id != transfer_id or transfer_id not in self._unclaimed:
+            return False
+        return self.pins.release(pin, "released")
+
     def _ended(self, transfer_id: str, reason: str) -> None:
         self._unclaimed.pop(transfer_id, None)

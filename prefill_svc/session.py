@@ -7,7 +7,8 @@ Protocol (decode -> prefill / prefill -> decode):
 - `claim` takes over a request prefilled for a reader unknown at the time (vLLM's P/D prefill
   leg, prefill_svc/handoff.py) -> `manifest` or `failure`, as for a job (no credit is taken:
   its blocks were pinned before this session knew of it).
-- `cancel` aborts a running job or ends a pinned request; `release` ends a pinned request;
+- `cancel` aborts a running job or ends a pinned request; `release` ends a pinned request (with
+  `transfer_id`: an unclaimed one whose decode leg failed before its claim, named by both ids);
   `heartbeat` renews the leases of the named pinned requests.
 - `ready` and every prefill `heartbeat` carry the engine's load (prefill_svc/load.py), which
   decode picks a prefill engine by.
@@ -201,7 +202,7 @@ class PrefillSession:
                 elif kind == "cancel":
                     self._cancel(msg.cancel.request_id, "cancelled")
                 elif kind == "release":
-                    self._cancel(msg.release.request_id, "released")
+                    self._release(msg.release)
                 elif kind == "heartbeat":
                     self.pins.renew(self.owner, list(msg.heartbeat.request_ids))
                 elif kind == "hello":
@@ -343,6 +344,17 @@ class PrefillSession:
 
     def _credit_back(self, reason: str) -> None:
         self._credits.release()
+
+    def _release(self, release: pb.ReleaseBlocks) -> None:
+        if not release.transfer_id:
+            self._cancel(release.request_id, "released")
+        elif self.handoffs is not None and self.handoffs.give_up(release.request_id, release.transfer_id):
+            log.info("request %s given up by decode engine %s before its claim: blocks freed", release.request_id, self.owner)
+        else:  # claimed meanwhile, ended already, or ids that do not name one of our pins
+            log.info(
+                "decode engine %s gave up request %s (transfer %s) before its claim: no such unclaimed request here",
+                self.owner, release.request_id, release.transfer_id,
+            )  # fmt: skip
 
     def _cancel(self, request_id: str, reason: str) -> None:
         job = self._jobs.get(request_id)

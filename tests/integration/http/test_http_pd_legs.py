@@ -2,7 +2,8 @@
 prefill leg computes and pins the state for a decode engine it does not know yet; the decode leg
 (a decode engine started without --prefill) handshakes with the prefill engine the params name,
 claims the pinned request, READs it and generates the colocated run's tokens. Bad or stale
-params fail with an OpenAI error naming the field, and every block is freed on both sides. The
+params fail with an OpenAI error naming the field, and every block is freed on both sides (at
+once by decode where it reached the prefill, by the lease where it could not). The
 same two legs through gRPC: GenerateRequest.kv_transfer_params."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,8 @@ from tests.integration.http.conftest import COMMON, MODEL, request
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
 LEASE_SECONDS = 2.0  # short, so the tests can watch an unclaimed pin end with its lease
+# Long: a pin freed while a `held` test runs was given up by decode; its lease cannot have ended.
+HELD_LEASE_SECONDS = 600.0
 PREFILL_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
 
@@ -63,20 +67,43 @@ class Legs:
             while self.prefill.host.allocator.num_used or self.decode.host.allocator.num_used or len(self.prefill.pins):
                 await asyncio.sleep(0.02)
 
+    def ended(self) -> Counter[str]:
+        """Prefill's pins ended so far, by reason (subtract an earlier copy for one test's)."""
+        return Counter(self.prefill.pins.ended)
+
+
+async def _start_legs(name: str, lease_seconds: float) -> Legs:
+    factory = engine_factory_for("reference")
+    lease = ["--lease-seconds", str(lease_seconds)]
+    prefill = await PrefillApp.start(
+        parse_settings("prefill", [*COMMON, *lease, "--engine-id", f"{name}-prefill"], environ={}), factory
+    )
+    decode = await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"{name}-decode"], environ={}), factory)
+    return Legs(prefill, decode)
+
+
+async def _stop_legs(legs: Legs) -> None:
+    await asyncio.wait_for(legs.decode.stop(), 30)
+    await asyncio.wait_for(legs.prefill.stop(), 30)
+
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def legs() -> AsyncIterator[Legs]:
-    factory = engine_factory_for("reference")
-    lease = ["--lease-seconds", str(LEASE_SECONDS)]
-    prefill = await PrefillApp.start(
-        parse_settings("prefill", [*COMMON, *lease, "--engine-id", "leg-prefill"], environ={}), factory
-    )
-    decode = await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", "leg-decode"], environ={}), factory)
+    pair = await _start_legs("leg", LEASE_SECONDS)
     try:
-        yield Legs(prefill, decode)
+        yield pair
     finally:
-        await asyncio.wait_for(decode.stop(), 30)
-        await asyncio.wait_for(prefill.stop(), 30)
+        await _stop_legs(pair)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def held() -> AsyncIterator[Legs]:
+    """A pair whose prefill leases outlast the tests: only decode can free an unclaimed pin."""
+    pair = await _start_legs("held", HELD_LEASE_SECONDS)
+    try:
+        yield pair
+    finally:
+        await _stop_legs(pair)
 
 
 async def test_prefill_leg_answers_kv_transfer_params_and_pins_for_an_unknown_reader(legs: Legs) -> None:
@@ -161,24 +188,104 @@ def _bad(kv: dict[str, Any], path: list[str | int], value: Any) -> dict[str, Any
         (["remote_block_ids"], [[1], [2], [3], [4], [5]], 400, "kv_transfer_params.remote_block_ids"),
         (["remote_block_ids", 0, 0], 10_000, 400, "kv_transfer_params.remote_block_ids[0][0]"),
         (["tp_size"], 2, 400, "kv_transfer_params.tp_size"),
+        (["hybrid_pd", "incarnation"], "00000000deadbeef", 410, "kv_transfer_params.hybrid_pd.incarnation"),
+    ],
+)
+async def test_params_not_matching_the_engine_fail_naming_the_field_and_decode_frees_the_pin_at_once(
+    held: Legs, path: list[str | int], value: Any, status: int, param: str
+) -> None:
+    # Decode reached the prefill the params name and refused them before its claim: it gives
+    # the pin up there (with the ids its params carry), so it ends "released", not by its lease.
+    body = {"model": MODEL, "prompt": "bad params", "max_tokens": 3}
+    kv = await held.prefill_leg(body, "bad")
+    before = held.ended()
+    reply = await held.post(held.decode, "/v1/completions", body | {"kv_transfer_params": _bad(kv, path, value)}, "bad")
+    assert reply.status == status, reply.body
+    assert reply.json()["error"]["param"] == param, reply.body
+    await held.blocks_freed()
+    assert held.ended() - before == Counter(released=1)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "status", "param"),
+    [
         (["pp_size"], 1.0, 400, "kv_transfer_params.pp_size"),
         (["remote_port"], KeyError, 400, "kv_transfer_params.remote_port"),
         (["hybrid_pd", "transfer_id"], KeyError, 400, "kv_transfer_params.hybrid_pd.transfer_id"),
-        (["hybrid_pd", "incarnation"], "00000000deadbeef", 410, "kv_transfer_params.hybrid_pd.incarnation"),
         (["hybrid_pd", "transfer_id"], "t-unknown", 410, "kv_transfer_params.remote_request_id"),
         (["remote_request_id"], "never-prefilled", 410, "kv_transfer_params.remote_request_id"),
     ],
 )
-async def test_bad_or_stale_params_fail_naming_the_field_and_free_both_sides(
+async def test_unusable_or_stale_params_fail_naming_the_field_and_the_lease_frees_the_pin(
     legs: Legs, path: list[str | int], value: Any, status: int, param: str
 ) -> None:
+    # Params that do not parse, or name no pin of that engine, cannot give the real pin up: its
+    # lease ends it (decode sends nothing, or nothing that matches).
     body = {"model": MODEL, "prompt": "bad params", "max_tokens": 3}
     kv = await legs.prefill_leg(body, "bad")
+    before = legs.ended()
     reply = await legs.post(legs.decode, "/v1/completions", body | {"kv_transfer_params": _bad(kv, path, value)}, "bad")
     assert reply.status == status, reply.body
     assert reply.json()["error"]["param"] == param, reply.body
     assert legs.decode.host.allocator.num_used == 0
-    await legs.blocks_freed()  # the unclaimed pin ends with its lease
+    await legs.blocks_freed()
+    assert legs.ended() - before == Counter(lease_expired=1)
+
+
+async def test_a_forged_transfer_id_cannot_give_up_the_pin(held: Legs) -> None:
+    body = {"model": MODEL, "prompt": "forged", "max_tokens": 3}
+    kv = await held.prefill_leg(body, "forged")
+    before = held.ended()
+    forged = _bad(_bad(kv, ["tp_size"], 2), ["hybrid_pd", "transfer_id"], "t-forged")
+    reply = await held.post(held.decode, "/v1/completions", body | {"kv_transfer_params": forged})
+    assert reply.status == 400 and reply.json()["error"]["param"] == "kv_transfer_params.tp_size", reply.body
+    # A whole decode leg after it on the same session stream, so prefill has handled the give-up.
+    ok = {"model": MODEL, "prompt": "after the forgery", "max_tokens": 3}
+    ok_kv = await held.prefill_leg(ok, "after-forged")
+    reply = await held.post(held.decode, "/v1/completions", ok | {"kv_transfer_params": ok_kv})
+    assert reply.status == 200 and reply.json()["choices"][0]["text"] == held.expected("after the forgery", 3)
+    assert held.prefill.pins.lookup("", "forged") is not None  # still pinned, for whoever has its real ids
+    assert held.ended() - before == Counter(read=1)
+    # The same failure with the real transfer id gives it up (the control of the control).
+    reply = await held.post(held.decode, "/v1/completions", body | {"kv_transfer_params": _bad(kv, ["tp_size"], 2)})
+    assert reply.status == 400, reply.body
+    await held.blocks_freed()
+    assert held.ended() - before == Counter(read=1, released=1)
+
+
+async def test_decode_cache_full_until_the_deadline_or_cancelled_frees_the_pin_at_once(held: Legs) -> None:
+    decode = held.decode.host
+    decode.allocator.allocate("filler", decode.allocator.num_free)  # the decode cache is full
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{held.decode.port}") as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            kv = await held.prefill_leg({"model": MODEL, "prompt": "no room", "max_tokens": 3}, "no-room")
+            before = held.ended()
+            full = pb.GenerateRequest(request_id="no-room", prompt="no room", max_tokens=3, kv_transfer_params=json.dumps(kv))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(full, timeout=1.0).read()
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            async with asyncio.timeout(10):
+                while held.prefill.pins.lookup("", "no-room") is not None:
+                    await asyncio.sleep(0.02)
+            assert held.ended() - before == Counter(released=1)
+
+            # The client goes away while the decode leg waits for blocks.
+            kv = await held.prefill_leg({"model": MODEL, "prompt": "gone", "max_tokens": 3}, "gone")
+            before = held.ended()
+            gone = pb.GenerateRequest(request_id="gone", prompt="gone", max_tokens=3, kv_transfer_params=json.dumps(kv))
+            call = stub.Generate(gone, timeout=60)
+            async with asyncio.timeout(10):
+                while decode.waiting_for_blocks == 0:
+                    await asyncio.sleep(0.02)
+            call.cancel()
+            async with asyncio.timeout(10):
+                while held.prefill.pins.lookup("", "gone") is not None:
+                    await asyncio.sleep(0.02)
+            assert held.ended() - before == Counter(released=1)
+    finally:
+        decode.free("filler")
+    await held.blocks_freed()
 
 
 async def test_expired_lease_is_410_and_a_second_claim_too(legs: Legs) -> None:

@@ -477,18 +477,27 @@ class ReleaseBlocks(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     reason: _builtins.str
     """Why, for logs and counters."""
+    transfer_id: _builtins.str
+    """Set: a request pinned for a reader unknown at the time (vLLM's P/D prefill leg), which this
+    decode engine gives up before claiming it (its decode leg failed first). Only the unclaimed
+    pin whose request id and transfer id are both these is released, so a decode engine can end
+    only a pin whose kv_transfer_params it was given. Empty: this session's own pin of
+    `request_id`, as before.
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
