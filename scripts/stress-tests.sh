@@ -19,7 +19,9 @@ mkdir -p "$logs"
 
 busy=()
 cleanup() { for pid in "${busy[@]}"; do kill "$pid" 2>/dev/null; done; }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+# Interrupted: stop the runs too (a handler that only cleaned up let the loop go on).
+trap 'exit 130' INT TERM
 for _ in 1 2; do
   "$python" -c 'while True: pass' &
   busy+=($!)
