@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -131,6 +132,10 @@ async def test_every_exported_name_follows_the_conventions_on_both_roles() -> No
             "decode": await asyncio.to_thread(scrape_text, pair.decode.shell.metrics_port),
             "prefill": await asyncio.to_thread(scrape_text, pair.prefill.shell.metrics_port),
         }
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
     for role, text in texts.items():
         assert text.count("# TYPE hybrid_pd_") > 5, role
         assert convention_problems(text) == [], role
+        # Operators look metrics up in the README: every one a service exports is listed there.
+        exported = {n for n in re.findall(r"^# TYPE (hybrid_pd_\w+)", text, re.MULTILINE) if not n.endswith("_created")}
+        assert sorted(n for n in exported if not re.search(rf"`{n}[`{{]", readme)) == [], role
