@@ -17,6 +17,7 @@ Two boundaries (`boundary`):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,8 @@ from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
 from shared.layout.page import EngineLayout
 from shared.layout.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
@@ -65,6 +68,10 @@ class HfEngine:
         self.checkpoint = checkpoint
         self.boundary: Boundary = boundary
         self.tokenizer = HfTokenizer(checkpoint.directory)
+        # /v1/chat/completions renders with it (`template_for`); None: the byte template.
+        self.chat_template = self.tokenizer.chat_template
+        if self.chat_template is None:
+            log.info("%s: the checkpoint has no chat template; chat completions use the byte template", checkpoint.directory)
         self.eos_token_ids = checkpoint.eos_token_ids
         if checkpoint.vocab_size != self.spec.vocab_size:
             raise ValueError(

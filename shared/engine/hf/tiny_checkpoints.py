@@ -2,7 +2,8 @@
 
 `build_checkpoint(family, directory)` writes what a real Hugging Face checkpoint directory
 holds: config.json, model.safetensors, a real tokenizer (tokenizer.json + tokenizer_config.json,
-a small BPE trained here on a few sentences) and generation_config.json with the EOS ids.
+a small BPE trained here on a few sentences, and its Jinja chat template, which transformers
+saves as chat_template.jinja) and generation_config.json with the EOS ids.
 Nothing is downloaded. Dims are small but keep every TP size in {1, 2, 4} valid (KV heads
 replicated at TP 4), the weights are larger than transformers' default init and the SSM decays
 slow, so that tokens depend visibly on the state (negative controls can then fail).
@@ -42,6 +43,16 @@ TRAINING_TEXT = (
     "Mamba layers keep a convolution window and a recurrent state per head.",
     "Hello world, hello again, and hello once more.",
 )
+# ChatML-like, so it renders differently from the services' byte template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Part of the cache key: bump it whenever what build_checkpoint writes changes, so that
+# checkpoints cached by an earlier version are rebuilt (2: the chat template).
+CHECKPOINT_FORMAT = 2
 _ATTN: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB_SIZE,
@@ -179,7 +190,7 @@ def _long_memory(model: Any) -> None:
 
 def build_tokenizer(directory: str) -> None:
     """A small byte-level BPE (every byte is a token, so any text encodes) trained on a few
-    sentences, saved so AutoTokenizer loads it offline."""
+    sentences, with `CHAT_TEMPLATE`, saved so AutoTokenizer loads it offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -195,6 +206,7 @@ def build_tokenizer(directory: str) -> None:
     fast = _transformers().PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token="<unk>", pad_token="<pad>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
 
@@ -226,15 +238,15 @@ def cache_root() -> str:
 
 
 def cached_checkpoint(family: str, *, seed: int = 0, root: str | None = None) -> str:
-    """The tiny checkpoint of `family`, made on first use and kept (keyed by the transformers
-    version, whose save format may change). Built aside and renamed into place, so a run that is
-    interrupted never leaves a half-written checkpoint behind."""
+    """The tiny checkpoint of `family`, made on first use and kept (keyed by `CHECKPOINT_FORMAT`
+    and by the transformers version, whose save format may change). Built aside and renamed into
+    place, so a run that is interrupted never leaves a half-written checkpoint behind."""
     import tempfile
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     base = os.path.join(root or cache_root(), "tiny-checkpoints")
-    directory = os.path.join(base, f"{family}-seed{seed}-transformers{_transformers().__version__}")
+    directory = os.path.join(base, f"{family}-seed{seed}-v{CHECKPOINT_FORMAT}-transformers{_transformers().__version__}")
     if os.path.isfile(os.path.join(directory, "config.json")):
         return directory
     os.makedirs(base, exist_ok=True)

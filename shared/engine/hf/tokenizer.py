@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shared.engine.hf.chat_template import HfChatTemplate, checkpoint_chat_template
+
 
 class HfTokenizer:
     def __init__(self, directory: str) -> None:
@@ -19,6 +21,7 @@ class HfTokenizer:
             self._tok: Any = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"{directory}: cannot load the checkpoint's tokenizer: {e}") from None
+        self.chat_template: HfChatTemplate | None = checkpoint_chat_template(self._tok)
 
     def encode(self, text: str) -> list[int]:
         """The prompt's ids as the model was trained on them (no special tokens added)."""

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from decode_svc.request_options import sampling_from
 from shared.bench.colocated_server import colocated_servicer
@@ -22,6 +23,8 @@ from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.tiny_checkpoints import build_checkpoint
 from shared.engine.hf.tokenizer import HfTokenizer
+from shared.http.chat_template import BYTE_TEMPLATE
+from shared.http.params import ChatMessage
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from tests.integration.services.colocated import colocated_port
@@ -152,3 +155,29 @@ async def test_hf_text_in_and_out_with_the_checkpoint_tokenizer(hf_checkpoint: C
         out = await asyncio.to_thread(complete)
         assert out.choices[0].text == tok.decode(want)
         assert out.usage.prompt_tokens == len(prompt)
+
+
+async def test_hf_chat_completion_uses_the_checkpoint_chat_template(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("bamba")
+    tok = HfTokenizer(directory)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello, fox"}]
+    hf_tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    rendered = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(rendered)
+    byte_rendered = BYTE_TEMPLATE.render([ChatMessage(m["role"], m["content"]) for m in messages])
+    assert prompt != tok.encode(byte_rendered)  # negative control: the templates give other prompts
+    ckpt = HfCheckpoint(directory, dtype="fp32")
+    want = (await asyncio.to_thread(colocated_generate, ckpt, prompt, 12, boundary="full", stop_at_eos=False)).token_ids
+    async with hf_pair(directory, directory, 1, 1, decode_flags=("--http-port", "0")) as (_, decode):
+
+        def chat() -> Any:
+            url = f"http://127.0.0.1:{decode.shell.http_port}/v1"
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+                return client.chat.completions.create(
+                    model=directory, messages=messages, max_tokens=12, extra_body={"ignore_eos": True}
+                )
+
+        out = await asyncio.to_thread(chat)
+    assert out.choices[0].message.content == tok.decode(want)
+    assert out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == len(want)
