@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from decode_svc import tokenizer
 from decode_svc.discovery import Discovery
 from decode_svc.http_api import DecodeHttp
 from decode_svc.learned_peers import LearnedPeers
@@ -58,7 +57,7 @@ class DecodeApp:
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
         self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
-        render = RenderRoutes(http_info, tokenizer.encode, self.http_api.template)
+        render = RenderRoutes(http_info, self.http_api.tokenizer.encode, self.http_api.template)
         self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])
         self.metrics.watch_host(host)
         self.metrics.gauge(

@@ -50,13 +50,16 @@ class PrefillApp:
             "prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
         )
         template = template_for(host.engine)
-        render = RenderRoutes(http_info, byte_tokenizer.encode, template)
+        # Text is encoded as decode encodes it: the checkpoint's tokenizer where the engine has one.
+        own = host.engine.tokenizer
+        encode = own.encode if own is not None else byte_tokenizer.encode
+        render = RenderRoutes(http_info, encode, template)
         prefill_leg = PrefillHttp(
             http_info,
             host,
             self.servicer.handoffs,
             template,
-            byte_tokenizer.encode,
+            encode,
             lambda: advertised_address(settings.advertise_address, settings.host, self.port),
         )
         self.shell.http_app = build_app(http_info, [*prefill_leg.routes(), *render.routes()])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,34 @@ async def test_hf_chat_completion_uses_the_checkpoint_chat_template(hf_checkpoin
     assert out.choices[0].message.content == tok.decode(want)
     assert out.usage.prompt_tokens == len(prompt)
     assert out.usage.completion_tokens == len(want)
+
+
+async def test_hf_render_and_the_prefill_leg_encode_with_the_checkpoint_tokenizer(hf_checkpoint: Callable[[str], str]) -> None:
+    """Both workers render text (and the prefill leg encodes it) as the generation does: with the
+    checkpoint's tokenizer and chat template, not bytes, so both P/D legs see the same prompt."""
+    directory = hf_checkpoint("bamba")
+    tok = HfTokenizer(directory)
+    text = "Hello, fox"
+    assert tok.encode(text) != list(text.encode())  # negative control: BPE-merged, not bytes
+    messages = [{"role": "user", "content": text}]
+    rendered = AutoTokenizer.from_pretrained(directory, local_files_only=True).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    flags = ("--http-port", "0")
+    async with hf_pair(directory, directory, 1, 1, decode_flags=flags, prefill_flags=flags) as (prefill, decode):
+        for app in (prefill, decode):
+            base = f"http://127.0.0.1:{app.shell.http_port}"
+            [completion] = await asyncio.to_thread(
+                _post_json, base + "/v1/completions/render", {"model": directory, "prompt": text}
+            )
+            assert completion["token_ids"] == tok.encode(text), app
+            chat = await asyncio.to_thread(
+                _post_json, base + "/v1/chat/completions/render", {"model": directory, "messages": messages}
+            )
+            assert chat["token_ids"] == tok.encode(rendered), app
+
+
+def _post_json(url: str, body: Any) -> Any:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
