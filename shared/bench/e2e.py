@@ -37,7 +37,7 @@ from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
 from shared.bench.plotting import Chart, Series
 from shared.bench.progress import Progress
 from shared.bench.setups import SETUPS, model_spec, start_setups
-from shared.bench.stats import Summary, json_number, ratio
+from shared.bench.stats import Summary, fixed, json_number, ratio
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -284,39 +284,35 @@ def format_e2e(result: dict[str, Any]) -> str:
     ]
     for r in result["levels"]:
         lines.append(
-            f"{r['setup']:<14} {r['concurrency']:>4} {r['requests']:>4} {_f(r['ttft_ms']['median'], 1):>11} "
-            f"{_f(r['ttft_ms']['p99'], 1):>9} {_f(r['ttft_minus_prefill_ms']['median'], 1):>9} "
-            f"{_f(r['itl_ms']['median'], 2):>10} {_f(r['tokens_per_s'], 1):>8} "
-            f"{_f(r['cpu_cores_used'], 2):>6} {_f(r['tokens_per_s_per_core'], 1):>10}"
+            f"{r['setup']:<14} {r['concurrency']:>4} {r['requests']:>4} {fixed(r['ttft_ms']['median'], 1):>11} "
+            f"{fixed(r['ttft_ms']['p99'], 1):>9} {fixed(r['ttft_minus_prefill_ms']['median'], 1):>9} "
+            f"{fixed(r['itl_ms']['median'], 2):>10} {fixed(r['tokens_per_s'], 1):>8} "
+            f"{fixed(r['cpu_cores_used'], 2):>6} {fixed(r['tokens_per_s_per_core'], 1):>10}"
             + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
     lines.append("(-prefill: median TTFT minus the server-reported prefill time: transfer, control plane, first decode step)")
     for r in result["levels"]:
         if r["setup"] == "disaggregated" and r["read_ms"]["median"] is not None:
             lines.append(
-                f"moving state at concurrency {r['concurrency']}: READ p50 {_f(r['read_ms']['median'], 2)} ms, "
-                f"{_f(100 * (r['read_share_of_ttft']['median'] or 0), 2)} % of TTFT (median over requests)"
+                f"moving state at concurrency {r['concurrency']}: READ p50 {fixed(r['read_ms']['median'], 2)} ms, "
+                f"{fixed(100 * (r['read_share_of_ttft']['median'] or 0), 2)} % of TTFT (median over requests)"
             )
     lines += ["", f"{'conc':>4} {'TTFT d/c':>9} {'ITL d/c':>8} {'tok/s d/c':>10} {'tok/s/core d/c':>15} {'same tokens':>12}"]
     for cmp in result["comparisons"]:
         lines.append(
-            f"{cmp['concurrency']:>4} {_f(cmp['ttft_ratio'], 3):>9} {_f(cmp['itl_ratio'], 3):>8} {_f(cmp['tokens_per_s_ratio'], 3):>10} "
-            f"{_f(cmp['tokens_per_s_per_core_ratio'], 3):>15} {cmp['tokens_match']:>12}"
+            f"{cmp['concurrency']:>4} {fixed(cmp['ttft_ratio'], 3):>9} {fixed(cmp['itl_ratio'], 3):>8} {fixed(cmp['tokens_per_s_ratio'], 3):>10} "
+            f"{fixed(cmp['tokens_per_s_per_core_ratio'], 3):>15} {cmp['tokens_match']:>12}"
         )
     t = result["target"]
     x = result["crossover"]
     lines += [
         "",
-        f"TTFT disaggregated / colocated at concurrency {t['at_concurrency']}: {_f(t['value'], 3)} "
+        f"TTFT disaggregated / colocated at concurrency {t['at_concurrency']}: {fixed(t['value'], 3)} "
         f"(target <= {t['ttft_ratio_at_most']}: {'met' if t['met'] else 'missed'})",
         f"bytes moved: FA grows with the prompt, conv + SSM do not; FA reaches conv + SSM at ~"
-        f"{_f(x['crossover_estimate_tokens'], 0)} prompt tokens ({c['crossover_model'] or c['model']})",
+        f"{fixed(x['crossover_estimate_tokens'], 0)} prompt tokens ({c['crossover_model'] or c['model']})",
     ]
     return "\n".join(lines)
-
-
-def _f(value: Any, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def parse_levels(text: str, what: str = "concurrency level") -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import numpy as np
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.progress import Progress
 from shared.bench.setups import SETUPS, model_spec, start_setups
-from shared.bench.stats import Summary, json_number, ratio
+from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e.long-prompt/v1"
@@ -105,10 +105,6 @@ async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress:
     return build_long_prompt_result(cfg, samples, command)
 
 
-def _ms(values: Sequence[float]) -> dict[str, Any]:
-    return Summary.of([v for v in values if not math.isnan(v)]).scaled(1e3).as_dict()
-
-
 def _minus_prefill(t: Timed) -> float:
     return t.ttft - seconds(t.summary.prefill_duration) if t.summary is not None else math.nan
 
@@ -129,21 +125,21 @@ def length_row(n: int, samples: Sequence[Sample]) -> dict[str, Any]:
         "prompt_tokens": n,
         "requests": len(samples),
         "errors": errors[:5],
-        "ttft_ms": {"disaggregated": _ms([t.ttft for t in d]), "colocated": _ms([t.ttft for t in c])},
+        "ttft_ms": {"disaggregated": ms_summary([t.ttft for t in d]), "colocated": ms_summary([t.ttft for t in c])},
         "prefill_ms": {
-            "disaggregated": _ms([seconds(t.summary.prefill_duration) for t in d if t.summary is not None]),
-            "colocated": _ms([seconds(t.summary.prefill_duration) for t in c if t.summary is not None]),
+            "disaggregated": ms_summary([seconds(t.summary.prefill_duration) for t in d if t.summary is not None]),
+            "colocated": ms_summary([seconds(t.summary.prefill_duration) for t in c if t.summary is not None]),
         },
         "ttft_ratio": json_number(ratio(d_ttft, Summary.of([t.ttft for t in c]).median)),
         # Paired per prompt: disaggregated minus colocated.
-        "exposed_transfer_ms": _ms(exposed),
-        "exposed_minus_prefill_ms": _ms(exposed_minus_prefill),
-        "read_ms": _ms(read),
+        "exposed_transfer_ms": ms_summary(exposed),
+        "exposed_minus_prefill_ms": ms_summary(exposed_minus_prefill),
+        "read_ms": ms_summary(read),
         "read_share_of_ttft": Summary.of([r / t.ttft for r, t in zip(read, d) if t.ttft > 0]).as_dict(6),
         # The digests of the state (--verify-transfer digest, the default): prefill takes them
         # before its manifest (inside prefill_ms), decode checks them before its first step.
-        "prefill_digest_ms": _ms([seconds(s.prefill_digest_duration) for s in summaries]),
-        "digest_check_ms": _ms([seconds(s.digest_check_duration) for s in summaries]),
+        "prefill_digest_ms": ms_summary([seconds(s.prefill_digest_duration) for s in summaries]),
+        "digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in summaries]),
         "transferred_tokens": first.num_transferred_tokens if first else None,
         "bytes": {
             "attention": first.transfer.attention_bytes if first else None,
@@ -167,14 +163,6 @@ def build_long_prompt_result(cfg: LongPromptConfig, samples: Sequence[Sample], c
     }
 
 
-def _f(value: Any, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _mb(value: Any) -> str:
-    return "-" if value is None else f"{value / 1e6:.3f}"
-
-
 def format_long_prompt(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [
@@ -188,12 +176,12 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         share = r["read_share_of_ttft"]["median"]
         b = r["bytes"]
         lines.append(
-            f"{r['prompt_tokens']:>7} {_f(r['ttft_ms']['disaggregated']['median'], 1):>10} "
-            f"{_f(r['ttft_ms']['colocated']['median'], 1):>10} {_f(r['ttft_ratio'], 3):>6} "
-            f"{_f(r['exposed_transfer_ms']['median'], 1):>11} {_f(r['exposed_minus_prefill_ms']['median'], 1):>9} "
-            f"{_f(r['read_ms']['median'], 2):>8} {_f(None if share is None else 100 * share, 3) + ' %':>10} "
-            f"{_f(r['digest_check_ms']['median'], 2):>9} "
-            f"{_mb(b['attention']):>8} {_mb(b['conv']):>8} {_mb(b['ssm']):>8} {r['tokens_match']:>5}"
+            f"{r['prompt_tokens']:>7} {fixed(r['ttft_ms']['disaggregated']['median'], 1):>10} "
+            f"{fixed(r['ttft_ms']['colocated']['median'], 1):>10} {fixed(r['ttft_ratio'], 3):>6} "
+            f"{fixed(r['exposed_transfer_ms']['median'], 1):>11} {fixed(r['exposed_minus_prefill_ms']['median'], 1):>9} "
+            f"{fixed(r['read_ms']['median'], 2):>8} {fixed(None if share is None else 100 * share, 3) + ' %':>10} "
+            f"{fixed(r['digest_check_ms']['median'], 2):>9} "
+            f"{megabytes(b['attention']):>8} {megabytes(b['conv']):>8} {megabytes(b['ssm']):>8} {r['tokens_match']:>5}"
             + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
     lines += [

@@ -28,7 +28,7 @@ import numpy as np
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.progress import Progress
 from shared.bench.setups import SETUPS, model_spec, start_setups
-from shared.bench.stats import Summary, json_number, ratio
+from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e.multi-turn/v1"
@@ -117,10 +117,6 @@ async def run_multi_turn(cfg: MultiTurnConfig, *, command: str, show_progress: b
     return build_multi_turn_result(cfg, turns, command)
 
 
-def _ms(values: Sequence[float]) -> dict[str, Any]:
-    return Summary.of([v for v in values if not math.isnan(v)]).scaled(1e3).as_dict()
-
-
 def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
     """The figures of turn `t`, over the conversations (their sizes are equal: answers never stop early)."""
     errors = [r.error for x in turns for r in x.results.values() if r.error]
@@ -149,10 +145,10 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
         },
         "attention_bytes_per_new_token": json_number(attention / new if attention is not None and new else math.nan),
         "attention_bytes_if_only_new": json_number(per_token * min(new, transferred)),  # turn 1: all of it
-        "ttft_ms": {"disaggregated": _ms([r.ttft for r in d]), "colocated": _ms([r.ttft for r in c])},
+        "ttft_ms": {"disaggregated": ms_summary([r.ttft for r in d]), "colocated": ms_summary([r.ttft for r in c])},
         "ttft_ratio": json_number(ratio(d_ttft, c_ttft)),
-        "read_ms": _ms([seconds(s.read_duration) for s in summaries]),
-        "digest_check_ms": _ms([seconds(s.digest_check_duration) for s in summaries]),
+        "read_ms": ms_summary([seconds(s.read_duration) for s in summaries]),
+        "digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in summaries]),
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(turns)}",
     }
 
@@ -181,14 +177,6 @@ def build_multi_turn_result(cfg: MultiTurnConfig, turns: Sequence[Turn], command
     }
 
 
-def _f(value: Any, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _mb(value: Any) -> str:
-    return "-" if value is None else f"{value / 1e6:.3f}"
-
-
 def format_multi_turn(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [
@@ -203,10 +191,10 @@ def format_multi_turn(result: dict[str, Any]) -> str:
         b = r["bytes"]
         lines.append(
             f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['transferred_tokens'] or '-':>8} "
-            f"{_mb(b['attention']):>8} {_mb(b['conv']):>8} {_mb(b['ssm']):>8} {_f(r['attention_bytes_per_new_token'], 0):>12} "
-            f"{_mb(r['attention_bytes_if_only_new']):>12} {_f(r['ttft_ms']['disaggregated']['median'], 1):>10} "
-            f"{_f(r['ttft_ms']['colocated']['median'], 1):>10} {_f(r['ttft_ratio'], 3):>6} "
-            f"{_f(r['read_ms']['median'], 2):>8} {r['tokens_match']:>5}" + (f"  errors: {r['errors']}" if r["errors"] else "")
+            f"{megabytes(b['attention']):>8} {megabytes(b['conv']):>8} {megabytes(b['ssm']):>8} {fixed(r['attention_bytes_per_new_token'], 0):>12} "
+            f"{megabytes(r['attention_bytes_if_only_new']):>12} {fixed(r['ttft_ms']['disaggregated']['median'], 1):>10} "
+            f"{fixed(r['ttft_ms']['colocated']['median'], 1):>10} {fixed(r['ttft_ratio'], 3):>6} "
+            f"{fixed(r['read_ms']['median'], 2):>8} {r['tokens_match']:>5}" + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
     x = result["later_turns"]
     share = x["reuse_would_save_share"]
@@ -214,7 +202,7 @@ def format_multi_turn(result: dict[str, Any]) -> str:
         "",
         "No decode-side prefix reuse yet: every turn reads the attention K/V of its whole prompt, so FA bytes per",
         "new token grow with the conversation ('FA MB if new': what reading only the new tokens would move).",
-        f"turns 2..{c['turns']}: {_mb(x['attention_bytes'])} MB of attention read, {_mb(x['attention_bytes_if_only_new'])} MB "
-        f"for the new tokens alone ({_f(None if share is None else 100 * share, 1)} % would be saved)",
+        f"turns 2..{c['turns']}: {megabytes(x['attention_bytes'])} MB of attention read, {megabytes(x['attention_bytes_if_only_new'])} MB "
+        f"for the new tokens alone ({fixed(None if share is None else 100 * share, 1)} % would be saved)",
     ]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,3 +73,18 @@ def json_number(value: float, digits: int = 4) -> float | None:
     if value == 0:
         return 0.0
     return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
+
+
+def ms_summary(values: Sequence[float]) -> dict[str, Any]:
+    """The summary, in ms, of durations in seconds; NaN marks a sample that has none."""
+    return Summary.of([v for v in values if not math.isnan(v)]).scaled(1e3).as_dict()
+
+
+def fixed(value: Any, digits: int) -> str:
+    """A table cell: `value` with `digits` decimals, "-" where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def megabytes(value: Any) -> str:
+    """A table cell: bytes as MB, "-" where there are none."""
+    return "-" if value is None else f"{value / 1e6:.3f}"
