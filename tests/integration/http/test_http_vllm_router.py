@@ -82,7 +82,9 @@ async def cluster() -> AsyncIterator[tuple[list[PrefillApp], list[DecodeApp]]]:
 def router(*args: str) -> Iterator[str]:
     assert ROUTER is not None
     port = free_port()
-    command = [ROUTER, "--host", "127.0.0.1", "--port", str(port), *args]
+    # The router re-checks a worker that was not healthy yet every 30 s by default: under load one
+    # slow first /health then used up most of wait_routing's bound (seen once). Check every second.
+    command = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-startup-check-interval", "1", *args]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         yield f"http://127.0.0.1:{port}"
