@@ -8,7 +8,8 @@ come from the same summary.
 
 Transfer digests (on, as by default): decode reports how long its check of prefill's digests
 took and prefill how long taking them took, per request; both are reported as a share of that
-request's READ time (the READ itself never includes them).
+request's READ time (the READ itself never includes them), next to one pass of the digests' hash
+over the same bytes (hash_pass.py), the least a digest of every byte can cost.
 
 Baselines, measured in rounds interleaved with the requests (so drift on a shared machine hits
 all alike): (a) and (b) from raw_nixl.py, between plain agents in this process and a raw
@@ -38,6 +39,7 @@ import grpc
 import numpy as np
 
 from shared.bench.client import generate, seconds
+from shared.bench.hash_pass import HashPassBaseline
 from shared.bench.local_pair import start_pair
 from shared.bench.memcpy import CopyBaseline
 from shared.bench.pairs import pair_lists, request_reads, total_sections
@@ -136,10 +138,11 @@ async def run_transfer(
         ]
         sections = total_sections(reads)
         copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages)
+        hashing = HashPassBaseline(sections.total, huge_pages=cfg.huge_pages)
         progress.advance(1, "measuring")
         pumpings = ACROSS_HOSTS if prefill_launch else ONE_HOST
         samples, service, matches = await _rounds(
-            cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, progress, pumpings
+            cfg, pair.decode.address, spec.vocab_size, target, reader, identical, coalesced, copy, hashing, progress, pumpings
         )
         samples.take_fastest_pumping()
     finally:
@@ -192,6 +195,7 @@ async def _rounds(
     identical: list[PreparedRead],
     coalesced: list[PreparedRead],
     copy: CopyBaseline,
+    hashing: HashPassBaseline,
     progress: Progress,
     pumpings: Sequence[str],
 ) -> tuple[TransferSamples, ServiceCounts, bool]:
@@ -222,6 +226,7 @@ async def _rounds(
                     target.serve(pumping, notif, len(prepared))
                     raw.append((method, pumping, reader.run(prepared, notif, pumping)))
             mem = copy.run()
+            hash_pass = hashing.run()
             if i >= cfg.warmup:
                 samples.ours.append(seconds(s.read_duration))
                 for method, pumping, took in raw:
@@ -231,5 +236,6 @@ async def _rounds(
                 samples.prefill.append(seconds(s.prefill_duration))
                 samples.digest_check.append(seconds(s.digest_check_duration))
                 samples.prefill_digest.append(seconds(s.prefill_digest_duration))
+                samples.hash_pass.append(hash_pass)
             progress.advance(1, f"READ {seconds(s.read_duration) * 1e3:.1f} ms")
     return samples, service, matches

@@ -5,12 +5,16 @@ left in its own blocks and compares before its first model step. They prove that
 exactly the bytes prefill wrote, across hosts and hardware, without recomputing anything.
 
 The digested bytes are defined by the model, not by either side's memory: for prefill rank p,
-section `fa` of an attention group is, layer by layer, K and V of the request's tokens for the
-KV heads p holds, as `[token, K|V, head, head_dim]`; `conv` and `ssm` of a Mamba group are the
-conv channels and SSM rows p holds, layer by layer. Who holds what comes from the layout's index
-functions, so a decode engine of another TP size or block size gathers the same bytes from its
-own ranks (each global index from the lowest local rank holding it) and gets the same digest.
-Padding and bytes outside the request are never digested.
+section `fa` of an attention group is, layer by layer, K then V, and for each KV head p holds
+(in the layout's order), that head's `[token, head_dim]` rows of the request's tokens; `conv`
+and `ssm` of a Mamba group are the conv channels and SSM rows p holds, layer by layer. Who holds
+what comes from the layout's index functions, so a decode engine of another TP size or block
+size finds the same bytes in its own ranks (each global index from the lowest local rank holding
+it) and gets the same digest. Padding and bytes outside the request are never digested.
+
+That order is the one the cache keeps within a kernel block (`[K|V, head, slot, head_dim]`), so
+every piece is hashed where it lies, one contiguous slab per (layer, K|V, head, kernel block):
+nothing is copied, and the cost is one pass of the hash over the bytes.
 
 xxh3-128 (the `xxhash` package): not cryptographic, which integrity against corruption does not
 need, and several times faster than BLAKE3 or SHA-2 on one core.
@@ -96,27 +100,32 @@ def _own_runs(per_rank: Sequence[IntArray], rank: int) -> list[_Run]:
 
 
 def _bytes(t: Tensor) -> memoryview:
+    """`t`'s bytes, without a copy where `t` is contiguous in host memory."""
     return t.contiguous().view(torch.uint8).cpu().numpy().data
 
 
-def _kernel_blocks(layout: EngineLayout, block_ids: npt.ArrayLike, num_tokens: int) -> Tensor:
-    """The kernel blocks holding a request's first `num_tokens` tokens, in token order."""
-    needed = -(-num_tokens // layout.kernel_block_size)
+@dataclass(frozen=True)
+class _TokenSpan:
+    """Tokens `[start, stop)` of kernel block `block`, as slot numbers within it."""
+
+    block: int
+    start: int
+    stop: int
+
+
+def token_spans(layout: EngineLayout, block_ids: npt.ArrayLike, tokens_from: int, num_tokens: int) -> list[_TokenSpan]:
+    """Where tokens `[tokens_from, num_tokens)` of a request lie, kernel block by kernel block, in
+    token order."""
+    size = layout.kernel_block_size
     ids = layout.kernel_block_ids(block_ids)
+    needed = -(-num_tokens // size)
     if ids.size < needed:
         raise IndexError(f"{num_tokens} tokens need {needed} kernel blocks, the request has {ids.size}")
-    return torch.from_numpy(ids[:needed])
-
-
-def _token_major(fa: Tensor, kernel_blocks: Tensor, heads: slice, num_tokens: int) -> Tensor:
-    """K/V of heads `heads` for the first `num_tokens` tokens of `kernel_blocks`, as
-    [token, K|V, head, head_dim], in one pass: each block is transposed straight into its place
-    (indexing token by token, or gathering blocks and then transposing, copies more)."""
-    _, kv, _, slots, dim = fa.shape
-    out = torch.empty(kernel_blocks.numel(), slots, kv, heads.stop - heads.start, dim, dtype=fa.dtype)
-    for i, block in enumerate(kernel_blocks.tolist()):
-        out[i].copy_(fa[block, :, heads].permute(2, 0, 1, 3))  # [K|V, head, slot, dim] -> [slot, K|V, head, dim]
-    return out.view(-1, kv, heads.stop - heads.start, dim)[:num_tokens]
+    spans = []
+    for i in range(tokens_from // size, needed):
+        first, last = max(tokens_from, i * size), min(num_tokens, (i + 1) * size)
+        spans.append(_TokenSpan(int(ids[i]), first - i * size, last - i * size))
+    return spans
 
 
 def state_digests(
@@ -126,13 +135,16 @@ def state_digests(
     num_tokens: int,
     *,
     source: EngineLayout | None = None,
+    tokens_from: int = 0,
+    sections: Sequence[Section] = SECTIONS,
 ) -> list[SectionDigest]:
-    """Digests of one request's state in `ranks` (this engine's, in rank order) for `num_tokens`
-    tokens, as the ranks of `source` hold it. `source=None`: this engine is the source, and each
-    rank digests its own bytes (prefill); else the bytes are gathered from the local ranks (decode).
-
-    Conv and SSM state are hashed slice by slice where they lie (no copy); K/V are gathered into
-    token order first (one copy)."""
+    """Digests of one request's state in `ranks` (this engine's, in rank order), as the ranks of
+    `source` hold it: K/V of tokens `[tokens_from, num_tokens)`, and the conv and SSM state (the
+    state after `num_tokens`), for the sections in `sections`. `source=None`: this engine is the
+    source, and each rank digests its own bytes (prefill); else the bytes are found in the local
+    ranks (decode). Everything is hashed where it lies."""
+    if not 0 <= tokens_from <= num_tokens:
+        raise ValueError(f"tokens [{tokens_from}, {num_tokens}) is not a token range")
     spec = layout.spec
     src = source if source is not None else layout
     local_tp = layout.tp
@@ -145,6 +157,11 @@ def state_digests(
     source_index = {
         "fa": kv_head_index, "conv": conv_channel_index, "ssm": ssm_row_index,
     }  # fmt: skip
+    group_spans = {
+        g: token_spans(layout, block_ids[g], tokens_from, num_tokens)
+        for g, group in enumerate(layout.groups)
+        if group.kind == "attention"
+    }
     out: list[SectionDigest] = []
     for p in range(src.tp):
 
@@ -155,19 +172,13 @@ def state_digests(
 
         for g, group in enumerate(layout.groups):
             if group.kind == "attention":
-                h = xxhash.xxh3_128()
-                kernel_blocks = _kernel_blocks(layout, block_ids[g], num_tokens)
-                head_runs = runs("fa")
-                for region in range(len(group.layers)):
-                    pieces = [
-                        _token_major(ranks[r.rank].fa[region], kernel_blocks, slice(r.local, r.local + r.length), num_tokens)
-                        for r in head_runs
-                    ]
-                    h.update(_bytes(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)))
-                out.append(SectionDigest(p, "fa", g, h.digest()))
+                if "fa" in sections:
+                    out.append(SectionDigest(p, "fa", g, _fa_digest(ranks, group_spans[g], runs("fa"), len(group.layers))))
                 continue
             block = int(np.asarray(block_ids[g]).reshape(-1)[0])
             for section in ("conv", "ssm"):
+                if section not in sections:
+                    continue
                 h = xxhash.xxh3_128()
                 section_runs = runs(section)
                 for region in range(len(group.layers)):
@@ -176,6 +187,20 @@ def state_digests(
                         h.update(_bytes(state[r.local : r.local + r.length]))
                 out.append(SectionDigest(p, section, g, h.digest()))
     return out
+
+
+def _fa_digest(ranks: Sequence[RankViews], spans: Sequence[_TokenSpan], head_runs: Sequence[_Run], num_layers: int) -> bytes:
+    """One attention group's K/V for one source rank: layer by layer, K then V, head by head, the
+    head's tokens in order, each kernel block's rows hashed where they lie."""
+    h = xxhash.xxh3_128()
+    for region in range(num_layers):
+        for kv in (0, 1):
+            for r in head_runs:
+                fa = ranks[r.rank].fa[region]
+                for head in range(r.local, r.local + r.length):
+                    for span in spans:
+                        h.update(_bytes(fa[span.block, kv, head, span.start : span.stop]))
+    return h.digest()
 
 
 def compare_digests(

@@ -81,6 +81,12 @@ def test_digest_shares_are_per_request_against_that_requests_read() -> None:
     json.dumps(result(TransferSamples(ours=[0.1])))  # no digest samples: still plain JSON
 
 
+def test_the_hash_pass_floor_is_reported_per_request_against_that_requests_read() -> None:
+    r = result(TransferSamples(ours=[0.1, 0.2, 0.4], hash_pass=[0.01, 0.06, 0.04]))  # shares 0.1, 0.3, 0.1
+    assert r["hash_pass_vs_read"] == 0.1 and r["hash_pass_ms"]["median"] == 40.0  # type: ignore[index]
+    assert "one xxh3-128 pass over the same bytes" in format_table(r) and "= 0.100 of the READ" in format_table(r)
+
+
 def test_each_raw_method_counts_its_fastest_pumping_and_every_strategy_is_reported() -> None:
     samples = TransferSamples(ours=[0.5, 0.5, 0.5], memcpy=[0.1] * 3)
     # raw_nixl: spin median 2.0 s, sleep-1ms 0.4 s; coalesced: spin 0.25 s, sleep-1ms 1.0 s
