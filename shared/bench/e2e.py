@@ -43,7 +43,9 @@ from shared.layout.page import build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e/v1"
-TARGET_TTFT_RATIO = 1.10
+# TTFT disaggregated / colocated at 2k-token prompts, per boundary: at full-N the first token is
+# prefill's own sample, streamed before the READ; at N-1 decode computes it after the READ.
+TARGET_TTFT_RATIO = {"full": 1.02, "n-1": 1.10}
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,18 @@ class E2EConfig:
     interleave: int = 2  # parts per level, alternating between the setups
     prefill_tp: int = 1
     decode_tp: int = 1
+    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
     kernel_block_size: int = 16
     crossover_model: str = ""  # "": the same model
     seed: int = 0
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests_per_level or max(4, 2 * concurrency)
+
+    @property
+    def resolved_boundary(self) -> str:
+        """The boundary both setups run: the one asked for, or the engine's default."""
+        return self.boundary or ("full" if self.engine == "hf" else "n-1")
 
 
 @dataclass
@@ -168,6 +176,7 @@ async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -
             prompt_tokens=cfg.prompt_tokens,
             max_tokens=cfg.max_tokens,
             concurrent=max(cfg.concurrency),
+            boundary=cfg.resolved_boundary,
         ) as running:
             address, pids = running.addresses, running.pids
             if cfg.warmup:  # first requests pay for lazy initialisation (torch, wire-up): not measured
@@ -219,6 +228,7 @@ def build_e2e_result(cfg: E2EConfig, levels: list[LevelResult], crossover: dict[
         )
     first = comparisons[0] if comparisons else None
     first_ratio = first["ttft_ratio"] if first else None
+    target = TARGET_TTFT_RATIO[cfg.resolved_boundary]
     return {
         "schema": SCHEMA,
         "command": command,
@@ -226,10 +236,11 @@ def build_e2e_result(cfg: E2EConfig, levels: list[LevelResult], crossover: dict[
         "levels": rows,
         "comparisons": comparisons,
         "target": {
-            "ttft_ratio_at_most": TARGET_TTFT_RATIO,
+            "boundary": cfg.resolved_boundary,
+            "ttft_ratio_at_most": target,
             "at_concurrency": first["concurrency"] if first else None,
             "value": first_ratio,
-            "met": isinstance(first_ratio, float) and first_ratio <= TARGET_TTFT_RATIO,
+            "met": isinstance(first_ratio, float) and first_ratio <= target,
         },
         "crossover": crossover,
     }
@@ -308,7 +319,7 @@ def format_e2e(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"TTFT disaggregated / colocated at concurrency {t['at_concurrency']}: {fixed(t['value'], 3)} "
-        f"(target <= {t['ttft_ratio_at_most']}: {'met' if t['met'] else 'missed'})",
+        f"(target at the {t.get('boundary', 'n-1')} boundary <= {t['ttft_ratio_at_most']}: {'met' if t['met'] else 'missed'})",
         f"bytes moved: FA grows with the prompt, conv + SSM do not; FA reaches conv + SSM at ~"
         f"{fixed(x['crossover_estimate_tokens'], 0)} prompt tokens ({c['crossover_model'] or c['model']})",
     ]

@@ -102,14 +102,18 @@ async def start_setups(
     max_tokens: int,
     concurrent: int = 1,
     name: str = "bench-e2e",
+    boundary: str | None = None,
 ) -> AsyncIterator[Running]:
     """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
-    `max_tokens` tokens each (one block spare); stop them on exit."""
+    `max_tokens` tokens each (one block spare); stop them on exit. `boundary`: both setups'
+    --boundary (None: the engine's default)."""
     prefill = build_engine_layout(spec, prefill_tp, kernel_block_size=kernel_block_size)
     decode = build_engine_layout(spec, decode_tp, kernel_block_size=kernel_block_size)
     p_blocks = concurrent * blocks_needed(prefill, prefill_tokens(spec, prompt_tokens)) + 1
     d_blocks = concurrent * blocks_needed(decode, prompt_tokens + max_tokens) + 1
     common = ["--model", model, "--engine", engine, "--kernel-block-size", str(kernel_block_size)]
+    if boundary is not None:
+        common += ["--boundary", boundary]
     quiet = ["--log-level", "WARNING"]
     pair = await start_pair(
         [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *quiet],

@@ -234,7 +234,7 @@ def _control(args: argparse.Namespace) -> int:
 
 E2E_FLAGS = (
     "workload", "model", "engine", "concurrency", "prompt-tokens", "max-tokens", "requests-per-level", "warmup",
-    "interleave", "prefill-tp", "decode-tp", "crossover-model",
+    "interleave", "prefill-tp", "decode-tp", "boundary", "crossover-model",
 )  # fmt: skip
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
@@ -281,6 +281,7 @@ def _e2e(args: argparse.Namespace) -> int:
         interleave=args.interleave,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        boundary=args.boundary or "",
         crossover_model=args.crossover_model or "",
     )
     result = _run_async(run_e2e(cfg, command=_command("e2e", args, E2E_FLAGS), show_progress=not args.no_progress))
@@ -482,6 +483,14 @@ def register(subparsers: Any) -> None:
         metavar="N",
     )
     tp_flags(e)
+    _add(
+        e,
+        "boundary",
+        None,
+        "concurrency: where prefill stops, as the services' --boundary: full (prefill samples the first token; "
+        "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1",
+        choices=("full", "n-1"),
+    )
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
     _add(
         e,

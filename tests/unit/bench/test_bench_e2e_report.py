@@ -42,6 +42,22 @@ def test_ratios_and_token_equality() -> None:
     assert [tag for tag, _ in e2e_charts(r)] == ["throughput", "ttft", "itl", "crossover"]
 
 
+def test_the_ttft_target_follows_the_boundary() -> None:
+    disagg = LevelResult("disaggregated", 1, [timed(0.0, 0.205, 0.4, [1, 2])], 1.0, 1.0)
+    coloc = LevelResult("colocated", 1, [timed(0.0, 0.2, 0.4, [1, 2])], 1.0, 1.0)  # TTFT d/c = 1.025
+    reference = build_e2e_result(E2EConfig(concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    hf = build_e2e_result(E2EConfig(engine="hf", concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    hf_n_minus_1 = build_e2e_result(E2EConfig(engine="hf", boundary="n-1", concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    assert (reference["target"]["boundary"], reference["target"]["ttft_ratio_at_most"], reference["target"]["met"]) == (
+        "n-1",
+        1.10,
+        True,
+    )
+    assert (hf["target"]["boundary"], hf["target"]["ttft_ratio_at_most"], hf["target"]["met"]) == ("full", 1.02, False)
+    assert hf_n_minus_1["target"]["met"] is True
+    assert "target at the full boundary <= 1.02: missed" in format_e2e(hf)
+
+
 def test_failed_requests_are_reported_not_counted() -> None:
     bad = Timed(sent=0.0, error="UNAVAILABLE: no prefill")
     level = LevelResult("disaggregated", 2, [bad, timed(0.0, 0.1, 0.3, [1, 2, 3])], 1.0, None)
