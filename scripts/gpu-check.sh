@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path on a CUDA machine, in a few minutes: the VRAM tests (synthetic and hf engines,
 # services' caches in device memory, every transferred byte checked by digests and by
-# --check-state). `bench transfer` has no device option yet, so VRAM-to-VRAM figures against
-# raw NIXL and a device copy are not taken here.
+# --check-state), then `bench transfer --device cuda`: our READ VRAM to VRAM against raw NIXL on
+# the same descriptors and a device-to-device copy, at nemotron-3-nano sizes, 2k-token prompts.
 #
 #   scripts/gpu-check.sh            (PYTHON=... to pick the interpreter; default .venv/bin/python)
 #
@@ -22,4 +22,7 @@ fi
 export PYTHONPATH=$PWD
 echo "gpu-check: VRAM path, synthetic and hf engines"
 timeout 240 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/integration/gpu
+echo "gpu-check: bench transfer, VRAM to VRAM (TP 1 -> 1: one GPU is enough)"
+timeout 240 "$python" -c 'import sys; from shared.cli.main import main; sys.exit(main())' \
+  bench transfer --device cuda --prompt-tokens 2048 --requests 10 --no-progress
 echo "gpu-check: OK"

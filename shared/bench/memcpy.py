@@ -1,6 +1,8 @@
 """The memory-bandwidth limit: one torch copy of the same number of bytes, in one process, on
 one thread (NIXL/cma is one copy by one thread per READ too). Both buffers are written first,
-so the copy never pays for page faults; they are the services' kind of memory (host_memory.py)."""
+so the copy never pays for page faults; they are the services' kind of memory (host_memory.py).
+With device cuda, both buffers are on cuda:0 and the copy is one device-to-device copy, timed
+from a synchronized start to its completion."""
 
 from __future__ import annotations
 
@@ -8,17 +10,23 @@ import time
 
 import torch
 
-from shared.cache.host_memory import host_buffer
+from shared.bench.raw_memory import region_buffer
 
 
 class CopyBaseline:
-    def __init__(self, nbytes: int, *, huge_pages: bool = True) -> None:
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, device: str = "cpu") -> None:
         self.nbytes = nbytes
-        self._src = host_buffer(nbytes, huge_pages=huge_pages).fill_(1)
-        self._dst = host_buffer(nbytes, huge_pages=huge_pages)
+        self._src = region_buffer(nbytes, device, 0, huge_pages=huge_pages).fill_(1)
+        self._dst = region_buffer(nbytes, device, 0, huge_pages=huge_pages)
 
     def run(self) -> float:
-        """Seconds for one single-threaded copy of `nbytes`."""
+        """Seconds for one copy of `nbytes` (single-threaded on the host)."""
+        if self._src.is_cuda:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            self._dst.copy_(self._src)
+            torch.cuda.synchronize()
+            return time.perf_counter() - started
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

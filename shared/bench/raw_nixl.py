@@ -30,9 +30,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shared.bench.raw_memory import region_buffer
 from shared.bench.raw_pumping import pause
-from shared.cache.host_memory import host_buffer
 from shared.layout.read_lists import IdArray
+from shared.transport.memory import MemoryPlace, nixl_descs
 from shared.transport.nixl_env import load_nixl
 
 IntArray = npt.NDArray[np.int64]
@@ -76,13 +77,15 @@ class RawTarget:
         name: str = "bench-raw-target",
         *,
         huge_pages: bool = True,
+        device: str = "cpu",
         launch: Sequence[str] = (),
     ) -> None:
         cmd = [
             *launch, sys.executable, "-m", "shared.bench.raw_target",
             "--ranks", str(ranks), "--regions", str(regions), "--region-bytes", str(region_bytes), "--name", name,
-            "--huge-pages", "on" if huge_pages else "off",
+            "--huge-pages", "on" if huge_pages else "off", "--device", device,
         ]  # fmt: skip
+        self.place = [MemoryPlace("VRAM", r) if device == "cuda" else MemoryPlace("DRAM", 0) for r in range(ranks)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -150,6 +153,7 @@ class RawReader:
         name: str = "bench-raw-reader",
         *,
         huge_pages: bool = True,
+        device: str = "cpu",
     ) -> None:
         api = load_nixl()
         self.agents: list[Any] = []
@@ -157,10 +161,13 @@ class RawReader:
         self._registrations: list[Any] = []
         self._handles: list[tuple[int, Any]] = []
         self.remote_names: list[dict[int, str]] = []
+        self.places: list[MemoryPlace] = []
+        self._target = target
         for rank in range(ranks):
             agent = api.nixl_agent(f"{name}-r{rank}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-            # The same memory as the services' caches (shared/cache/host_memory.py).
-            tensors = [host_buffer(region_bytes, huge_pages=huge_pages) for _ in range(regions)]
+            # The same memory as the services' caches (host, or rank r's GPU).
+            tensors = [region_buffer(region_bytes, device, rank, huge_pages=huge_pages) for _ in range(regions)]
+            self.places.append(MemoryPlace.of_tensors(tensors))
             self._registrations.append(agent.register_memory(tensors))
             self.agents.append(agent)
             self.tensors.append(tensors)
@@ -186,8 +193,9 @@ class RawReader:
         """Prepare both descriptor lists (untimed, once per peer in the services too)."""
         agent = self.agents[decode_rank]
         remote_name = self.remote_names[decode_rank][prefill_rank]
-        local_handle = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _nx3(local_descs), "DRAM")
-        remote_handle = agent.prep_xfer_dlist(remote_name, _nx3(remote_descs), "DRAM")
+        local, remote = self.places[decode_rank], self._target.place[prefill_rank]
+        local_handle = agent.prep_xfer_dlist("NIXL_INIT_AGENT", nixl_descs(local_descs, local), local.mem_type)
+        remote_handle = agent.prep_xfer_dlist(remote_name, nixl_descs(remote_descs, remote), remote.mem_type)
         self._handles += [(decode_rank, local_handle), (decode_rank, remote_handle)]
         return PreparedRead(
             decode_rank,
@@ -236,9 +244,3 @@ class RawReader:
             agent.deregister_memory(reg)
         self._handles.clear()
         self.agents.clear()
-
-
-def _nx3(descs: IntArray) -> npt.NDArray[np.uint64]:
-    out = np.zeros((descs.shape[0], 3), dtype=np.uint64)
-    out[:, :2] = descs
-    return out

@@ -3,6 +3,7 @@
 `python -m shared.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
 NIXL agents (no progress thread, as the services run them), registers R pre-faulted regions of
 B bytes with each (the services' kind of memory: on huge pages unless `--huge-pages off`),
+or, with `--device cuda`, R regions of rank r's GPU memory (cuda:r, as the services place ranks),
 prints one JSON line (`ranks`: name, metadata as hex, region base addresses), then pumps every
 agent about every millisecond while idle (the target side must progress UCX: wire-up answers,
 notifications) until its stdin closes.
@@ -30,8 +31,8 @@ from typing import Any
 
 import torch
 
+from shared.bench.raw_memory import region_buffer
 from shared.bench.raw_pumping import pause
-from shared.cache.host_memory import host_buffer
 from shared.transport.nixl_env import load_nixl
 
 PUMP_SECONDS = 0.001
@@ -44,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--region-bytes", type=int, required=True)
     parser.add_argument("--name", default="bench-raw-target")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     api = load_nixl()
     agents: list[Any] = []
@@ -53,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent = api.nixl_agent(f"{args.name}-r{rank}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         # Written, not just allocated: a READ of never-touched pages would copy the zero page.
         tensors = [
-            host_buffer(args.region_bytes, huge_pages=args.huge_pages == "on").fill_(rank + 1) for _ in range(args.regions)
+            region_buffer(args.region_bytes, args.device, rank, huge_pages=args.huge_pages == "on").fill_(rank + 1)
+            for _ in range(args.regions)
         ]
         registrations.append(agent.register_memory(tensors))
         agents.append(agent)
@@ -90,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for tensors in regions:
                 for t in tensors:
                     t.fill_(value)
+            if args.device == "cuda":
+                torch.cuda.synchronize()  # written before the READ is posted, as prefill's state is
             sys.stdout.write("ok\n")
             sys.stdout.flush()
         if word == "serve":

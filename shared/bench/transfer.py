@@ -17,6 +17,10 @@ target process, with memory sized like the services' and rewritten by the target
 READ (prefill has always just written what decode reads); (c) one single-threaded torch copy
 of the same number of bytes (memcpy.py).
 
+`--device cuda`: the services' caches (rank r on cuda:r), the raw agents' regions and the copy's
+buffers are GPU memory; the READs are VRAM to VRAM and (c) is a device-to-device copy. The hash
+pass stays on the host (the digests of VRAM state are taken from host copies of it).
+
 Both raw targets pump while a raw READ is in flight, as a pumping strategy says, and the reader
 polls the same way (raw_pumping.py). Across hosts (UCX over TCP, where that pumping bounds the
 READ) every round measures (a) and (b) under each strategy, in a rotating order, and each counts
@@ -78,6 +82,7 @@ class TransferConfig:
     check_state: bool = False
     seed: int = 0
     huge_pages: bool = True  # the services' caches and every baseline's buffers alike
+    device: str = "cpu"  # cuda: the services' caches and every baseline's buffers on GPUs (rank r on cuda:r)
 
 
 async def run_transfer(
@@ -100,7 +105,7 @@ async def run_transfer(
     d_blocks = blocks_needed(decode, cfg.prompt_tokens + MAX_TOKENS)
     common = [
         "--model", cfg.model, "--engine", "synthetic", "--kernel-block-size", str(cfg.kernel_block_size),
-        "--log-level", "WARNING", "--huge-pages", "on" if cfg.huge_pages else "off",
+        "--log-level", "WARNING", "--huge-pages", "on" if cfg.huge_pages else "off", "--device", cfg.device,
     ]  # fmt: skip
     prefill_args = [*common, "--tp", str(cfg.prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", "bench-prefill"]
     decode_args = [*common, "--tp", str(cfg.decode_tp), "--num-blocks", str(d_blocks), "--engine-id", "bench-decode"]
@@ -114,9 +119,16 @@ async def run_transfer(
     reader: RawReader | None = None
     try:
         target = RawTarget(
-            cfg.prefill_tp, prefill.num_regions, prefill.region_bytes(p_blocks), huge_pages=cfg.huge_pages, launch=prefill_launch
+            cfg.prefill_tp,
+            prefill.num_regions,
+            prefill.region_bytes(p_blocks),
+            huge_pages=cfg.huge_pages,
+            device=cfg.device,
+            launch=prefill_launch,
         )
-        reader = RawReader(target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks), huge_pages=cfg.huge_pages)
+        reader = RawReader(
+            target, cfg.decode_tp, decode.num_regions, decode.region_bytes(d_blocks), huge_pages=cfg.huge_pages, device=cfg.device
+        )
         pairs = pair_lists(
             plan,
             local_bases=[reader.bases(d) for d in range(cfg.decode_tp)],
@@ -137,7 +149,7 @@ async def run_transfer(
             _coalesced(reader, target, r.pair.decode_rank, r.pair.prefill_rank, r.pair.lists.local, r.local_idx) for r in reads
         ]
         sections = total_sections(reads)
-        copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages)
+        copy = CopyBaseline(sections.total, huge_pages=cfg.huge_pages, device=cfg.device)
         hashing = HashPassBaseline(sections.total, huge_pages=cfg.huge_pages)
         progress.advance(1, "measuring")
         pumpings = ACROSS_HOSTS if prefill_launch else ONE_HOST

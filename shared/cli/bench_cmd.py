@@ -152,6 +152,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 TRANSFER_FLAGS = (
     "model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "kernel-block-size", "check-state", "huge-pages",
+    "device",
 )  # fmt: skip
 
 
@@ -167,6 +168,19 @@ def _transfer(args: argparse.Namespace) -> int:
         inner += [flag for flag, on in (("--json", args.json), ("--no-progress", args.no_progress)) if on]
         inner += ["--plot", args.plot] if args.plot else []
         return run_on_hosts(inner, args.link_rate, args.link_delay)
+    if args.device == "cuda":
+        from shared.bench.raw_memory import cuda_ready
+
+        why = cuda_ready(max(args.prefill_tp, args.decode_tp))
+        if why is not None:
+            print(f"hybrid-pd bench transfer: --device cuda: {why}", file=sys.stderr)
+            return 2
+        if args.hosts:
+            print(
+                "hybrid-pd bench transfer: --device cuda and --hosts do not go together (the namespace hosts share no GPU)",
+                file=sys.stderr,
+            )
+            return 2
     launch: list[str] = []
     prefill_host = "127.0.0.1"
     link = None
@@ -185,6 +199,7 @@ def _transfer(args: argparse.Namespace) -> int:
         kernel_block_size=args.kernel_block_size,
         check_state=args.check_state,
         huge_pages=args.huge_pages == "on",
+        device=args.device,
     )
     command = _command("transfer", args, TRANSFER_FLAGS)
     if link is not None:
@@ -390,6 +405,14 @@ def register(subparsers: Any) -> None:
         "services' caches and every baseline's buffers on transparent huge pages, or all on 4 KiB pages",
         type=_on_off,
         metavar="on|off",
+    )
+    _add(
+        t,
+        "device",
+        "cpu",
+        "where the services' caches and the baselines' buffers live: cpu, or cuda (rank r on cuda:r; READs VRAM to "
+        "VRAM, (c) a device copy)",
+        choices=("cpu", "cuda"),
     )
     t.add_argument(
         "--hosts",

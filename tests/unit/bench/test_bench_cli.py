@@ -6,9 +6,11 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from shared.bench.descids import SCHEMA as DESCIDS_SCHEMA
 from shared.bench.e2e import parse_levels
+from shared.bench.raw_memory import rank_device, region_buffer
 from shared.cli import bench_cmd
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,3 +116,17 @@ def test_a_failing_benchmark_exits_1(capsys: pytest.CaptureFixture[str]) -> None
     args = parser().parse_args(["bench", "descids", "--model", "no-such-model", "--repeat", "1"])
     assert args.func(args) == 1
     assert "no-such-model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_transfer_on_cuda_without_a_gpu_exits_2_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parser().parse_args(["bench", "transfer", "--device", "cuda", "--no-progress"])
+    assert args.func(args) == 2
+    assert "--device cuda: no usable CUDA device here" in capsys.readouterr().err
+
+
+def test_raw_memory_places_rank_r_on_its_gpu() -> None:
+    assert rank_device("cuda", 3) == torch.device("cuda:3") and rank_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
+        rank_device("tpu", 0)
+    assert region_buffer(4096, "cpu", 0, huge_pages=False).count_nonzero() == 0
