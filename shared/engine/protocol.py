@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -84,4 +84,22 @@ class Engine(Protocol):
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
         """Describe every mismatch between the state in `blocks` and what prefill must have written
         (the synthetic engine compares every byte; the reference engine recomputes). Empty = exact."""
+        ...
+
+
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """An engine that can continue a prefill from the state already in the blocks, chunk by
+    chunk, with the same bits as one `prefill` (pipelined transfer: prefill_svc/jobs.py). The
+    reference engine can (its prefill is a per-token step loop); the hf engine cannot: a
+    transformers forward continued over a multi-token chunk rounds differently from one forward
+    over the whole prompt, so its tokens would differ from colocated."""
+
+    def prefill_chunk(
+        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, end: int, sampling: SamplingParams = GREEDY
+    ) -> int | None:
+        """Compute tokens [start, end) of `prompt` from the state of [0, start) in `blocks` (start
+        0: a fresh request). Chunks [0, a), [a, b), ..., [.., num_prefill_tokens) leave exactly
+        what `prefill` leaves; the chunk that ends at num_prefill_tokens returns what `prefill`
+        returns."""
         ...

@@ -87,6 +87,18 @@ class ReferenceEngine:
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
 
+    def prefill_chunk(
+        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, end: int, sampling: SamplingParams = GREEDY
+    ) -> None:
+        """Tokens [start, end) on top of the state in `blocks`: the same steps `prefill` runs, so
+        any chunking gives the same bits."""
+        if not 0 <= start < end <= self.num_prefill_tokens(len(prompt)):
+            raise ValueError(f"chunk [{start}, {end}) outside the {self.num_prefill_tokens(len(prompt))} tokens prefill computes")
+        store = self._store(blocks)
+        if start == 0:
+            store.reset_ssm()  # its blocks may still hold an earlier request's state
+        self.model.prefill(list(prompt[start:end]), store, start_pos=start)
+
     def start_decode(
         self,
         prompt: Sequence[int],
