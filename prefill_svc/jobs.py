@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefill_svc.part_plan import PartSpan, chunk_ends, part_spans
+from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.pins import Pin, PinTable
 from shared import tracing
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
-from shared.engine.protocol import ChunkedPrefill, RequestBlocks
+from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import Aborted, DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
@@ -98,7 +99,7 @@ class JobRunner:
     def spans_for(self, job: Job, computed: int, on_part: PartSink | None) -> list[PartSpan]:
         """The job's parts; one span (no parts) unless the job, the engine and the flag allow them."""
         engine, layout = self.host.engine, self.host.layout
-        if on_part is None or not job.accepts_parts or not isinstance(engine, ChunkedPrefill):
+        if on_part is None or not job.accepts_parts or not offers_chunks(engine, self.chunk_tokens):
             return [PartSpan(computed, 0, computed)]
         block_tokens = layout.block_size if layout.attention_group_ids else 0
         return part_spans(computed, self.chunk_tokens, block_tokens)
@@ -182,6 +183,9 @@ class JobRunner:
         on_part: PartSink,
     ) -> Manifest:
         loop = asyncio.get_running_loop()
+        engine = self.host.engine
+        assert isinstance(engine, ChunkedPrefill)
+        run = engine.start_prefill(job.prompt, blocks, job.sampling)
         pin: Pin | None = None
         digest_seconds = 0.0
         for index, span in enumerate(spans):
@@ -189,7 +193,7 @@ class JobRunner:
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
             last = index == len(spans) - 1
-            work = functools.partial(self._compute_span, job, blocks, start, span, last)
+            work = functools.partial(self._compute_span, job, run, blocks, start, span, last)
             compute = asyncio.ensure_future(self.host.run_compute(work))
             if pin is not None:
                 pin.writer = compute  # type: ignore[assignment]
@@ -241,17 +245,13 @@ class JobRunner:
         raise AssertionError("unreachable: the last span returns")
 
     def _compute_span(
-        self, job: Job, blocks: RequestBlocks, start: int, span: PartSpan, last: bool
+        self, job: Job, run: PrefillRun, blocks: RequestBlocks, start: int, span: PartSpan, last: bool
     ) -> tuple[int | None, list[SectionDigest], float]:
         """On the compute thread: the chunks up to the span's end, then the digests of what the
         part makes final (its tokens' K/V; the last part also conv and SSM)."""
-        engine = self.host.engine
-        assert isinstance(engine, ChunkedPrefill)
         first_token = None
-        at = start
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
-            first_token = engine.prefill_chunk(job.prompt, blocks, at, end, job.sampling)
-            at = end
+            first_token = run.compute(end)
         if not self.host.verify_transfer:
             return first_token, [], 0.0
         began = time.monotonic()
@@ -278,6 +278,11 @@ class JobRunner:
         if section is not None:
             _flip_one_byte(self.host, blocks, section)
         return first_token, digests, took
+
+
+def offers_chunks(engine: object, chunk_tokens: int) -> bool:
+    """Whether the engine computes a prefill in chunks of `chunk_tokens` with its own prefill's bits."""
+    return isinstance(engine, ChunkedPrefill) and engine.exact_chunk_tokens in (None, chunk_tokens)
 
 
 def deadline_passed(deadline: float | None, now: float) -> bool:

@@ -36,12 +36,3 @@ def part_spans(computed: int, chunk_tokens: int, block_tokens: int) -> list[Part
             final = whole
     spans.append(PartSpan(computed, final, computed))
     return spans
-
-
-def chunk_ends(start: int, stop: int, chunk_tokens: int) -> list[int]:
-    """Ends of the chunks that compute tokens [start, stop): at multiples of `chunk_tokens` (so
-    the chunking does not depend on where parts fall), and `stop`."""
-    if chunk_tokens <= 0:
-        return [stop] if stop > start else []
-    ends = list(range((start // chunk_tokens + 1) * chunk_tokens, stop, chunk_tokens))
-    return [*ends, stop] if stop > start else ends

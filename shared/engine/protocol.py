@@ -87,19 +87,29 @@ class Engine(Protocol):
         ...
 
 
+class PrefillRun(Protocol):
+    """One request's prefill, computed chunk by chunk (`ChunkedPrefill.start_prefill`)."""
+
+    def compute(self, end: int) -> int | None:
+        """Compute the prompt's tokens from where the last call stopped (0 first) to `end`,
+        writing their K/V into the blocks; the call that reaches num_prefill_tokens also writes
+        the conv / SSM state and returns what `prefill` returns."""
+        ...
+
+
 @runtime_checkable
 class ChunkedPrefill(Protocol):
-    """An engine that can continue a prefill from the state already in the blocks, chunk by
-    chunk, with the same bits as one `prefill` (pipelined transfer: prefill_svc/jobs.py). The
-    reference engine can (its prefill is a per-token step loop); the hf engine cannot: a
-    transformers forward continued over a multi-token chunk rounds differently from one forward
-    over the whole prompt, so its tokens would differ from colocated."""
+    """An engine that computes a prefill in chunks with the same bits as its `prefill`
+    (pipelined transfer: prefill_svc/jobs.py). The reference engine's prefill is a per-token
+    step loop, so any chunking gives its bits; the hf engine continues one transformers cache
+    over the chunks, which rounds differently from one forward over the whole prompt, so it
+    offers chunks only when its own `prefill` runs the same chunks (`prefill_chunk_tokens`):
+    then disaggregated still equals colocated bit for bit at the same chunk size."""
 
-    def prefill_chunk(
-        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, end: int, sampling: SamplingParams = GREEDY
-    ) -> int | None:
-        """Compute tokens [start, end) of `prompt` from the state of [0, start) in `blocks` (start
-        0: a fresh request). Chunks [0, a), [a, b), ..., [.., num_prefill_tokens) leave exactly
-        what `prefill` leaves; the chunk that ends at num_prefill_tokens returns what `prefill`
-        returns."""
+    # None: chunks of any size give `prefill`'s bits; N: only chunks of N tokens do (the ones
+    # this engine's `prefill` runs too).
+    exact_chunk_tokens: int | None
+
+    def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PrefillRun:
+        """A prefill of `prompt` into `blocks`, nothing computed yet."""
         ...

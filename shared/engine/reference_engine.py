@@ -63,11 +63,28 @@ class ReferenceDecodeSession:
         return self._last
 
 
+class ReferencePrefillRun:
+    """A prefill in chunks: the same steps `prefill` runs, so any chunking gives the same bits."""
+
+    def __init__(self, engine: ReferenceEngine, tokens: list[int], store: PagedStateStore) -> None:
+        self._engine, self._tokens, self._store = engine, tokens, store
+        self._pos = 0
+
+    def compute(self, end: int) -> None:
+        if not self._pos < end <= len(self._tokens):
+            raise ValueError(f"chunk [{self._pos}, {end}) outside the {len(self._tokens)} tokens prefill computes")
+        if self._pos == 0:
+            self._store.reset_ssm()  # its blocks may still hold an earlier request's state
+        self._engine.model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos)
+        self._pos = end
+
+
 class ReferenceEngine:
     eos_token_ids: frozenset[int] = frozenset()  # byte-level tiny models: no EOS
     samples = True
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
+    exact_chunk_tokens: int | None = None  # a per-token step loop: any chunking, the same bits
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec
@@ -87,17 +104,10 @@ class ReferenceEngine:
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
 
-    def prefill_chunk(
-        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, end: int, sampling: SamplingParams = GREEDY
-    ) -> None:
-        """Tokens [start, end) on top of the state in `blocks`: the same steps `prefill` runs, so
-        any chunking gives the same bits."""
-        if not 0 <= start < end <= self.num_prefill_tokens(len(prompt)):
-            raise ValueError(f"chunk [{start}, {end}) outside the {self.num_prefill_tokens(len(prompt))} tokens prefill computes")
-        store = self._store(blocks)
-        if start == 0:
-            store.reset_ssm()  # its blocks may still hold an earlier request's state
-        self.model.prefill(list(prompt[start:end]), store, start_pos=start)
+    def start_prefill(
+        self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY
+    ) -> ReferencePrefillRun:
+        return ReferencePrefillRun(self, list(prompt[: self.num_prefill_tokens(len(prompt))]), self._store(blocks))
 
     def start_decode(
         self,
