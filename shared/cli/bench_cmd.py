@@ -253,7 +253,7 @@ E2E_FLAGS = (
 )  # fmt: skip
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens",
+    "prefill-chunk-tokens", "boundary",
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
@@ -326,6 +326,7 @@ def _long_prompt(args: argparse.Namespace) -> int:
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        boundary=args.boundary,
     )
     command = _command("e2e", args, LONG_PROMPT_FLAGS)
     result = _run_async(run_long_prompt(cfg, command=command, show_progress=not args.no_progress))
@@ -513,7 +514,8 @@ def register(subparsers: Any) -> None:
         "boundary",
         None,
         "concurrency: where prefill stops, as the services' --boundary: full (prefill samples the first token; "
-        "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1",
+        "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1. "
+        "long-prompt too: at full the first token leaves before the READ, so TTFT holds no transfer; n-1 puts it back",
         choices=("full", "n-1"),
     )
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")

@@ -199,3 +199,32 @@ async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatc
     ) as pair:
         got = await pair.generate(prompt_of(length), MAX_TOKENS)
     assert tuple(got.token_ids) != expected("tiny-mamba2", length)
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
+    """The client goes away while prefill holds after part 1 (already READ): decode releases the
+    request once that part's READs are released, prefill stops the job, and every block is free."""
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(request_id: str, index: int) -> None:
+            held.set()
+            await release.wait()
+
+        pair.prefill.servicer.runner.after_part = hold
+        call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-1"))
+        await asyncio.wait_for(held.wait(), 60)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        for _ in range(500):
+            if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
+                break
+            await asyncio.sleep(0.01)
+        freed = (pair.prefill.host.allocator.num_used, pair.decode.host.allocator.num_used, len(pair.prefill.pins))
+        ended = dict(pair.prefill.pins.ended)
+        release.set()
+        pair.prefill.servicer.runner.after_part = None
+        healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert freed == (0, 0, 0) and ended.get("released") == 1, (freed, ended)
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)
