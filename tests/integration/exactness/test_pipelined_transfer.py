@@ -29,7 +29,7 @@ from shared.engine.reference.colocated import colocated_generate
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.rpc import fault_hooks
-from tests.integration.exactness.pair import service_pair
+from tests.integration.exactness.pair import RunningPair, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -50,6 +50,16 @@ def expected(model: str, length: int) -> tuple[int, ...]:
 def edge_lengths(block_size: int) -> list[int]:
     """One chunk, one past it, around the first and second block edges (prefill computes N-1)."""
     return [CHUNK, CHUNK + 1, block_size, block_size + 1, block_size + 2, 2 * block_size + 1, 3 * block_size + 7]
+
+
+async def all_freed(pair: RunningPair) -> bool:
+    """Whether both sides' blocks and prefill's pins are all free, waiting a while for the last
+    notifications and decode's cleanup after its last response (polled, never timed)."""
+    for _ in range(1000):
+        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
+            return True
+        await asyncio.sleep(0.01)
+    return False
 
 
 def parts_of(length: int, block_size: int) -> int:
@@ -85,12 +95,7 @@ async def test_pipelined_tokens_equal_colocated(
         extra_decode=["--check-state", "--kernel-block-size", str(decode_kb)],
     ) as pair:
         got = await asyncio.gather(*(pair.generate(prompt_of(n), MAX_TOKENS) for n in lengths))
-        assert pair.decode.host.allocator.num_used == 0
-        for _ in range(100):  # the last notifications may still be on their way to prefill
-            if pair.prefill.host.allocator.num_used == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert pair.prefill.host.allocator.num_used == 0 and len(pair.prefill.pins) == 0
+        assert await all_freed(pair)
         pairs_read = len(pair.decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
     for n, g in zip(lengths, got):
         assert tuple(g.token_ids) == expected(model, n), f"prompt of {n} tokens"
@@ -140,12 +145,7 @@ async def test_a_flipped_byte_in_a_part_fails_naming_the_part(monkeypatch: pytes
         healthy = await pair.generate(prompt_of(length), MAX_TOKENS)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await pair.generate(prompt_of(length), MAX_TOKENS, request_id="victim-1")
-        assert pair.decode.host.allocator.num_used == 0
-        for _ in range(200):  # released on prefill once decode's READs of every part are released
-            if pair.prefill.host.allocator.num_used == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert pair.prefill.host.allocator.num_used == 0
+        assert await all_freed(pair)  # on prefill once decode's READs of every part are released
     assert tuple(healthy.token_ids) == expected("tiny-mamba2", length)
     assert failed.value.code() == grpc.StatusCode.DATA_LOSS
     details = failed.value.details() or ""
@@ -217,10 +217,7 @@ async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
         await asyncio.wait_for(held.wait(), 60)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
-        for _ in range(500):
-            if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
-                break
-            await asyncio.sleep(0.01)
+        await all_freed(pair)
         freed = (pair.prefill.host.allocator.num_used, pair.decode.host.allocator.num_used, len(pair.prefill.pins))
         ended = dict(pair.prefill.pins.ended)
         release.set()
