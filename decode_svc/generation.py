@@ -309,17 +309,18 @@ class Generation:
                 first = first_token_of(manifest, self.host, link.engine_id)
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
-                    reading = asyncio.ensure_future(
-                        _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
-                    )
-                    try:
-                        if first is not None:
+                    read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
+                    if first is None:  # nothing to send meanwhile: no task of its own for the READ
+                        stats = await read
+                    else:
+                        reading = asyncio.ensure_future(read)
+                        try:
                             yield out.chunk([first])  # while the READ runs: the transfer hides behind it
-                        stats = await reading
-                    finally:
-                        if not reading.done():  # the client went away during the first chunk
-                            reading.cancel()
-                            await asyncio.gather(reading, return_exceptions=True)
+                            stats = await reading
+                        finally:
+                            if not reading.done():  # the client went away during the first chunk
+                                reading.cancel()
+                                await asyncio.gather(reading, return_exceptions=True)
             except BaseException as e:
                 # Prefill may reuse its blocks once no READ of ours can still be reading them.
                 await parts.cancel()

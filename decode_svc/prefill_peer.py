@@ -328,15 +328,20 @@ class PrefillPeers:
         """As `pick()`, among the ready peers not in `tried`; None when there is none."""
         n = len(self.peers)
         best: PrefillPeer | None = None
-        best_load: PeerLoad | None = None
+        best_load: PeerLoad | None = None  # taken once a second candidate needs comparing: one alone is not ranked
         best_at = 0
         for i in range(n):
             at = (self._next + i) % n
             peer = self.peers[at]
             if not peer.ready or peer in tried:
                 continue
+            if best is None:
+                best, best_at = peer, at
+                continue
+            if best_load is None:
+                best_load = best.load
             load = peer.load
-            if best_load is None or load < best_load:
+            if load < best_load:
                 best, best_load, best_at = peer, load, at
         if best is not None:
             self._next = (best_at + 1) % n

@@ -78,6 +78,24 @@ def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:
     )
 
 
+def _job_fields(
+    prompt_tokens: int, status: str, error: str | None, manifest: Manifest | None, job_seconds: float
+) -> dict[str, object]:
+    """The numbers of a finished job's log line (and span): what it computed when it succeeded,
+    the error when it failed."""
+    fields: dict[str, object] = {"prompt_tokens": prompt_tokens}
+    if manifest is not None:
+        fields.update(
+            computed_tokens=manifest.num_computed_tokens,
+            blocks=sum(len(ids) for ids in manifest.block_ids),
+            prefill_ms=round(manifest.prefill_ns / 1e6, 3),
+        )
+    if error is not None:
+        fields["error"] = error
+    fields.update(status=status, job_ms=round(job_seconds * 1e3, 3))
+    return fields
+
+
 class PrefillSession:
     def __init__(
         self,
@@ -278,7 +296,8 @@ class PrefillSession:
         deadline = job.deadline
         credit_taken = False
         status = "INTERNAL"
-        fields: dict[str, object] = {"prompt_tokens": len(job.prompt)}
+        error: str | None = None
+        manifest: Manifest | None = None
         try:
             now = loop.time()
             left = None if deadline is None else max(0.0, wait_deadline(deadline, now) - now)
@@ -304,14 +323,8 @@ class PrefillSession:
             credit_taken = False  # now owned by the pin: returned when it ends
             self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(manifest)))
             status = "OK"
-            fields.update(
-                computed_tokens=manifest.num_computed_tokens,
-                blocks=sum(len(ids) for ids in manifest.block_ids),
-                prefill_ms=round(manifest.prefill_ns / 1e6, 3),
-            )
         except ServiceError as e:
-            status = e.status
-            fields["error"] = e.message
+            status, error = e.status, e.message
             self._out.put_nowait(_failure(rid, e))
         except asyncio.CancelledError:
             status = "CANCELLED"
@@ -323,10 +336,14 @@ class PrefillSession:
             if credit_taken:
                 self._credits.release()
             self._jobs.pop(rid, None)
-            fields.update(status=status, job_ms=round((loop.time() - started) * 1e3, 3))
-            log.info("job %s finished: %s", rid, status, extra={"fields": fields})
-            if span is not None:
-                spans.settle(span, status, {f"hybrid_pd.{k}": v for k, v in fields.items() if isinstance(v, (str, int, float))})
+            # The line's numbers are gathered only when a handler or a span takes them.
+            if span is not None or log.isEnabledFor(logging.INFO):
+                done = manifest if status == "OK" else None
+                fields = _job_fields(len(job.prompt), status, error, done, loop.time() - started)
+                log.info("job %s finished: %s", rid, status, extra={"fields": fields})
+                if span is not None:
+                    attributes = {f"hybrid_pd.{k}": v for k, v in fields.items() if isinstance(v, (str, int, float))}
+                    spans.settle(span, status, attributes)
 
     def _claim(self, claim: pb.ClaimPinned) -> None:
         attributes: dict[str, AttributeValue] = {

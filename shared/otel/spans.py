@@ -132,16 +132,20 @@ def traced(name: str, kind: SpanKind = SpanKind.INTERNAL) -> Callable[[Callable[
 
     def wrap(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
         @functools.wraps(fn)
-        async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        def run(*args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
             tracer = _tracer
-            if tracer is None:
-                return await fn(*args, **kwargs)
-            with tracer.start_as_current_span(name, kind=kind):
-                return await fn(*args, **kwargs)
+            if tracer is None:  # off: the call itself, no coroutine around it to resume at every await
+                return fn(*args, **kwargs)
+            return _in_span(tracer, name, kind, fn(*args, **kwargs))
 
         return run
 
     return wrap
+
+
+async def _in_span(tracer: Tracer, name: str, kind: SpanKind, work: Awaitable[T]) -> T:
+    with tracer.start_as_current_span(name, kind=kind):
+        return await work
 
 
 def within(span: Span | None, items: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -264,9 +264,7 @@ class EngineHost:
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
         `counted`: the wait goes to `on_queue_wait` (requests and jobs; not start-up probes)."""
         started = asyncio.get_running_loop().time()
-        blocks = await self._when_free(
-            lambda: self.allocate(key, num_tokens), sum(self.blocks_per_group(num_tokens)), deadline, counted=counted
-        )
+        blocks = await self._when_free(lambda: self.allocate(key, num_tokens), num_tokens, deadline, counted=counted)
         tracing.mark(Step.ALLOCATED)
         if counted and self.on_queue_wait is not None:
             self.on_queue_wait(asyncio.get_running_loop().time() - started)
@@ -275,14 +273,14 @@ class EngineHost:
     async def grow_queued(self, blocks: RequestBlocks, num_tokens: int, deadline: float) -> RequestBlocks:
         """`grow`, but while the cache is full wait for frees until `deadline` (event-loop time),
         then raise RESOURCE_EXHAUSTED. Decode, as a sequence crosses a block boundary."""
-        return await self._when_free(lambda: self.grow(blocks, num_tokens), sum(self.blocks_per_group(num_tokens)), deadline)
+        return await self._when_free(lambda: self.grow(blocks, num_tokens), num_tokens, deadline)
 
     async def _when_free(
-        self, attempt: Callable[[], RequestBlocks], total_blocks: int, deadline: float, *, counted: bool = True
+        self, attempt: Callable[[], RequestBlocks], num_tokens: int, deadline: float, *, counted: bool = True
     ) -> RequestBlocks:
         """`attempt()` until it finds the blocks, waking at every free; RESOURCE_EXHAUSTED once
-        `deadline` passes, or at once when `total_blocks` exceed the whole cache. While it waits the
-        caller counts in `waiting_for_blocks` (`counted`)."""
+        `deadline` passes, or at once when `num_tokens` need more blocks than the whole cache. While
+        it waits the caller counts in `waiting_for_blocks` (`counted`)."""
         loop = asyncio.get_running_loop()
         waiting = False
         try:
@@ -291,7 +289,8 @@ class EngineHost:
                     return attempt()
                 except ResourceExhausted as e:
                     left = deadline - loop.time()
-                    if left <= 0 or total_blocks > self.num_blocks:
+                    # Counted only when full: the common first attempt succeeds without it.
+                    if left <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
                         raise ResourceExhausted(
                             f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL"
                         ) from None
