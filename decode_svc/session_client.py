@@ -65,6 +65,7 @@ class SessionClient:
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
         self._waiting: dict[str, asyncio.Future[Manifest]] = {}
         self._holding: set[str] = set()  # manifests received, blocks still needed
+        self._parted: set[str] = set()  # of those, the ones a manifest part arrived for (the caller releases them)
         self._part_sinks: dict[str, Callable[[Manifest], None]] = {}  # requests taking manifest parts
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
@@ -154,8 +155,13 @@ class SessionClient:
             self._send(msg)
             manifest = await future
         except asyncio.CancelledError:
-            # Parts arrived (`_holding`): their READs may be in flight; the caller releases.
-            if self._waiting.pop(request_id, None) is not None and request_id not in self._holding:
+            # Cancelled while the job ran, or just after its last manifest arrived (the caller
+            # never sees that one): nobody will release it, so cancel it on prefill now. Once a
+            # part has arrived, READs of it may be in flight: then the caller releases.
+            if request_id not in self._parted and (
+                self._waiting.pop(request_id, None) is not None or request_id in self._holding
+            ):
+                self._holding.discard(request_id)
                 self._send(pb.SessionRequest(cancel=pb.CancelJob(request_id=request_id)))
             raise
         finally:
@@ -170,6 +176,7 @@ class SessionClient:
         Does not wait for the write: a failing request must not wait on a stuck stream (if the
         message is lost with the stream, the lease frees the blocks)."""
         self._holding.discard(request_id)
+        self._parted.discard(request_id)
         self._send(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason)))
 
     def give_up(self, request_id: str, transfer_id: str, reason: str) -> None:
@@ -181,6 +188,7 @@ class SessionClient:
     def done_reading(self, request_id: str) -> None:
         """The READs finished (prefill frees on their notifications): stop renewing the lease."""
         self._holding.discard(request_id)
+        self._parted.discard(request_id)
 
     async def close(self) -> None:
         writer = self._tasks[-1] if self._tasks else None
@@ -275,7 +283,7 @@ class SessionClient:
         try:
             manifest = manifest_from_message(msg, self.source)
         except ServiceError as e:
-            held = msg.request_id in self._holding  # parts of it were READ: the caller releases it
+            held = msg.request_id in self._parted  # parts of it were READ: the caller releases it
             self._resolve(msg.request_id, error=e)
             if not held:
                 self.release(msg.request_id, f"manifest refused: {e.reason}")
@@ -289,7 +297,7 @@ class SessionClient:
             return
         future = self._waiting.pop(request_id, None)
         if future is None or future.done():
-            if manifest is not None and request_id not in self._holding:
+            if manifest is not None and request_id not in self._parted:
                 # Nobody waits any more (cancelled meanwhile): free it on prefill right away.
                 self.release(request_id, "no longer wanted")
             return
@@ -304,10 +312,11 @@ class SessionClient:
         sink = self._part_sinks.get(request_id)
         waiting = self._waiting.get(request_id)
         if sink is None or waiting is None or waiting.done():
-            if request_id not in self._holding:  # no READ of ours can be on it: free it now
+            if request_id not in self._parted:  # no READ of ours can be on it: free it now
                 self.release(request_id, "no longer wanted")
             return
         self._holding.add(request_id)  # heartbeats renew its lease from the first part on
+        self._parted.add(request_id)
         sink(part)
 
     def ended_error(self) -> Unavailable:
