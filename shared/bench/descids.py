@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.bench.pairs import fake_bases, pair_lists
+from shared.bench.progress import Progress
 from shared.bench.sizing import blocks_needed, request_blocks
 from shared.bench.stats import Summary, json_number
 from shared.cache.id_buffers import IdBufferPool
@@ -41,7 +42,7 @@ class DescIdsConfig:
     repeat: int = 30
 
 
-def run_descids(cfg: DescIdsConfig, *, command: str) -> dict[str, Any]:
+def run_descids(cfg: DescIdsConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
     spec = load_model(cfg.model)
     prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
     decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
@@ -62,20 +63,22 @@ def run_descids(cfg: DescIdsConfig, *, command: str) -> dict[str, Any]:
     cpu: list[float] = []
     fresh_wall: list[float] = []
     ids = 0
-    for _ in range(cfg.repeat + 1):  # the first call fills the pool and is dropped
-        claim = pool.claim()
-        w0, c0 = time.perf_counter(), time.thread_time()
-        lidx, _ = read_indices(pair.lists, local, remote, tokens, buffers=claim)
-        w1, c1 = time.perf_counter(), time.thread_time()
-        ids = int(lidx.size)
-        del lidx
-        claim.release()  # the READ was posted: NIXL holds its own copy of the ids
-        wall.append(w1 - w0)
-        cpu.append(c1 - c0)
-        f0 = time.perf_counter()
-        fresh, _ = read_indices(pair.lists, local, remote, tokens)
-        fresh_wall.append(time.perf_counter() - f0)
-        del fresh
+    with Progress("bench descids", cfg.repeat + 1, enabled=show_progress) as progress:  # drawn at once: the sweep began
+        for _ in range(cfg.repeat + 1):  # the first call fills the pool and is dropped
+            claim = pool.claim()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            lidx, _ = read_indices(pair.lists, local, remote, tokens, buffers=claim)
+            w1, c1 = time.perf_counter(), time.thread_time()
+            ids = int(lidx.size)
+            del lidx
+            claim.release()  # the READ was posted: NIXL holds its own copy of the ids
+            wall.append(w1 - w0)
+            cpu.append(c1 - c0)
+            f0 = time.perf_counter()
+            fresh, _ = read_indices(pair.lists, local, remote, tokens)
+            fresh_wall.append(time.perf_counter() - f0)
+            del fresh
+            progress.advance()
     wall, cpu, fresh_wall = wall[1:], cpu[1:], fresh_wall[1:]
     w, c = Summary.of(wall).scaled(1e3), Summary.of(cpu).scaled(1e3)
     return {

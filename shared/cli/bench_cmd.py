@@ -371,7 +371,7 @@ def _descids(args: argparse.Namespace) -> int:
         kernel_block_size=args.kernel_block_size,
         repeat=args.repeat,
     )
-    result = run_descids(cfg, command=_command("descids", args, DESCIDS_FLAGS))
+    result = run_descids(cfg, command=_command("descids", args, DESCIDS_FLAGS), show_progress=not args.no_progress)
     return _finish(args, result, format_descids(result), None)
 
 

@@ -1,4 +1,8 @@
-"""`hybrid-pd`: the command-line front door (models, plan, generate, demo, bench)."""
+"""`hybrid-pd`: the command-line front door (models, plan, generate, demo, bench).
+
+The commands' modules (grpc, numpy, torch behind them) are imported inside `main`, under its
+Ctrl-C handling: a Ctrl-C while they load, which takes seconds on a busy machine, ends in the
+same one line and exit 130 as one during the command, not in a traceback."""
 
 from __future__ import annotations
 
@@ -6,12 +10,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shared.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
-from shared.layout.spec import LayoutError
-from shared.version import version
-
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
+    from shared.version import version
+
     parser = argparse.ArgumentParser(
         prog="hybrid-pd",
         description=(
@@ -30,15 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Bad input ends in one line and exit 2, Ctrl-C in one line and exit 130: no tracebacks."""
-    args = build_parser().parse_args(argv)
+    name = "hybrid-pd"
     try:
-        code: int = args.func(args)
+        args = build_parser().parse_args(argv)
+        name = f"hybrid-pd {args.command}"
+        from shared.layout.spec import LayoutError
+
+        try:
+            code: int = args.func(args)
+        except (ValueError, LayoutError, OSError) as e:
+            print(f"{name}: error: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
-        print(f"hybrid-pd {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, LayoutError, OSError) as e:
-        print(f"hybrid-pd {args.command}: error: {e}", file=sys.stderr)
-        return 2
     return code
 
 

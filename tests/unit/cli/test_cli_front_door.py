@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
@@ -52,14 +52,52 @@ def test_an_error_inside_a_command_is_one_line(capsys: pytest.CaptureFixture[str
     assert code == 2 and "does not exist" in err and "Traceback" not in err
 
 
-def test_ctrl_c_ends_with_one_line_and_130() -> None:
-    """A real SIGINT to a real long-running command (a descriptor-id sweep)."""
-    command = [sys.executable, "-m", "shared.cli.main", "bench", "descids", "--blocks", "100000", "--repeat", "100000"]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+def _cli(*argv: str, pythonpath: str = "") -> subprocess.Popen[str]:
+    path = os.pathsep.join(p for p in (pythonpath, os.getcwd()) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shared.cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
     )
-    time.sleep(3)  # imports done, the sweep running
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_with_one_line_and_130() -> None:
+    """A real SIGINT to a real long-running command (a descriptor-id sweep), sent once the sweep
+    has said it began (its progress line), not after a guessed time."""
+    proc = _cli("bench", "descids", "--blocks", "100000", "--repeat", "100000")
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first.startswith("bench descids ["), first
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "hybrid-pd bench: interrupted"
+
+
+INTERRUPT_WHILE_LOADING = """
+import os, signal, sys
+
+class InterruptAtGrpc:  # sends this process a SIGINT as the commands' modules start loading grpc
+    def find_spec(self, name, path=None, target=None):
+        if name == "grpc":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptAtGrpc())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_commands_load_is_one_line_too(tmp_path: Path) -> None:
+    """Loading the commands takes seconds on a busy machine: a Ctrl-C then (forced here, at the
+    import of grpc) ends like one during the command. Before the imports moved under main's
+    handling, this printed a traceback and the process died of the signal."""
+    (tmp_path / "sitecustomize.py").write_text(INTERRUPT_WHILE_LOADING)
+    proc = _cli("bench", "descids", "--blocks", "10", "--repeat", "1", pythonpath=str(tmp_path))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "hybrid-pd: interrupted"
