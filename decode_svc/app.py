@@ -51,6 +51,7 @@ class DecodeApp:
             self.shell.lifecycle,
             check_state=settings.check_state,
             read_timeout=settings.read_timeout_seconds,
+            manifest_parts=settings.manifest_parts,
             metrics=self.metrics,
             learned=self.learned,
         )

@@ -47,13 +47,14 @@ from typing import Any, TypeVar
 from decode_svc import tokenizer
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed, remote_prefill_of
+from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.prefill_retry import on_some_prefill
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
-from shared.cache.digest import compare_digests, state_digests
+from shared.cache.digest import SECTIONS, Section, compare_digests, state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import RequestBlocks
@@ -227,6 +228,7 @@ class Generation:
         *,
         check_state: bool,
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        manifest_parts: bool = True,
         telemetry: Telemetry | None = None,
         learned: LearnedPeers | None = None,
     ) -> None:
@@ -235,6 +237,7 @@ class Generation:
         self.learned = learned or LearnedPeers(peers, lambda target: PrefillPeer(target, host, None, once=True))
         self.check_state = check_state
         self.read_timeout = read_timeout
+        self.manifest_parts = manifest_parts  # --manifest-parts: jobs accept manifest parts
         self.telemetry = telemetry
         self._active: set[str] = set()
 
@@ -272,6 +275,7 @@ class Generation:
                 raise
         compute = ComputeGuard(self.host)
         reads = ReadFence()
+        parts = PartReads()
         try:
             if not peer.ready and remote is not None:
                 raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
@@ -279,8 +283,18 @@ class Generation:
                 peer = self.peers.pick()
             job_sent = time.monotonic()
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
-                attempt = functools.partial(self._submit, req)
-                session, link, manifest = await on_some_prefill(self.peers, peer, attempt, deadline, self._count_retry)
+                attempt = functools.partial(self._submit, req, local, compute, reads, parts)
+                try:
+                    session, link, manifest = await on_some_prefill(
+                        self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any
+                    )
+                except BaseException as e:
+                    if parts.source is not None:  # parts were (being) READ: release once no READ of theirs can land
+                        await parts.cancel()
+                        reads.when_released(
+                            functools.partial(parts.source.release, key, f"read not completed: {type(e).__name__}")
+                        )
+                    raise
             else:
                 assert peer.session is not None and peer.link is not None and remote.transfer_id is not None
                 session, link = peer.session, peer.link
@@ -295,7 +309,7 @@ class Generation:
                 first = first_token_of(manifest, self.host, link.engine_id)
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
-                    read = _unless_session_ends(session, self._read(link, manifest, local, deadline, reads))
+                    read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
                     if first is None:  # nothing to send meanwhile: no task of its own for the READ
                         stats = await read
                     else:
@@ -309,6 +323,7 @@ class Generation:
                                 await asyncio.gather(reading, return_exceptions=True)
             except BaseException as e:
                 # Prefill may reuse its blocks once no READ of ours can still be reading them.
+                await parts.cancel()
                 reason = f"read not completed: {type(e).__name__}"
                 reads.when_released(lambda: session.release(pinned_as, reason))
                 raise
@@ -331,18 +346,63 @@ class Generation:
         finally:
             compute.free_when_idle(key, reads)
 
-    async def _submit(self, req: RequestContext, peer: PrefillPeer) -> tuple[SessionClient, PeerLink, Manifest]:
-        """The request's job on `peer`: the session and link it went through, and its manifest."""
+    async def _submit(
+        self,
+        req: RequestContext,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        reads: ReadFence,
+        parts: PartReads,
+        peer: PrefillPeer,
+    ) -> tuple[SessionClient, PeerLink, Manifest]:
+        """The request's job on `peer`: the session and link it went through, and its (last)
+        manifest; with --manifest-parts each earlier part is READ as it arrives (`parts`)."""
         session, link = peer.session, peer.link
         if session is None or link is None:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
         check_fits_prefill(self.host, link, req)
         now = asyncio.get_running_loop().time()
+
+        def on_part(part: Manifest) -> None:
+            parts.source = session
+            parts.arrived(part, self._read_part(req, link, part, local, compute, reads))
+
         return (
             session,
             link,
-            await session.submit(req.request_id, req.prompt, wait_deadline(req.deadline, now) - now, req.sampling),
+            await session.submit(
+                req.request_id,
+                req.prompt,
+                wait_deadline(req.deadline, now) - now,
+                req.sampling,
+                on_part=on_part if self.manifest_parts else None,
+            ),
         )
+
+    async def _read_part(
+        self, req: RequestContext, link: PeerLink, part: Manifest, local: RequestBlocks, compute: ComputeGuard, reads: ReadFence
+    ) -> ReadStats:
+        """One part before the last: its READ, then its digests, while prefill computes on."""
+        stats = await self._read(link, part, local, req.deadline, reads)
+        if self.host.verify_transfer:
+            await self._verify_digests(compute, req, part, link, local)
+        return stats
+
+    async def _read_all(
+        self, link: PeerLink, manifest: Manifest, local: RequestBlocks, deadline: float, reads: ReadFence, parts: PartReads
+    ) -> ReadStats:
+        """The last (or only) manifest's READ, and the earlier parts' READs finishing meanwhile.
+        `seconds`: from the last manifest to every READ done (the READ time left exposed)."""
+        started = time.monotonic()
+        try:
+            parts.check_chain(manifest, link.engine_id)
+            stats = await self._read(link, manifest, local, deadline, reads)
+            stats.add(await parts.gather())
+        except BaseException:
+            await parts.cancel()
+            raise
+        stats.seconds = time.monotonic() - started
+        return stats
 
     def _count_retry(self, reason: str) -> None:
         if self.telemetry is not None:
@@ -469,9 +529,12 @@ class Generation:
         """What the READs left in our blocks must have the digests prefill took of what it wrote
         (that they are there, of our kind, was checked when the manifest arrived)."""
         expected = list(manifest.digests)
-        layout, views, n = self.host.layout, self.host.views, manifest.num_computed_tokens
+        layout, views, n, start = self.host.layout, self.host.views, manifest.tokens_to, manifest.tokens_from
         source = link.plan.prefill
-        got = await compute.run(lambda: state_digests(layout, views, local.block_ids, n, source=source))
+        sections: tuple[Section, ...] = SECTIONS if manifest.last else ("fa",)  # a part before the last: its K/V only
+        got = await compute.run(
+            lambda: state_digests(layout, views, local.block_ids, n, source=source, tokens_from=start, sections=sections)
+        )
         bad = compare_digests(layout, expected, got)
         if not bad:
             return
@@ -482,8 +545,9 @@ class Generation:
             p: [r.decode_rank for r in link.plan.ranks if any(x.prefill_rank == p for x in r.reads)] for p in range(source.tp)
         }
         shown = "; ".join(f"{m.describe()}, read by decode ranks {readers[m.rank]}" for m in bad[:5])
+        which = "" if manifest.part is None else f" ({manifest.part.describe()})"
         raise DataLoss(
-            f"request {req.request_id}: the state READ from prefill {link.engine_id} differs from what it wrote in "
+            f"request {req.request_id}: the state READ from prefill {link.engine_id}{which} differs from what it wrote in "
             f"{len(bad)} digests: {shown}",
             field="manifest.digests",
             reason="DIGEST_MISMATCH",

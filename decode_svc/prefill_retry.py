@@ -42,10 +42,12 @@ async def on_some_prefill(
     attempt: Callable[[PrefillPeer], Awaitable[T]],
     deadline: float,
     on_retry: Callable[[str], None] = lambda reason: None,
+    retryable: Callable[[], bool] = lambda: True,
 ) -> T:
     """`attempt(first)`; when it fails before the manifest with a retried status, `attempt` on
     the least loaded ready peer not tried yet, and so on. The last failure is raised as it came
-    when no peer is left or the deadline (event-loop time) has passed."""
+    when no peer is left, the deadline (event-loop time) has passed, or `retryable()` is False
+    (a manifest part arrived: our blocks may hold part of the state, READs may be in flight)."""
     loop = asyncio.get_running_loop()
     tried: list[PrefillPeer] = []
     peer = first
@@ -55,7 +57,7 @@ async def on_some_prefill(
         except ServiceError as e:
             tried.append(peer)
             reason = retry_reason(e)
-            if reason is None or loop.time() >= deadline:
+            if reason is None or loop.time() >= deadline or not retryable():
                 raise
             other = peers.pick_other(tried)
             if other is None:

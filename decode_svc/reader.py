@@ -1,4 +1,5 @@
-"""Manifest + cached plan -> ONE NIXL READ per (decode rank, prefill rank), awaited together.
+"""Manifest + cached plan -> ONE NIXL READ per (decode rank, prefill rank), awaited together
+(per manifest part, with pipelined transfer: decode_svc/part_reads.py).
 
 Per request only index arrays are built (vectorised, from the prepared lists); each READ
 carries the FA and Mamba descriptors of every layer for its rank pair and the manifest's
@@ -63,11 +64,13 @@ class ReadStats:
         self.post_seconds += other.post_seconds
 
 
-def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens: int) -> ReadStats:
+def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, manifest: Manifest) -> ReadStats:
     """Bytes of one READ by kind of state: counted from the token count (every region of a
     group moves the same pieces), not summed over the ids."""
     read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
-    fa, conv, ssm = pair.lists.bytes_for(num_tokens, read.ssm is not None)
+    fa, conv, ssm = pair.lists.bytes_for(
+        manifest.tokens_to, read.ssm is not None, tokens_from=manifest.tokens_from, mamba=manifest.last
+    )
     stats = ReadStats(attention_bytes=fa, conv_bytes=conv, ssm_bytes=ssm, read_count=1, descriptor_count=int(local_idx.size))
     return stats
 
@@ -119,11 +122,12 @@ async def read_request(
     timeout: float,
     fence: ReadFence,
 ) -> ReadStats:
-    """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks.
+    """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks (a
+    manifest part: the K/V of its tokens, and with the last part the conv and SSM state).
     Every READ is added to `fence`; on failure the fence is abandoned (see the module doc)."""
     remote_blocks = manifest.block_ids  # checked against the peer's layout when it arrived
     notif = manifest.transfer_id.encode()
-    num_tokens = manifest.num_computed_tokens
+    num_tokens, tokens_from, mamba = manifest.tokens_to, manifest.tokens_from, manifest.last
     if timeout <= 0:
         raise DeadlineExceeded("no time left to read the prefilled state (deadline or lease ran out)")
     stats = ReadStats()
@@ -133,7 +137,9 @@ async def read_request(
             for pair in link.pairs:
                 ids = link.id_buffers.claim()
                 try:
-                    lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
+                    lidx, ridx = read_indices(
+                        pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids, tokens_from=tokens_from, mamba=mamba
+                    )
                     tracing.mark(Step.IDS)
                 except LayoutError as e:
                     ids.release()
@@ -145,7 +151,7 @@ async def read_request(
                     ids.release()
                     jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                     continue
-                stats.add(_pair_bytes(link, pair, lidx, num_tokens))
+                stats.add(_pair_bytes(link, pair, lidx, manifest))
                 tracing.mark(Step.BYTES)
                 read = _read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids, fence)
                 jobs.append(asyncio.ensure_future(read))

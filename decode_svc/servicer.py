@@ -52,6 +52,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         *,
         check_state: bool,
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
+        manifest_parts: bool = True,
         metrics: ServiceMetrics | None = None,
         learned: LearnedPeers | None = None,
     ) -> None:
@@ -64,6 +65,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             peers,
             check_state=check_state,
             read_timeout=read_timeout,
+            manifest_parts=manifest_parts,
             telemetry=self.metrics.telemetry,
             learned=learned,
         )

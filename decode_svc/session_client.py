@@ -15,13 +15,19 @@ away) must never await a write on the shared stream itself: it only queues the m
 Manifests become domain manifests here, once, as they arrive: one that does not fit the prefill
 engine (`ManifestSource`) fails its request with the error naming the field, and the request is
 released on prefill at once.
+
+Manifest parts (pipelined transfer, a job submitted with `on_part`): every part but the last
+goes to `on_part` as it arrives, and the request's lease is heartbeated from the first part on;
+the last part answers `submit`. Once a part has arrived, the blocks are released only by the
+caller (`release`, after every READ of its parts is released, or `done_reading`): never here,
+where a READ of an earlier part may still be in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from opentelemetry.util.types import AttributeValue
@@ -59,6 +65,8 @@ class SessionClient:
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
         self._waiting: dict[str, asyncio.Future[Manifest]] = {}
         self._holding: set[str] = set()  # manifests received, blocks still needed
+        self._parted: set[str] = set()  # of those, the ones a manifest part arrived for (the caller releases them)
+        self._part_sinks: dict[str, Callable[[Manifest], None]] = {}  # requests taking manifest parts
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = 0.0
@@ -99,14 +107,31 @@ class SessionClient:
     # ---- requests ----
 
     async def submit(
-        self, request_id: str, prompt: Sequence[int], timeout: float | None, sampling: SamplingParams = GREEDY
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        timeout: float | None,
+        sampling: SamplingParams = GREEDY,
+        on_part: Callable[[Manifest], None] | None = None,
     ) -> Manifest:
-        """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError."""
-        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt), sampling=job_sampling_message(sampling))
+        """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
+        `on_part`: the job accepts manifest parts, each but the last given to it as it arrives."""
+        job = pb.PrefillJob(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling=job_sampling_message(sampling),
+            accept_manifest_parts=on_part is not None,
+        )
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace
-        return await self._ask(request_id, pb.SessionRequest(job=job))
+        if on_part is None:
+            return await self._ask(request_id, pb.SessionRequest(job=job))
+        self._part_sinks[request_id] = on_part
+        try:
+            return await self._ask(request_id, pb.SessionRequest(job=job))
+        finally:
+            self._part_sinks.pop(request_id, None)
 
     async def claim(self, request_id: str, transfer_id: str) -> Manifest:
         """Take over a request prefill pinned for a reader unknown at the time (vLLM's P/D prefill
@@ -130,7 +155,12 @@ class SessionClient:
             self._send(msg)
             manifest = await future
         except asyncio.CancelledError:
-            if self._waiting.pop(request_id, None) is not None or request_id in self._holding:
+            # Cancelled while the job ran, or just after its last manifest arrived (the caller
+            # never sees that one): nobody will release it, so cancel it on prefill now. Once a
+            # part has arrived, READs of it may be in flight: then the caller releases.
+            if request_id not in self._parted and (
+                self._waiting.pop(request_id, None) is not None or request_id in self._holding
+            ):
                 self._holding.discard(request_id)
                 self._send(pb.SessionRequest(cancel=pb.CancelJob(request_id=request_id)))
             raise
@@ -146,6 +176,7 @@ class SessionClient:
         Does not wait for the write: a failing request must not wait on a stuck stream (if the
         message is lost with the stream, the lease frees the blocks)."""
         self._holding.discard(request_id)
+        self._parted.discard(request_id)
         self._send(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=request_id, reason=reason)))
 
     def give_up(self, request_id: str, transfer_id: str, reason: str) -> None:
@@ -157,6 +188,7 @@ class SessionClient:
     def done_reading(self, request_id: str) -> None:
         """The READs finished (prefill frees on their notifications): stop renewing the lease."""
         self._holding.discard(request_id)
+        self._parted.discard(request_id)
 
     async def close(self) -> None:
         writer = self._tasks[-1] if self._tasks else None
@@ -251,16 +283,21 @@ class SessionClient:
         try:
             manifest = manifest_from_message(msg, self.source)
         except ServiceError as e:
+            held = msg.request_id in self._parted  # parts of it were READ: the caller releases it
             self._resolve(msg.request_id, error=e)
-            self.release(msg.request_id, f"manifest refused: {e.reason}")
+            if not held:
+                self.release(msg.request_id, f"manifest refused: {e.reason}")
             return
         self._resolve(msg.request_id, manifest=manifest)
 
     def _resolve(self, request_id: str, *, manifest: Manifest | None = None, error: ServiceError | None = None) -> None:
         tracing.mark(Step.MANIFEST_RECEIVED)
+        if manifest is not None and not manifest.last:
+            self._part_arrived(request_id, manifest)
+            return
         future = self._waiting.pop(request_id, None)
         if future is None or future.done():
-            if manifest is not None:
+            if manifest is not None and request_id not in self._parted:
                 # Nobody waits any more (cancelled meanwhile): free it on prefill right away.
                 self.release(request_id, "no longer wanted")
             return
@@ -270,6 +307,17 @@ class SessionClient:
         else:
             assert error is not None
             future.set_exception(error)
+
+    def _part_arrived(self, request_id: str, part: Manifest) -> None:
+        sink = self._part_sinks.get(request_id)
+        waiting = self._waiting.get(request_id)
+        if sink is None or waiting is None or waiting.done():
+            if request_id not in self._parted:  # no READ of ours can be on it: free it now
+                self.release(request_id, "no longer wanted")
+            return
+        self._holding.add(request_id)  # heartbeats renew its lease from the first part on
+        self._parted.add(request_id)
+        sink(part)
 
     def ended_error(self) -> Unavailable:
         return Unavailable(self.close_reason or f"session to prefill {self.peer_name} is closed", reason="PEER_UNAVAILABLE")

@@ -41,6 +41,7 @@ class PrefillApp:
                 heartbeat_seconds=settings.heartbeat_seconds,
                 lease_seconds=settings.lease_seconds,
                 max_pinned_requests=settings.max_pinned_requests,
+                prefill_chunk_tokens=settings.prefill_chunk_tokens,
             ),
             self.metrics,
         )

@@ -1,24 +1,36 @@
 """One prefill job: validate, allocate blocks on every rank, run the engine off the loop, take
-the state's digests, pin, and describe the result in a manifest."""
+the state's digests, pin, and describe the result in a manifest.
+
+Pipelined transfer (--prefill-chunk-tokens, for a job that accepts manifest parts, on an engine
+that can continue a prefill: `ChunkedPrefill`): the prompt is computed chunk by chunk and, as
+`part_plan.part_spans` says, a part leaves after the chunks that made new attention blocks
+final, with the digests of just those tokens; the pin is made before the first part (one READ
+notification expected per reader and part) and the last part brings the conv / SSM state.
+From the first part on, the pin owns the blocks: a job that fails later leaves them to decode's
+release, the cancel, or the lease, and a pin that ends while a chunk computes frees them only
+once that chunk is done."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from prefill_svc.pins import PinTable
+from prefill_svc.part_plan import PartSpan, part_spans
+from prefill_svc.pins import Pin, PinTable
 from shared import tracing
-from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest, state_digests
-from shared.cache.manifest import Manifest
-from shared.engine.protocol import RequestBlocks
+from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
+from shared.cache.manifest import Manifest, ManifestPart
+from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
-from shared.errors import DeadlineExceeded, InvalidArgument
+from shared.errors import Aborted, DeadlineExceeded, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -38,12 +50,21 @@ class Job:
     owner: str  # the decode incarnation whose pin this becomes
     readers_per_rank: list[int]  # decode ranks that READ from each prefill rank
     sampling: SamplingParams = GREEDY  # draws the first output token at the full-N boundary
+    accepts_parts: bool = False  # decode takes the state in manifest parts (pipelined transfer)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
     """The job once as domain values; `now` is event-loop time (the timeout travels as a duration)."""
     deadline = now + seconds(job.timeout) if job.HasField("timeout") else None
-    return Job(job.request_id, list(job.prompt_token_ids), deadline, owner, readers_per_rank, sampling_of_job(job))
+    return Job(
+        job.request_id,
+        list(job.prompt_token_ids),
+        deadline,
+        owner,
+        readers_per_rank,
+        sampling_of_job(job),
+        job.accept_manifest_parts,
+    )
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -61,11 +82,27 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         )
 
 
+PartSink = Callable[[Manifest], None]
+"""Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
+
+
 class JobRunner:
-    def __init__(self, host: EngineHost, pins: PinTable) -> None:
+    def __init__(self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0) -> None:
         self.host = host
         self.pins = pins
+        self.chunk_tokens = chunk_tokens  # --prefill-chunk-tokens (0: off)
         self._ids = itertools.count(1)
+        # TEST-ONLY: awaited after each manifest part but the last left, with the request id and
+        # the part's index, before the next chunk computes (tests hold prefill there).
+        self.after_part: Callable[[str, int], Awaitable[None]] | None = None
+
+    def spans_for(self, job: Job, computed: int, on_part: PartSink | None) -> list[PartSpan]:
+        """The job's parts; one span (no parts) unless the job, the engine and the flag allow them."""
+        engine, layout = self.host.engine, self.host.layout
+        if on_part is None or not job.accepts_parts or not offers_chunks(engine, self.chunk_tokens):
+            return [PartSpan(computed, 0, computed)]
+        block_tokens = layout.block_size if layout.attention_group_ids else 0
+        return part_spans(computed, self.chunk_tokens, block_tokens)
 
     def next_transfer_id(self) -> str:
         return f"t{next(self._ids):x}"
@@ -77,7 +114,9 @@ class JobRunner:
         now = loop.time()
         return await self.host.allocate_queued(key, num_tokens, now if deadline is None else wait_deadline(deadline, now))
 
-    async def run(self, job: Job, *, on_end: Callable[[str], None] | None = None) -> Manifest:
+    async def run(self, job: Job, *, on_end: Callable[[str], None] | None = None, on_part: PartSink | None = None) -> Manifest:
+        """The job's manifest; with parts (see the module doc) every part but the last goes to
+        `on_part` as soon as it is pinned, and the last is returned."""
         tracing.mark(Step.JOB_STARTED)
         prompt, deadline = job.prompt, job.deadline
         validate_prompt(self.host, job.request_id, prompt)
@@ -86,6 +125,10 @@ class JobRunner:
         tid = self.next_transfer_id()
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
+        spans = self.spans_for(job, computed, on_part)
+        if len(spans) > 1:
+            assert on_part is not None
+            return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part)
         compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(job, blocks, computed)))
         try:
             first_token, digests, digest_seconds = await asyncio.shield(compute)
@@ -128,6 +171,100 @@ class JobRunner:
             first_token=first_token,
         )
 
+    async def _run_parts(
+        self,
+        job: Job,
+        tid: str,
+        blocks: RequestBlocks,
+        computed: int,
+        spans: list[PartSpan],
+        started: float,
+        on_end: Callable[[str], None] | None,
+        on_part: PartSink,
+    ) -> Manifest:
+        loop = asyncio.get_running_loop()
+        engine = self.host.engine
+        assert isinstance(engine, ChunkedPrefill)
+        run = engine.start_prefill(job.prompt, blocks, job.sampling)
+        pin: Pin | None = None
+        digest_seconds = 0.0
+        for index, span in enumerate(spans):
+            if pin is not None and self.pins.lookup(job.owner, job.request_id) is not pin:
+                raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
+            start = 0 if index == 0 else spans[index - 1].compute_to
+            last = index == len(spans) - 1
+            work = functools.partial(self._compute_span, job, run, blocks, start, span, last)
+            compute = asyncio.ensure_future(self.host.run_compute(work))
+            if pin is not None:
+                pin.writer = compute  # type: ignore[assignment]
+            try:
+                first_token, digests, took = await asyncio.shield(compute)
+            except asyncio.CancelledError:
+                if pin is None:  # the engine may still be writing these blocks: free them once it is done
+                    compute.add_done_callback(lambda _: self.host.free(tid))
+                raise  # pinned: the pin frees them (once the chunk is done) when it ends
+            except BaseException:
+                if pin is None:
+                    self.host.free(tid)
+                raise
+            digest_seconds += took
+            if deadline_passed(job.deadline, loop.time()):
+                if pin is None:
+                    self.host.free(tid)
+                raise DeadlineExceeded(
+                    f"the job's deadline passed during prefill ({time.monotonic() - started:.3f}s)", field="job.timeout"
+                )
+            if pin is None:
+                # Every part's READs notify with the transfer id: one notification per reader and part.
+                readers = [count * len(spans) for count in job.readers_per_rank]
+                pin = self.pins.pin(tid, job.request_id, job.owner, readers, on_end=on_end)
+            pin.writer = None
+            lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
+            part = Manifest(
+                request_id=job.request_id,
+                transfer_id=tid,
+                block_ids=tuple(blocks.block_ids),
+                num_computed_tokens=computed,
+                prompt_token_count=len(job.prompt),
+                lease_ns=lease_ns,
+                lease_expire_time_ns=time.time_ns() + lease_ns,
+                prefill_ns=int((time.monotonic() - started) * 1e9),
+                digests=tuple(digests),
+                digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
+                digest_ns=int(digest_seconds * 1e9),
+                first_token=first_token,
+                part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
+            )
+            if last:
+                tracing.mark(Step.MANIFEST_BUILT)
+                return part
+            on_part(part)
+            await fault_hooks.pause("between_parts", job.request_id)
+            if self.after_part is not None:
+                await self.after_part(job.request_id, index)
+        raise AssertionError("unreachable: the last span returns")
+
+    def _compute_span(
+        self, job: Job, run: PrefillRun, blocks: RequestBlocks, start: int, span: PartSpan, last: bool
+    ) -> tuple[int | None, list[SectionDigest], float]:
+        """On the compute thread: the chunks up to the span's end, then the digests of what the
+        part makes final (its tokens' K/V; the last part also conv and SSM)."""
+        first_token = None
+        for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
+            first_token = run.compute(end)
+        if not self.host.verify_transfer:
+            return first_token, [], 0.0
+        began = time.monotonic()
+        sections: tuple[Section, ...] = ("fa", "conv", "ssm") if last else ("fa",)
+        digests = state_digests(
+            self.host.layout, self.host.views, blocks.block_ids, span.tokens_to, tokens_from=span.tokens_from, sections=sections
+        )
+        took = time.monotonic() - began
+        section = fault_hooks.corruption_for(job.request_id)
+        if section is not None and (last or section == "fa"):
+            _flip_one_byte(self.host, blocks, section, span.tokens_from)
+        return first_token, digests, took
+
     def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float]:
         """On the compute thread: the engine writes the state (and at the full-N boundary samples
         the first token), then its digests are taken (returned with the seconds they took)."""
@@ -143,15 +280,25 @@ class JobRunner:
         return first_token, digests, took
 
 
-def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str) -> None:
+def offers_chunks(engine: object, chunk_tokens: int) -> bool:
+    """Whether the engine computes a prefill in chunks of `chunk_tokens` with its own prefill's bits."""
+    return isinstance(engine, ChunkedPrefill) and engine.exact_chunk_tokens in (None, chunk_tokens)
+
+
+def deadline_passed(deadline: float | None, now: float) -> bool:
+    return deadline is not None and now >= deadline
+
+
+def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str, first_token: int = 0) -> None:
     """TEST-ONLY (HYBRID_PD_TEST_CORRUPT): flip the first byte of `section` that rank 0 holds for
-    this request in the first group of its kind, after the digests were taken."""
+    this request in the first group of its kind (fa: of token `first_token`, the first of a
+    part), after the digests were taken."""
     layout, views = host.layout, host.views[0]
     kind = "attention" if section == "fa" else "mamba"
     group = next(g for g, grp in enumerate(layout.groups) if grp.kind == kind)
     ids = np.asarray(blocks.block_ids[group])
     if section == "fa":
-        kernel, slot = layout.token_slots(ids, [0])
+        kernel, slot = layout.token_slots(ids, [first_token])
         target: torch.Tensor = views.fa[0][int(kernel[0]), 0, 0, int(slot[0])]
     else:
         target = (views.conv if section == "conv" else views.ssm)[0][int(ids[0])].reshape(-1)

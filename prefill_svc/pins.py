@@ -7,7 +7,10 @@ ends exactly once, for one of these reasons:
 - `lease_expired`: no heartbeat naming the request within the lease (decode died or hung);
 - `shutdown`: the service is closing.
 Only then are the blocks returned to the allocator, so no block a decode engine may still READ
-is ever handed to another request before its lease ran out.
+is ever handed to another request before its lease ran out. A chunked prefill (manifest parts)
+pins before its first part, while it still computes later chunks: it then expects one
+notification per reader and part, and a pin that ends while a chunk computes frees the blocks
+when that chunk is done (`Pin.writer`).
 
 A pin made for a reader not known yet (vLLM's P/D prefill leg over HTTP) belongs to `UNCLAIMED`
 and expects no notification; `claim()` hands it to the decode engine that names it, which then
@@ -48,6 +51,9 @@ class Pin:
     on_end: Callable[[str], None] | None = None  # called once with the reason
     trace: Context | None = None  # the job's (or claim's) trace context: the release span's parent
     pinned_at_ns: int = 0  # wall clock, for the release span (0: tracing off)
+    # A chunked prefill pins before its last chunk: the chunk computing into the blocks now
+    # (None: nothing writes them any more). A pin that ends meanwhile frees them once it is done.
+    writer: asyncio.Future[object] | None = None
 
 
 class PinTable:
@@ -139,7 +145,12 @@ class PinTable:
         self._by_request.pop((pin.owner, pin.request_id), None)
         for wait in pin.waits:
             wait.cancel()
-        freed = self.host.free(pin.transfer_id)
+        writer, tid = pin.writer, pin.transfer_id
+        if writer is not None and not writer.done():
+            freed = self.host.allocator.held(tid)
+            writer.add_done_callback(lambda _: self.host.free(tid))
+        else:
+            freed = self.host.free(tid)
         self.ended[reason] += 1
         if self.on_ended is not None:
             self.on_ended(reason)

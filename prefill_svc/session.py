@@ -64,6 +64,7 @@ class SessionConfig:
     heartbeat_seconds: float
     lease_seconds: float
     max_pinned_requests: int = DEFAULT_MAX_PINNED
+    prefill_chunk_tokens: int = 0  # --prefill-chunk-tokens: manifest parts for jobs that accept them (0: off)
 
 
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:
@@ -312,7 +313,13 @@ class PrefillSession:
                     reason="NO_CREDIT",
                 ) from None
             credit_taken = True
-            manifest = await self.runner.run(job, on_end=self._credit_back)
+
+            def send_part(part: Manifest) -> None:
+                nonlocal credit_taken
+                credit_taken = False  # pinned before its first part: the pin returns the credit
+                self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(part)))
+
+            manifest = await self.runner.run(job, on_end=self._credit_back, on_part=send_part)
             credit_taken = False  # now owned by the pin: returned when it ends
             self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(manifest)))
             status = "OK"

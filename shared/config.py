@@ -82,6 +82,8 @@ class ServiceSettings:
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
+    prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
+    manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
 
     @property
     def listen_address(self) -> str:
@@ -152,6 +154,13 @@ def split_advertised(text: str) -> tuple[str, int | None]:
         host, _, port = text.partition(":")
         return host, int(port)
     return text, None  # a bare name, IPv4 or IPv6 address
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
 
 
 def non_negative_float(text: str) -> float:
@@ -364,6 +373,15 @@ FLAGS: tuple[Flag, ...] = (
         "text",
     ),
     Flag(
+        "manifest-parts",
+        boolean,
+        "decode: accept a job's state in manifest parts, READing each part while prefill computes the next "
+        "(pipelined transfer; prefill sends parts only with --prefill-chunk-tokens); off: always one manifest",
+        True,
+        metavar="on|off",
+        roles=("decode",),
+    ),
+    Flag(
         "check-state",
         boolean,
         "decode: after every READ compare the received state with what prefill must have written "
@@ -399,6 +417,17 @@ FLAGS: tuple[Flag, ...] = (
         "retried at this interval and logged at ERROR once per distinct refusal",
         2.0,
         roles=("decode",),
+    ),
+    Flag(
+        "prefill-chunk-tokens",
+        non_negative_int,
+        "prefill: compute prompts in chunks of N tokens and, for a decode engine that accepts manifest parts, "
+        "send the attention blocks each chunk made final while the next chunk computes, so decode READs them "
+        "meanwhile (pipelined transfer; the SSM state follows with the last part). 0: off, one manifest after "
+        "the whole prompt. The hf engine then prefills in these chunks even for one manifest (bits equal to a colocated run with the same chunks, no longer to one forward); the synthetic engine ignores it",
+        0,
+        roles=("prefill",),
+        metavar="N",
     ),
     Flag(
         "advertise-address",
@@ -668,6 +697,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         discovery_seconds=_own(values, "discovery_seconds", float),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
+        prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
+        manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

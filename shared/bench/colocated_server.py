@@ -137,6 +137,7 @@ def colocated_servicer(
     dtype: str | None = None,
     device: str = "cpu",
     boundary: str | None = None,
+    prefill_chunk_tokens: int = 0,
 ) -> ColocatedServicer:
     """The servicer over a fresh engine: `model` is a preset name, or with `kind` hf a checkpoint
     directory (computed in `dtype`, default the checkpoint's, on `device`). `boundary`: as the
@@ -152,7 +153,14 @@ def colocated_servicer(
     views = [RankViews(layout, c) for c in caches]
     chosen = boundary or ("full" if kind == "hf" else "n-1")
     engine = make_engine(
-        kind, layout, views, model_dir=model if kind == "hf" else None, dtype=dtype, device=device, boundary=chosen
+        kind,
+        layout,
+        views,
+        model_dir=model if kind == "hf" else None,
+        dtype=dtype,
+        device=device,
+        boundary=chosen,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
     return ColocatedServicer(layout, engine, num_blocks)
 
@@ -167,6 +175,7 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device,
         boundary=args.boundary,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     server = build_server()
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
@@ -192,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, required=True)
     parser.add_argument("--kernel-block-size", type=int, default=16)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--prefill-chunk-tokens", type=int, default=0, help="as the prefill service's: the hf engine prefills in these chunks"
+    )
     args = parser.parse_args(argv)
     import uvloop
 

@@ -11,6 +11,13 @@ alternating which setup goes first, so drift on a shared machine hits both alike
   by section (attention K/V, conv, SSM), as the decode service reports them;
 - whether both setups generated the same tokens.
 
+Pipelined transfer (`--prefill-chunk-tokens N`, issue 16): prefill and colocated prefill in
+chunks of N, and a third setup runs in the same loop, `unpipelined`: a second decode service on
+the same prefill that takes one manifest after the whole prompt (--manifest-parts off), while
+`disaggregated` READs each part as prefill computes on. Per length, the exposed transfer time
+of both, and the share pipelining hides: 1 - exposed(pipelined) / exposed(unpipelined), from
+the medians, on the paired TTFT difference and on the `-prefill` one.
+
 An engine that really computes is needed (prefill time must grow with the prompt): the hf
 engine on a tiny checkpoint (the default: prefill of a 32k prompt takes ~15 s on two cores) or
 the reference engine (tiny presets; a 2k prompt takes ~10 s, superlinear, so keep it under 4k).
@@ -28,7 +35,7 @@ import numpy as np
 
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.progress import Progress
-from shared.bench.setups import SETUPS, model_spec, start_setups
+from shared.bench.setups import PIPELINE_SETUPS, SETUPS, model_spec, start_setups
 from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
@@ -48,6 +55,12 @@ class LongPromptConfig:
     decode_tp: int = 1
     kernel_block_size: int = 16
     seed: int = 0
+    prefill_chunk_tokens: int = 0  # > 0: pipelined transfer, with the unpipelined setup alongside
+    boundary: str | None = None  # the services' --boundary (None: the engine's default, full for hf)
+
+    @property
+    def setups(self) -> tuple[str, ...]:
+        return PIPELINE_SETUPS if self.prefill_chunk_tokens else SETUPS
 
 
 @dataclass
@@ -65,7 +78,8 @@ def _prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
 async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
     spec = model_spec(cfg.model, cfg.engine)
     rng = np.random.default_rng(cfg.seed)
-    total = 2 * (cfg.warmup + cfg.requests_per_length * len(cfg.prompt_lengths))
+    setups = cfg.setups
+    total = len(setups) * (cfg.warmup + cfg.requests_per_length * len(cfg.prompt_lengths))
     progress = Progress("bench e2e long-prompt", total, enabled=show_progress)
     progress.advance(0, "starting services")
     samples: list[Sample] = []
@@ -80,20 +94,22 @@ async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress:
             prompt_tokens=max(cfg.prompt_lengths),
             max_tokens=cfg.max_tokens,
             name="bench-long-prompt",
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            boundary=cfg.boundary,
         ) as running:
             channels = {s: grpc.aio.insecure_channel(a) for s, a in running.addresses.items()}
             stubs = {s: pb_grpc.DecodeServiceStub(c) for s, c in channels.items()}
             try:
                 for _ in range(cfg.warmup):  # lazy initialisation and wire-up: not measured
                     prompt = _prompt(rng, spec.vocab_size, min(cfg.prompt_lengths))
-                    for setup in SETUPS:
+                    for setup in setups:
                         await generate(stubs[setup], prompt, cfg.max_tokens, ignore_eos=True)
                         progress.advance(1, f"warmup {setup}")
                 for n in cfg.prompt_lengths:
                     for i in range(cfg.requests_per_length):
                         prompt = _prompt(rng, spec.vocab_size, n)
                         sample = Sample(n)
-                        for setup in SETUPS if i % 2 == 0 else SETUPS[::-1]:
+                        for setup in setups if i % 2 == 0 else setups[::-1]:
                             sample.results[setup] = await generate(stubs[setup], prompt, cfg.max_tokens, ignore_eos=True)
                             progress.advance(1, f"{n} tokens {setup}")
                         samples.append(sample)
@@ -109,10 +125,21 @@ def _minus_prefill(t: Timed) -> float:
     return t.ttft - seconds(t.summary.prefill_duration) if t.summary is not None else math.nan
 
 
-def length_row(n: int, samples: Sequence[Sample]) -> dict[str, Any]:
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
+
+
+def _hidden(pipelined: Summary, unpipelined: Summary) -> float:
+    """The share of the unpipelined exposed time that pipelining hides (NaN: nothing exposed)."""
+    if not unpipelined.median > 0:
+        return math.nan
+    return 1.0 - pipelined.median / unpipelined.median
+
+
+def length_row(n: int, samples: Sequence[Sample], setups: Sequence[str] = SETUPS) -> dict[str, Any]:
     """The figures of one prompt length, from its samples."""
     errors = [t.error for s in samples for t in s.results.values() if t.error]
-    ok = [s for s in samples if all(not t.error for t in s.results.values()) and len(s.results) == len(SETUPS)]
+    ok = [s for s in samples if all(not t.error for t in s.results.values()) and len(s.results) == len(setups)]
     d = [s.results["disaggregated"] for s in ok]
     c = [s.results["colocated"] for s in ok]
     summaries = [t.summary for t in d if t.summary is not None]
@@ -150,11 +177,52 @@ def length_row(n: int, samples: Sequence[Sample]) -> dict[str, Any]:
         "reads": first.transfer.read_count if first else None,
         "descriptors": first.transfer.descriptor_count if first else None,
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(samples)}",
+    } | (_unpipelined(ok, d, c, exposed, exposed_minus_prefill, len(samples)) if "unpipelined" in setups else {})
+
+
+def _state_exposed(t: Timed) -> float:
+    """What decode waited for the state after its (last) manifest: READ and digest check."""
+    s = t.summary
+    return seconds(s.read_duration) + seconds(s.digest_check_duration) if s is not None else math.nan
+
+
+def _unpipelined(
+    ok: Sequence[Sample],
+    d: Sequence[Timed],
+    c: Sequence[Timed],
+    exposed: Sequence[float],
+    exposed_minus_prefill: Sequence[float],
+    count: int,
+) -> dict[str, Any]:
+    """The unpipelined setup's figures, and the share of its exposed time pipelining hides."""
+    u = [s.results["unpipelined"] for s in ok]
+    u_exposed = [a.ttft - b.ttft for a, b in zip(u, c)]
+    u_minus_prefill = [_minus_prefill(a) - _minus_prefill(b) for a, b in zip(u, c)]
+    u_summaries = [t.summary for t in u if t.summary is not None]
+    d_summaries = [t.summary for t in d if t.summary is not None]
+    return {
+        "unpipelined_ttft_ms": ms_summary([t.ttft for t in u]),
+        "unpipelined_exposed_transfer_ms": ms_summary(u_exposed),
+        "unpipelined_exposed_minus_prefill_ms": ms_summary(u_minus_prefill),
+        "unpipelined_read_ms": ms_summary([seconds(s.read_duration) for s in u_summaries]),
+        "unpipelined_digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in u_summaries]),
+        "reads_pipelined": d_summaries[0].transfer.read_count if d_summaries else None,
+        # Decode-reported, free of the prefill compute's spread: READ + digest check after the last manifest.
+        "state_exposed_ms": ms_summary([_state_exposed(t) for t in d]),
+        "unpipelined_state_exposed_ms": ms_summary([_state_exposed(t) for t in u]),
+        "hidden_share_state": json_number(
+            _hidden(Summary.of(_finite([_state_exposed(t) for t in d])), Summary.of(_finite([_state_exposed(t) for t in u])))
+        ),
+        "hidden_share": json_number(_hidden(Summary.of(exposed), Summary.of(u_exposed))),
+        "hidden_share_minus_prefill": json_number(
+            _hidden(Summary.of(_finite(exposed_minus_prefill)), Summary.of(_finite(u_minus_prefill)))
+        ),
+        "unpipelined_tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(u, c))}/{count}",
     }
 
 
 def build_long_prompt_result(cfg: LongPromptConfig, samples: Sequence[Sample], command: str) -> dict[str, Any]:
-    rows = [length_row(n, [s for s in samples if s.prompt_tokens == n]) for n in cfg.prompt_lengths]
+    rows = [length_row(n, [s for s in samples if s.prompt_tokens == n], cfg.setups) for n in cfg.prompt_lengths]
     return {
         "schema": SCHEMA,
         "command": command,
@@ -184,6 +252,8 @@ def format_long_prompt(result: dict[str, Any]) -> str:
             f"{megabytes(b['attention']):>8} {megabytes(b['conv']):>8} {megabytes(b['ssm']):>8} {r['tokens_match']:>5}"
             + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
+    if c.get("prefill_chunk_tokens"):
+        lines += _pipelining_table(result)
     lines += [
         "",
         "exposed: TTFT disaggregated - colocated, paired per prompt (median); it carries the run-to-run spread of",
@@ -193,3 +263,36 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         "time is inside its prefill time).",
     ]
     return "\n".join(lines)
+
+
+def _pipelining_table(result: dict[str, Any]) -> list[str]:
+    c = result["config"]
+    lines = [
+        "",
+        f"pipelined transfer, prefill chunks of {c['prefill_chunk_tokens']} tokens (disaggregated: manifest parts READ while "
+        "prefill computes; unpipelined: one manifest at the end, same prefill):",
+        f"{'prompt':>7} {'parts':>5} {'exposed pipe':>12} {'exposed unpipe':>14} {'hidden':>7} "
+        f"{'-prefill pipe':>13} {'-prefill unpipe':>15} {'hidden':>7} {'state pipe':>10} {'state unpipe':>12} {'hidden':>7} "
+        f"{'same':>5}",
+    ]
+    for r in result["lengths"]:
+        share, share_mp = r.get("hidden_share"), r.get("hidden_share_minus_prefill")
+        lines.append(
+            f"{r['prompt_tokens']:>7} {r.get('reads_pipelined') or '-':>5} {fixed(r['exposed_transfer_ms']['median'], 1):>12} "
+            f"{fixed(r['unpipelined_exposed_transfer_ms']['median'], 1):>14} "
+            f"{_percent(share):>7} "
+            f"{fixed(r['exposed_minus_prefill_ms']['median'], 1):>13} {fixed(r['unpipelined_exposed_minus_prefill_ms']['median'], 1):>15} "
+            f"{_percent(share_mp):>7} "
+            f"{fixed(r['state_exposed_ms']['median'], 2):>10} {fixed(r['unpipelined_state_exposed_ms']['median'], 2):>12} "
+            f"{_percent(r.get('hidden_share_state')):>7} {r['unpipelined_tokens_match']:>5}"
+        )
+    lines += [
+        "parts: READs of the pipelined request (one per part and rank pair); hidden: 1 - pipe / unpipe, medians; state: READ +",
+        "digest check after the (last) manifest, as decode reports them (not touched by the prefill compute's spread). At the",
+        "full-N boundary the first token leaves before the READ, so TTFT holds no transfer in either setup (use --boundary n-1).",
+    ]
+    return lines
+
+
+def _percent(share: float | None) -> str:
+    return fixed(None if share is None else 100 * share, 1) + " %"

@@ -5,6 +5,11 @@
 
 both behind DecodeService.Generate, so one client (client.py) measures both. `start_setups`
 sizes every cache from the longest request it must hold and stops all three processes on exit.
+
+With `prefill_chunk_tokens` (pipelined transfer) the prefill and the colocated server prefill in
+chunks of that size (the same compute, and with the hf engine the same bits), the decode
+service takes manifest parts, and a third setup, `unpipelined`, is a second decode service on
+the same prefill with --manifest-parts off: one manifest after the whole prompt, as before.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from shared.bench.local_pair import LISTENING, LocalPair, start_pair
+from shared.bench.local_pair import DECODE_SERVICE, LISTENING, LocalPair, ServiceProcess, start_pair, start_service, wait_serving
 from shared.bench.sizing import blocks_needed, prefill_tokens
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.spec import ModelSpec
 
 SETUPS = ("disaggregated", "colocated")
+PIPELINE_SETUPS = ("disaggregated", "unpipelined", "colocated")  # with prefill_chunk_tokens
 
 
 class Colocated:
@@ -79,14 +85,21 @@ class Running:
 
     pair: LocalPair
     colocated: Colocated
+    unpipelined: ServiceProcess | None = None  # decode with --manifest-parts off, on the same prefill
 
     @property
     def addresses(self) -> dict[str, str]:
-        return {"disaggregated": self.pair.decode.address, "colocated": self.colocated.address}
+        more = {} if self.unpipelined is None else {"unpipelined": self.unpipelined.address}
+        return {"disaggregated": self.pair.decode.address, **more, "colocated": self.colocated.address}
 
     @property
     def pids(self) -> dict[str, list[int]]:
-        return {"disaggregated": [self.pair.prefill.proc.pid, self.pair.decode.proc.pid], "colocated": [self.colocated.proc.pid]}
+        more = {} if self.unpipelined is None else {"unpipelined": [self.pair.prefill.proc.pid, self.unpipelined.proc.pid]}
+        return {
+            "disaggregated": [self.pair.prefill.proc.pid, self.pair.decode.proc.pid],
+            **more,
+            "colocated": [self.colocated.proc.pid],
+        }
 
 
 @asynccontextmanager
@@ -103,6 +116,7 @@ async def start_setups(
     concurrent: int = 1,
     name: str = "bench-e2e",
     boundary: str | None = None,
+    prefill_chunk_tokens: int = 0,
 ) -> AsyncIterator[Running]:
     """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
     `max_tokens` tokens each (one block spare); stop them on exit. `boundary`: both setups'
@@ -115,15 +129,34 @@ async def start_setups(
     if boundary is not None:
         common += ["--boundary", boundary]
     quiet = ["--log-level", "WARNING"]
+    chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
+    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
     pair = await start_pair(
-        [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *quiet],
-        [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--engine-id", f"{name}-decode", *quiet],
+        [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *chunks, *quiet],
+        [*decode_args, "--engine-id", f"{name}-decode"],
     )
     colocated: Colocated | None = None
+    unpipelined: ServiceProcess | None = None
     try:
-        colocated = Colocated([*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks)])
-        yield Running(pair, colocated)
+        if prefill_chunk_tokens:
+            unpipelined = start_service(
+                "decode",
+                [
+                    *decode_args,
+                    "--engine-id",
+                    f"{name}-decode-unpipelined",
+                    "--manifest-parts",
+                    "off",
+                    "--prefill",
+                    pair.prefill.address,
+                ],
+            )
+            await wait_serving(unpipelined.address, DECODE_SERVICE)
+        colocated = Colocated([*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *chunks])
+        yield Running(pair, colocated, unpipelined)
     finally:
         if colocated is not None:
             colocated.stop()
+        if unpipelined is not None:
+            unpipelined.stop()
         pair.stop()

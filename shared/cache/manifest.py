@@ -19,6 +19,25 @@ IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
+class ManifestPart:
+    """Which part of the state a manifest carries (pipelined transfer): the attention K/V of
+    tokens [tokens_from, tokens_to) of every attention group, final; the last part also the
+    conv and SSM state. See `hybridpd.v1.ManifestPart`."""
+
+    index: int
+    count: int
+    tokens_from: int
+    tokens_to: int
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def describe(self) -> str:
+        return f"part {self.index + 1} of {self.count} (tokens {self.tokens_from}..{self.tokens_to})"
+
+
+@dataclass(frozen=True)
 class Manifest:
     request_id: str
     transfer_id: str  # the notification payload the READs carry
@@ -33,6 +52,23 @@ class Manifest:
     digest_ns: int = 0
     # The full-N boundary: the first output token prefill sampled (None at n-1).
     first_token: int | None = None
+    # One part of the state (pipelined transfer); None: the whole state in this one manifest.
+    part: ManifestPart | None = None
+
+    @property
+    def last(self) -> bool:
+        """Whether this manifest completes the state (a whole-state manifest, or the last part)."""
+        return self.part is None or self.part.last
+
+    @property
+    def tokens_from(self) -> int:
+        """First token whose attention K/V this manifest makes final."""
+        return 0 if self.part is None else self.part.tokens_from
+
+    @property
+    def tokens_to(self) -> int:
+        """End of the tokens whose attention K/V this manifest makes final."""
+        return self.num_computed_tokens if self.part is None else self.part.tokens_to
 
     @property
     def lease_seconds(self) -> float:
@@ -45,7 +81,7 @@ class Manifest:
             np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
-        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token")
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token", "part")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more))
 
     __hash__ = None  # type: ignore[assignment]

@@ -253,6 +253,7 @@ E2E_FLAGS = (
 )  # fmt: skip
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
+    "prefill-chunk-tokens", "boundary",
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
@@ -324,6 +325,8 @@ def _long_prompt(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        boundary=args.boundary,
     )
     command = _command("e2e", args, LONG_PROMPT_FLAGS)
     result = _run_async(run_long_prompt(cfg, command=command, show_progress=not args.no_progress))
@@ -511,7 +514,8 @@ def register(subparsers: Any) -> None:
         "boundary",
         None,
         "concurrency: where prefill stops, as the services' --boundary: full (prefill samples the first token; "
-        "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1",
+        "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1. "
+        "long-prompt too: at full the first token leaves before the READ, so TTFT holds no transfer; n-1 puts it back",
         choices=("full", "n-1"),
     )
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
@@ -524,6 +528,16 @@ def register(subparsers: Any) -> None:
         metavar="LIST",
     )
     _add(e, "requests-per-length", 2, "long-prompt: prompts per length, each on both setups", type=_positive, metavar="K")
+    _add(
+        e,
+        "prefill-chunk-tokens",
+        0,
+        "long-prompt: pipelined transfer (prefill and colocated compute in chunks of N; the decode service READs "
+        "manifest parts meanwhile) measured against an unpipelined decode service on the same prefill, in the same "
+        "run; 0: off",
+        type=_non_negative,
+        metavar="N",
+    )
     _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
     _add(e, "conversations", 2, "multi-turn: conversations, each on both setups", type=_positive, metavar="N")
     _add(e, "first-turn-tokens", 2048, "multi-turn: the first turn's prompt length", type=_positive, metavar="N")

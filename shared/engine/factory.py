@@ -24,10 +24,12 @@ def make_engine(
     dtype: str | None = None,
     device: str = "cpu",
     boundary: str = "n-1",
+    prefill_chunk_tokens: int = 0,
 ) -> Engine:
     """`ranks`: typed views of every rank's cache, in rank order. The hf engine also needs the
     checkpoint directory; it computes in `dtype` (default: the checkpoint's) on `device` (cuda:
-    cuda:0). `boundary` "full" (prefill samples the first token) only the hf engine can run."""
+    cuda:0). `boundary` "full" (prefill samples the first token) only the hf engine can run.
+    `prefill_chunk_tokens`: the hf engine prefills in chunks of that many tokens (0: one forward)."""
     if boundary != "n-1" and kind != "hf":
         raise ValueError(f"boundary {boundary!r}: the {kind} engine runs the n-1 boundary only (full needs --engine hf)")
     if kind == "reference":
@@ -56,5 +58,6 @@ def make_engine(
             dtype=resolved,
             device="cuda:0" if device == "cuda" else device,
             boundary="full" if boundary == "full" else "n-1",
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINE_KINDS)}")

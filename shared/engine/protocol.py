@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -84,4 +84,32 @@ class Engine(Protocol):
     def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
         """Describe every mismatch between the state in `blocks` and what prefill must have written
         (the synthetic engine compares every byte; the reference engine recomputes). Empty = exact."""
+        ...
+
+
+class PrefillRun(Protocol):
+    """One request's prefill, computed chunk by chunk (`ChunkedPrefill.start_prefill`)."""
+
+    def compute(self, end: int) -> int | None:
+        """Compute the prompt's tokens from where the last call stopped (0 first) to `end`,
+        writing their K/V into the blocks; the call that reaches num_prefill_tokens also writes
+        the conv / SSM state and returns what `prefill` returns."""
+        ...
+
+
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """An engine that computes a prefill in chunks with the same bits as its `prefill`
+    (pipelined transfer: prefill_svc/jobs.py). The reference engine's prefill is a per-token
+    step loop, so any chunking gives its bits; the hf engine continues one transformers cache
+    over the chunks, which rounds differently from one forward over the whole prompt, so it
+    offers chunks only when its own `prefill` runs the same chunks (`prefill_chunk_tokens`):
+    then disaggregated still equals colocated bit for bit at the same chunk size."""
+
+    # None: chunks of any size give `prefill`'s bits; N: only chunks of N tokens do (the ones
+    # this engine's `prefill` runs too).
+    exact_chunk_tokens: int | None
+
+    def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PrefillRun:
+        """A prefill of `prompt` into `blocks`, nothing computed yet."""
         ...

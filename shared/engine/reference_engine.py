@@ -63,11 +63,28 @@ class ReferenceDecodeSession:
         return self._last
 
 
+class ReferencePrefillRun:
+    """A prefill in chunks: the same steps `prefill` runs, so any chunking gives the same bits."""
+
+    def __init__(self, engine: ReferenceEngine, tokens: list[int], store: PagedStateStore) -> None:
+        self._engine, self._tokens, self._store = engine, tokens, store
+        self._pos = 0
+
+    def compute(self, end: int) -> None:
+        if not self._pos < end <= len(self._tokens):
+            raise ValueError(f"chunk [{self._pos}, {end}) outside the {len(self._tokens)} tokens prefill computes")
+        if self._pos == 0:
+            self._store.reset_ssm()  # its blocks may still hold an earlier request's state
+        self._engine.model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos)
+        self._pos = end
+
+
 class ReferenceEngine:
     eos_token_ids: frozenset[int] = frozenset()  # byte-level tiny models: no EOS
     samples = True
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
+    exact_chunk_tokens: int | None = None  # a per-token step loop: any chunking, the same bits
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec
@@ -86,6 +103,11 @@ class ReferenceEngine:
         store = self._store(blocks)
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         self.model.prefill(list(prompt[: self.num_prefill_tokens(len(prompt))]), store)
+
+    def start_prefill(
+        self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY
+    ) -> ReferencePrefillRun:
+        return ReferencePrefillRun(self, list(prompt[: self.num_prefill_tokens(len(prompt))]), self._store(blocks))
 
     def start_decode(
         self,

@@ -6,6 +6,8 @@ where `pause()` returns at once. Format: comma-separated `STEP:SECONDS[:REQUEST_
 e.g. `before_read:2:victim-` pauses decode for 2 s before the READ of every request whose id
 starts with `victim-`. Steps:
 - `before_manifest` (prefill): the state is computed, nothing is pinned, no manifest sent yet;
+- `between_parts` (prefill, pipelined transfer): a manifest part has just left, the next chunk
+  has not started;
 - `before_read` (decode): the manifest is in hand, local blocks allocated, no READ posted;
 - `after_read` (decode): the state is read, decoding has not started.
 Each pause logs `TEST PAUSE <step> <request id> <seconds>s` at WARNING (stderr), so a test that
@@ -32,7 +34,7 @@ from shared.errors import ERRORS_BY_STATUS, ServiceError, error_for_status
 log = logging.getLogger(__name__)
 
 ENV_VAR = "HYBRID_PD_TEST_PAUSE"
-STEPS = ("before_manifest", "before_read", "after_read")
+STEPS = ("before_manifest", "between_parts", "before_read", "after_read")
 
 
 @dataclass(frozen=True)

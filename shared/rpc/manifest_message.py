@@ -4,7 +4,7 @@ Prefill builds the message from its domain manifest (`manifest_message`, trusted
 the message into a domain manifest once, when it arrives (`manifest_from_message`), and refuses
 one that does not fit the prefill engine it came from, naming the field: group count and block
 ids against the peer's layout, a first token outside the vocabulary or without the whole prompt
-computed (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
+computed, a part whose token range does not fit (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
 another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
 mismatch). Nothing of a refused manifest is read.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest
-from shared.cache.manifest import IntArray, Manifest
+from shared.cache.manifest import IntArray, Manifest, ManifestPart
 from shared.errors import FailedPrecondition, Internal
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 
@@ -58,6 +58,9 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     msg.digest_duration.FromNanoseconds(m.digest_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
+    if m.part is not None:
+        p = m.part
+        msg.part.CopyFrom(pb.ManifestPart(index=p.index, count=p.count, tokens_from=p.tokens_from, tokens_to=p.tokens_to))
     return msg
 
 
@@ -117,6 +120,26 @@ def _first_token(msg: pb.Manifest, source: ManifestSource) -> int | None:
     return int(token)
 
 
+def _part(msg: pb.Manifest, source: ManifestSource) -> ManifestPart | None:
+    """A part's range must lie inside the computed tokens, and only the last part carries the
+    first token or reaches the end."""
+    if not msg.HasField("part"):
+        return None
+    peer, p = source.engine_id, msg.part
+    part = ManifestPart(p.index, p.count, p.tokens_from, p.tokens_to)
+    if not 0 <= p.index < p.count:
+        raise _bad(f"prefill {peer} sent part index {p.index} of {p.count} parts", "manifest.part.index")
+    if not p.tokens_from < p.tokens_to <= msg.num_computed_tokens:
+        raise _bad(
+            f"prefill {peer} sent {part.describe()} of {msg.num_computed_tokens} computed tokens", "manifest.part.tokens_to"
+        )
+    if part.last != (p.tokens_to == msg.num_computed_tokens):
+        raise _bad(f"prefill {peer} sent {part.describe()}: only the last part ends the computed tokens", "manifest.part")
+    if not part.last and msg.HasField("first_token_id"):
+        raise _bad(f"prefill {peer} sent a first token with {part.describe()}", "manifest.first_token_id")
+    return part
+
+
 def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
     """The domain manifest, or the error that names what does not fit `source`."""
     blocks = _block_ids(msg, source)
@@ -139,4 +162,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         digest_algorithm=msg.digest_algorithm,
         digest_ns=msg.digest_duration.ToNanoseconds(),
         first_token=first_token,
+        part=_part(msg, source),
     )

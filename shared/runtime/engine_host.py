@@ -342,6 +342,7 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
                 dtype=settings.dtype,
                 device=settings.device,
                 boundary=settings.boundary,
+                prefill_chunk_tokens=settings.prefill_chunk_tokens,
             )
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e

@@ -48,6 +48,11 @@ def extract_state(cache: Any, spec: ModelSpec, length: int) -> HfState:
             got = None if layer.keys is None else layer.keys.shape[-2]
             raise RuntimeError(f"layer {i}: transformers' cache holds K/V of {got} tokens, expected {length}")
         kv[i] = (layer.keys[0].transpose(0, 1).contiguous(), layer.values[0].transpose(0, 1).contiguous())
+    return HfState(length=length, kv=kv, ssm=extract_ssm_state(cache, spec))
+
+
+def extract_ssm_state(cache: Any, spec: ModelSpec) -> dict[int, tuple[Tensor, Tensor]]:
+    """Copies of every SSM layer's (conv, recurrent) state, in our layouts."""
     ssm: dict[int, tuple[Tensor, Tensor]] = {}
     for i in spec.ssm_layers:
         conv, rec = cache.get_conv_state(i), cache.get_recurrent_state(i)
@@ -57,7 +62,7 @@ def extract_state(cache: Any, spec: ModelSpec, length: int) -> HfState:
             raise RuntimeError(f"layer {i}: conv state has {conv.shape[-1]} columns, the config says {spec.ssm.conv_kernel}")
         state = rec[0].transpose(-1, -2) if _is_gdn(spec) else rec[0]
         ssm[i] = (conv[0, :, 1:].clone(), state.contiguous().clone())
-    return HfState(length=length, kv=kv, ssm=ssm)
+    return ssm
 
 
 def build_cache(config: Any, spec: ModelSpec, state: HfState) -> Any:

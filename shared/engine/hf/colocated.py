@@ -15,6 +15,7 @@ from typing import Literal
 from torch import Tensor
 
 from shared.engine.hf.checkpoint import HfCheckpoint
+from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 
 FinishReason = Literal["stop", "length"]
@@ -43,19 +44,30 @@ def colocated_generate(
     sampling: SamplingParams = GREEDY,
     keep_logits: bool = False,
     stop_at_eos: bool = True,
+    prefill_chunk_tokens: int = 0,
 ) -> Generation:
+    """`prefill_chunk_tokens`: the prompt's computed tokens run one forward per chunk, as the
+    services' --prefill-chunk-tokens (0: one forward)."""
     if not prompt:
         raise ValueError("prompt: at least one token is needed")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     eos = checkpoint.eos_token_ids if stop_at_eos else frozenset()
     cache = checkpoint.new_cache()
+
+    def prefill(n: int) -> Tensor | None:
+        logits, at = None, 0
+        for end in chunk_ends(0, n, prefill_chunk_tokens):
+            logits, at = checkpoint.forward(prompt[at:end], at, cache), end
+        return logits
+
     if boundary == "full":
-        logits = checkpoint.forward(prompt, 0, cache)
+        first = prefill(len(prompt))
+        assert first is not None
+        logits = first
     elif boundary == "n-1":
         n = len(prompt) - 1
-        if n:
-            checkpoint.forward(prompt[:n], 0, cache)
+        prefill(n)
         logits = checkpoint.forward(prompt[n:], n, cache)
     else:
         raise ValueError(f"boundary must be 'full' or 'n-1', got {boundary!r}")

@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from shared.cache.model_views import RankViews, torch_dtype
-from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_state
+from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_ssm_state, extract_state
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.tokenizer import HfTokenizer
 from shared.engine.paged_state import PagedStateStore
+from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
@@ -58,7 +59,13 @@ class HfEngine:
     samples = True
 
     def __init__(
-        self, layout: EngineLayout, ranks: Sequence[RankViews], checkpoint: HfCheckpoint, *, boundary: Boundary = "full"
+        self,
+        layout: EngineLayout,
+        ranks: Sequence[RankViews],
+        checkpoint: HfCheckpoint,
+        *,
+        boundary: Boundary = "full",
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         if boundary not in BOUNDARIES:
             raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
@@ -67,6 +74,9 @@ class HfEngine:
         self.ranks = list(ranks)
         self.checkpoint = checkpoint
         self.boundary: Boundary = boundary
+        # --prefill-chunk-tokens: prefill runs one forward per chunk on one cache (0: one forward);
+        # chunks of this size only give these bits (ChunkedPrefill), so parts come in them.
+        self.exact_chunk_tokens: int | None = prefill_chunk_tokens
         self.tokenizer = HfTokenizer(checkpoint.directory)
         # /v1/chat/completions renders with it (`template_for`); None: the byte template.
         self.chat_template = self.tokenizer.chat_template
@@ -92,8 +102,10 @@ class HfEngine:
         dtype: str,
         device: str = "cpu",
         boundary: Boundary = "full",
+        prefill_chunk_tokens: int = 0,
     ) -> HfEngine:
-        return cls(layout, ranks, HfCheckpoint(directory, dtype=dtype, device=device), boundary=boundary)
+        checkpoint = HfCheckpoint(directory, dtype=dtype, device=device)
+        return cls(layout, ranks, checkpoint, boundary=boundary, prefill_chunk_tokens=prefill_chunk_tokens)
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return num_prefill_tokens(self.spec, prompt_len, self.boundary)
@@ -116,6 +128,12 @@ class HfEngine:
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
         n = self.num_prefill_tokens(len(prompt))
+        if self.exact_chunk_tokens:
+            run = self.start_prefill(prompt, blocks, sampling)
+            first = None
+            for end in chunk_ends(0, n, self.exact_chunk_tokens):
+                first = run.compute(end)
+            return first
         store = self._store(blocks)
         store.reset_ssm()  # its blocks may still hold an earlier request's state
         state, logits = self.compute_prefix(prompt, n)
@@ -124,6 +142,9 @@ class HfEngine:
             assert logits is not None
             return sample(logits, sampling, 0)
         return None
+
+    def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> HfPrefillRun:
+        return HfPrefillRun(self, prompt, self._store(blocks), sampling)
 
     # --- decode -------------------------------------------------------------------------
     def read_state(self, blocks: RequestBlocks, length: int) -> HfState:
@@ -185,6 +206,38 @@ def read_state(
         conv, state = store.read_ssm(layer)
         ssm[layer] = (conv.to(conv_dtype), state.to(ssm_dtype))
     return HfState(length, kv, ssm)
+
+
+class HfPrefillRun:
+    """A prefill in chunks: one forward per chunk on one transformers cache, each chunk's K/V
+    mirrored into the blocks as it is computed, the conv / SSM state with the last chunk."""
+
+    def __init__(self, engine: HfEngine, prompt: Sequence[int], store: PagedStateStore, sampling: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt: at least one token is needed")
+        self._engine, self._prompt, self._store, self._sampling = engine, list(prompt), store, sampling
+        self._end = engine.num_prefill_tokens(len(prompt))
+        self._cache = engine.checkpoint.new_cache()
+        self._pos = 0
+
+    def compute(self, end: int) -> int | None:
+        start, engine = self._pos, self._engine
+        if not start < end <= self._end:
+            raise ValueError(f"chunk [{start}, {end}) outside the {self._end} tokens prefill computes")
+        if start == 0:
+            self._store.reset_ssm()  # its blocks may still hold an earlier request's state
+        logits = engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
+        for layer in engine.spec.attention_layers:
+            entry = self._cache.layers[layer]
+            k = entry.keys[0, :, start:end].transpose(0, 1)
+            v = entry.values[0, :, start:end].transpose(0, 1)
+            self._store.write_kv_range(layer, start, k, v)
+        self._pos = end
+        if end < self._end:
+            return None
+        for layer, (conv, ssm) in extract_ssm_state(self._cache, engine.spec).items():
+            self._store.write_ssm(layer, conv, ssm)
+        return sample(logits, self._sampling, 0) if engine.boundary == "full" else None
 
 
 class HfDecodeSession:

@@ -43,6 +43,7 @@ async def hf_pair(
     ready: bool = True,
     decode_flags: tuple[str, ...] = (),
     prefill_flags: tuple[str, ...] = (),
+    check_state: bool = True,
 ) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
     ps = parse_settings(
         "prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp), *prefill_flags], environ={}
@@ -57,7 +58,7 @@ async def hf_pair(
                 decode_dir,
                 "--tp",
                 str(d_tp),
-                "--check-state",
+                *(["--check-state"] if check_state else []),
                 "--prefill",
                 f"127.0.0.1:{prefill.port}",
                 *decode_flags,

@@ -134,6 +134,34 @@ async def test_client_cancel_frees_both_sides(start_prefill: Any, start_decode: 
     assert not prefill.pins.ended["lease_expired"]
 
 
+async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(start_prefill: Any, start_decode: Any) -> None:
+    """The race a soak found: the manifest resolves the job's future and, in the same loop turn,
+    the waiting task is cancelled, so the caller never sees the manifest and never releases it.
+    The session must cancel the job itself; it must not keep heartbeating its lease (renewed
+    forever, the blocks would never be freed). Forced here, not left to timing: the cancel is
+    issued right after the manifest is delivered, before the waiting task runs again."""
+    prefill = await start_prefill("--lease-seconds", "60", "--heartbeat-seconds", "0.2")
+    decode = await start_decode(prefill.port)  # heartbeats at the interval prefill announces
+    session = decode.peers.pick().session
+    delivered = asyncio.Event()
+    submit = asyncio.ensure_future(session.submit("raced", [1, 2, 3, 4], 10.0))
+    resolve = session._resolve  # fault injection: the cancel lands in the manifest's loop turn
+
+    def resolve_then_cancel(request_id: str, **kw: Any) -> None:
+        resolve(request_id, **kw)
+        if request_id == "raced" and kw.get("manifest") is not None:
+            submit.cancel()
+            delivered.set()
+
+    session._resolve = resolve_then_cancel
+    await asyncio.wait_for(delivered.wait(), 10)
+    with pytest.raises(asyncio.CancelledError):
+        await submit
+    await until(lambda: prefill.host.allocator.num_used == 0)  # at once, not at the lease's end
+    assert session.in_flight == 0
+    assert not prefill.pins.ended["lease_expired"]
+
+
 async def test_drain_finishes_in_flight_and_refuses_new(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port, "--drain-seconds", "10", engine=SlowStamp)

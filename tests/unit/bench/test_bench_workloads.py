@@ -52,6 +52,24 @@ def test_long_prompt_report_pairs_the_setups_per_prompt() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_long_prompt_report_sets_pipelined_against_unpipelined() -> None:
+    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=1, prefill_chunk_tokens=16)
+    samples = [
+        Sample(64, {"disaggregated": timed(1.02, [1, 2], summary(64, 4096, prefill=1.0, read=0.01)),
+                    "unpipelined": timed(1.1, [1, 2], summary(64, 4096, prefill=1.0, read=0.05)),
+                    "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=1.0))}),
+    ]  # fmt: skip
+    row = build_long_prompt_result(cfg, samples, "test")["lengths"][0]
+    assert row["exposed_transfer_ms"]["median"] == pytest.approx(20.0)
+    assert row["unpipelined_exposed_transfer_ms"]["median"] == pytest.approx(100.0)
+    assert row["hidden_share"] == pytest.approx(0.8)
+    assert row["state_exposed_ms"]["median"] == pytest.approx(10.0)  # READ + digest check (none here)
+    assert row["hidden_share_state"] == pytest.approx(0.8)
+    assert row["unpipelined_tokens_match"] == "1/1"
+    assert "80.0 %" in format_long_prompt(build_long_prompt_result(cfg, samples, "test"))
+
+
+@pytest.mark.timeout(30)
 def test_multi_turn_report_sets_attention_bytes_against_the_new_tokens() -> None:
     cfg = MultiTurnConfig(model="m", turns=2, conversations=1, first_turn_tokens=64, turn_tokens=28, max_tokens=4)
     turns = [

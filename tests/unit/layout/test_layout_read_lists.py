@@ -310,3 +310,32 @@ def test_bytes_from_counts_equal_the_sum_over_the_ids(name: str) -> None:
                     assert rl.bytes_for(tokens, reads_ssm) == rl.bytes_by_section(li, reads_ssm), (p_tp, d_tp, d, p, tokens)
                     checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("p_kernel,d_kernel", [(16, 16), (16, 32), (32, 16)])
+def test_parts_of_a_pipelined_transfer_select_the_whole_ids_once(p_kernel: int, d_kernel: int) -> None:
+    """Parts [0, a), [a, b), [b, n) (FA only but the last, which adds the Mamba state) list
+    exactly the ids of one read of n tokens, in order, and their bytes add up."""
+    spec = get_preset("tiny-gdn")
+    plan = build_plan(
+        build_engine_layout(spec, 1, kernel_block_size=p_kernel), build_engine_layout(spec, 2, kernel_block_size=d_kernel)
+    )
+    rl = lists_for(plan, 1, 0, n_local=9, n_remote=9)
+    local, remote = blocks(plan, [5, 0, 7], 3), blocks(plan, [2, 6, 8], 4)
+    n, edges = 130, [0, 48, 96]
+    whole = read_indices(rl, local, remote, n)
+    parts = [
+        read_indices(rl, local, remote, end, tokens_from=start, mamba=end == n)
+        for start, end in zip(edges, [*edges[1:], n], strict=True)
+    ]
+    fa_whole, fa_parts = whole[0][whole[0] < rl.local_geometry.fa_part], [li[li < rl.local_geometry.fa_part] for li, _ in parts]
+    assert sorted(np.concatenate(fa_parts).tolist()) == sorted(fa_whole.tolist())
+    assert sorted(np.concatenate([li for li, _ in parts]).tolist()) == sorted(whole[0].tolist())
+    assert sorted(np.concatenate([ri for _, ri in parts]).tolist()) == sorted(whole[1].tolist())
+    assert all(not (li >= rl.local_geometry.fa_part).any() for li, _ in parts[:-1])  # Mamba with the last part only
+    totals = [
+        rl.bytes_for(end, True, tokens_from=start, mamba=end == n) for start, end in zip(edges, [*edges[1:], n], strict=True)
+    ]
+    assert tuple(map(sum, zip(*totals, strict=True))) == rl.bytes_for(n, True)
+    with pytest.raises(LayoutError, match="tokens_from"):
+        read_indices(rl, local, remote, n, tokens_from=plan.fa_unit_tokens + 1)

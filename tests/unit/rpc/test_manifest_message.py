@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest
-from shared.cache.manifest import Manifest
+from shared.cache.manifest import Manifest, ManifestPart
 from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message, manifest_message
@@ -51,6 +51,8 @@ def test_every_field_survives_domain_to_message_to_domain() -> None:
             changed = value[:-1]
         elif isinstance(value, str):
             changed = value + "x"
+        elif f.name == "part":  # a whole-state manifest, and the same state as one part
+            changed = ManifestPart(0, 1, 0, m.num_computed_tokens)
         else:
             changed = value + 1
         assert dataclasses.replace(m, **{f.name: changed}) != back, f.name
@@ -68,7 +70,7 @@ def test_an_n_minus_1_manifest_has_no_first_token_both_ways() -> None:
 
 
 def test_every_field_survives_message_to_domain_to_message() -> None:
-    msg = manifest_message(manifest())
+    msg = manifest_message(dataclasses.replace(manifest(), part=ManifestPart(1, 2, 32, 41)))  # the last of two parts
     assert {f.name for f, _ in msg.ListFields()} == {f.name for f in pb.Manifest.DESCRIPTOR.fields}  # all set
     assert manifest_message(manifest_from_message(msg, SOURCE)) == msg
 
@@ -126,3 +128,26 @@ def test_missing_digests_are_refused_only_where_they_are_checked() -> None:
     assert "digests of kind 'sha256'" in refusal(other).message
     unchecked = dataclasses.replace(SOURCE, digests_required=False)
     assert manifest_from_message(bare, unchecked).digests == ()
+
+
+def test_a_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> None:
+    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40)
+    first = dataclasses.replace(whole, part=ManifestPart(0, 3, 0, 16))
+    last = dataclasses.replace(whole, part=ManifestPart(2, 3, 32, 40))
+    for m in (first, last):
+        back = manifest_from_message(manifest_message(m), SOURCE)
+        assert back == m and back.part == m.part
+    assert not first.last and last.last and whole.last and (first.tokens_from, first.tokens_to) == (0, 16)
+    assert (whole.tokens_from, whole.tokens_to) == (0, 40)
+    bad = {
+        "manifest.part.index": ManifestPart(3, 3, 32, 40),
+        "manifest.part.tokens_to": ManifestPart(0, 3, 16, 16),
+        "manifest.part": ManifestPart(1, 3, 16, 40),  # ends the tokens, not the last
+    }
+    for field, part in bad.items():
+        with pytest.raises(ServiceError) as refused:
+            manifest_from_message(manifest_message(dataclasses.replace(whole, part=part)), SOURCE)
+        assert refused.value.status == "INTERNAL" and refused.value.issues[0].field == field, field
+    with pytest.raises(ServiceError) as early:
+        manifest_from_message(manifest_message(dataclasses.replace(first, first_token=7, num_computed_tokens=41)), SOURCE)
+    assert early.value.issues[0].field == "manifest.first_token_id"

@@ -350,8 +350,15 @@ class PrefillJob(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    ACCEPT_MANIFEST_PARTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
+    accept_manifest_parts: _builtins.bool
+    """Decode takes the state in parts (pipelined transfer, see ManifestPart): a prefill engine
+    that computes long prompts in chunks (--prefill-chunk-tokens) may then answer with several
+    manifests, each naming the attention blocks a chunk made final, while it computes the next.
+    False (the default): one manifest for the whole state, as before.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -379,10 +386,11 @@ class PrefillJob(_message.Message):
         timeout: _duration_pb2.Duration | None = ...,
         sampling: Global___JobSampling | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        accept_manifest_parts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_manifest_parts", b"accept_manifest_parts", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -545,6 +553,7 @@ class Manifest(_message.Message):
     DIGEST_ALGORITHM_FIELD_NUMBER: _builtins.int
     DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -589,6 +598,12 @@ class Manifest(_message.Message):
     def digest_duration(self) -> _duration_pb2.Duration:
         """Time prefill spent taking the digests (part of prefill_duration)."""
 
+    @_builtins.property
+    def part(self) -> Global___ManifestPart:
+        """Set only for a job with accept_manifest_parts: this manifest is one part of the state
+        (absent: the whole state, as before). See ManifestPart.
+        """
+
     def __init__(
         self,
         *,
@@ -604,16 +619,61 @@ class Manifest(_message.Message):
         digest_algorithm: _builtins.str = ...,
         digest_duration: _duration_pb2.Duration | None = ...,
         first_token_id: _builtins.int | None = ...,
+        part: Global___ManifestPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_id) -> _WhichOneofReturnType__first_token_id | None: ...
 
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class ManifestPart(_message.Message):
+    """One part of a request's state, sent while prefill still computes the rest (pipelined
+    transfer). Every part of a request repeats request_id, transfer_id, the block ids of every
+    group (all allocated before the first part), num_computed_tokens and prompt_token_count; all
+    parts share the transfer id, so each (decode rank, prefill rank) READ of each part sends the
+    same notification and prefill frees the blocks once it counted `count` per reader, or on
+    release, cancel or lease expiry, never while it still computes into them. A part makes final
+    the attention K/V of tokens [tokens_from, tokens_to) of every attention group: whole blocks
+    of the prefill layout whose every token is computed (the last part: up to
+    num_computed_tokens). Conv and SSM state are final only with the last part, which alone
+    carries them, the first token (full-N boundary) and the whole prefill_duration. `digests`
+    of a part cover what it makes final: FA over its token range (every part), conv and SSM
+    (the last). The lease of the first part starts the pin; heartbeats renew it from then on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    TOKENS_FROM_FIELD_NUMBER: _builtins.int
+    TOKENS_TO_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """0, 1, ... in the order prefill sends them."""
+    count: _builtins.int
+    """Parts of this request (the last has index count - 1)."""
+    tokens_from: _builtins.int
+    tokens_to: _builtins.int
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        count: _builtins.int = ...,
+        tokens_from: _builtins.int = ...,
+        tokens_to: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "index", b"index", "tokens_from", b"tokens_from", "tokens_to", b"tokens_to"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManifestPart: _TypeAlias = ManifestPart  # noqa: Y015
 
 @_typing.final
 class StateDigest(_message.Message):

@@ -1,0 +1,69 @@
+"""The READs of one request's manifest parts (pipelined transfer), started as the parts arrive.
+
+Prefill sends a part after each chunk that made attention blocks final; decode READs it (and
+checks its digests) at once, while prefill computes the next chunk. The last part answers the
+job as a whole manifest does; by then most of the state has moved. Every READ goes through the
+request's `ReadFence`, so on failure the request cancels these READs (`cancel`) and releases
+its blocks, here and on prefill, only once the fence says no READ of any part can still land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+from decode_svc.reader import ReadStats
+from decode_svc.session_client import SessionClient
+from shared.cache.manifest import Manifest
+from shared.errors import Internal
+
+
+class PartReads:
+    def __init__(self) -> None:
+        self.parts: list[Manifest] = []
+        self.source: SessionClient | None = None  # the session the parts came on (it releases them)
+        self._tasks: list[asyncio.Future[ReadStats]] = []
+
+    @property
+    def any(self) -> bool:
+        """Whether a part arrived: from then on the job is not retried elsewhere."""
+        return bool(self.parts)
+
+    def arrived(self, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
+        """Start `read`, the READ (and digest check) of `part`."""
+        self.parts.append(part)
+        self._tasks.append(asyncio.ensure_future(read))
+
+    def check_chain(self, last: Manifest, peer: str) -> None:
+        """The parts and `last` must cover the computed tokens once, in order: a part that went
+        missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug), checked before the
+        last READ."""
+        chain = [*self.parts, last]
+        if last.part is None:
+            if self.parts:
+                raise Internal(f"prefill {peer} ended parts with a whole manifest", field="manifest.part", reason="BAD_MANIFEST")
+            return
+        indices = [m.part.index if m.part is not None else -1 for m in chain]
+        edges = [(m.tokens_from, m.tokens_to) for m in chain]
+        contiguous = edges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
+        if indices != list(range(last.part.count)) or not contiguous:
+            raise Internal(
+                f"prefill {peer} sent parts {indices} of {last.part.count} covering {edges}: not every token once, in order",
+                field="manifest.part",
+                reason="BAD_MANIFEST",
+            )
+
+    async def gather(self) -> ReadStats:
+        """The parts' READs, summed once all are done; the first failure is raised."""
+        total = ReadStats()
+        for stats in await asyncio.gather(*self._tasks):
+            total.add(stats)
+        return total
+
+    async def cancel(self) -> None:
+        """Stop every part's READ and wait until each has handed its READs to the fence."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,38 @@
+"""Where a chunked prefill sends manifest parts (pipelined transfer); pure.
+
+Prefill computes the first `computed` tokens in chunks of `chunk_tokens`. After a chunk, the
+attention K/V of every whole block of the prefill layout whose every token is computed is
+final (later chunks never write it again), and a part names the blocks that became final since
+the previous part. A chunk that completes no new block sends nothing. The last part covers the
+rest, up to `computed`, and the conv and SSM state, final only then. The plan is known before
+the first chunk, so prefill knows how many READ notifications to expect per reader (one per
+part).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PartSpan:
+    compute_to: int  # compute up to this token before sending the part (a chunk end)
+    tokens_from: int  # the part makes the K/V of tokens [tokens_from, tokens_to) final
+    tokens_to: int
+
+
+def part_spans(computed: int, chunk_tokens: int, block_tokens: int) -> list[PartSpan]:
+    """The parts of a prefill of `computed` tokens; one span (the whole state, no parts) when
+    chunking is off, the prompt fits one chunk, or no block completes before the last chunk.
+    `block_tokens`: tokens per block of the prefill layout's attention groups (0: none)."""
+    if chunk_tokens <= 0 or block_tokens <= 0 or computed <= chunk_tokens:
+        return [PartSpan(computed, 0, computed)]
+    spans: list[PartSpan] = []
+    final = 0
+    for end in range(chunk_tokens, computed, chunk_tokens):
+        whole = end // block_tokens * block_tokens
+        if whole > final:
+            spans.append(PartSpan(end, final, whole))
+            final = whole
+    spans.append(PartSpan(computed, final, computed))
+    return spans

@@ -1,0 +1,66 @@
+"""Pipelined transfer: a prefill SIGKILLed between two manifest parts, seen from decode.
+
+Real processes, real NIXL, reference engine, --prefill-chunk-tokens. The TEST-ONLY pause hook
+(HYBRID_PD_TEST_PAUSE `between_parts`) holds the prefill after its first part left (pinned, the
+part's READ posted or done), and it is killed there: decode must fail the request with
+UNAVAILABLE naming the peer and free everything it held for it, the blocks the first part was
+READ into included, with no READ handle left; a restarted prefill serves the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.harness import Service, free_port, generate, start
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+PREFILL_ID = "pipelined-prefill"
+REFERENCE = ["--engine", "reference"]
+PREFILL_FLAGS = [
+    *REFERENCE, "--engine-id", PREFILL_ID, "--num-blocks", "64", "--prefill-chunk-tokens", "20",
+    "--heartbeat-seconds", "0.5", "--lease-seconds", "2",
+]  # fmt: skip
+DECODE_FLAGS = [*REFERENCE, "--engine-id", "pipelined-decode", "--num-blocks", "64", "--read-timeout-seconds", "5"]
+PROMPT = list(range(32, 132))  # 100 tokens: parts [0, 32), [32, 64), [64, 99)
+
+
+@pytest.fixture
+def services() -> Iterator[tuple[int, list[Service]]]:
+    port = free_port()
+    started: list[Service] = []
+    try:
+        yield port, started
+    finally:
+        for service in started:
+            service.kill()
+
+
+async def test_prefill_killed_between_parts_fails_cleanly(services: tuple[int, list[Service]]) -> None:
+    port, started = services
+    prefill = start("prefill", *PREFILL_FLAGS, "--port", str(port), pauses="between_parts:30:midway-")
+    started.append(prefill)
+    decode = start("decode", *DECODE_FLAGS, "--prefill", f"127.0.0.1:{port}")
+    started.append(decode)
+    await decode.wait_serving()
+    call = asyncio.ensure_future(generate(decode.address, "midway-1", PROMPT, 4))
+    await prefill.wait_line("TEST PAUSE between_parts midway-1", timeout=30)
+    await prefill.wait_metric("hybrid_pd_pinned_requests", lambda v: v == 1)  # pinned at its first part
+    prefill.kill()
+    outcome = await call
+    assert outcome.status == "UNAVAILABLE", outcome
+    assert PREFILL_ID in outcome.message and f"127.0.0.1:{port}" in outcome.message, outcome
+    await decode.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
+    await decode.wait_metric("hybrid_pd_open_read_handles", lambda v: v == 0)
+    await decode.wait_metric("hybrid_pd_requests_in_flight", lambda v: v == 0)
+
+    restarted = start("prefill", *PREFILL_FLAGS, "--port", str(port))
+    started.append(restarted)
+    await decode.wait_serving()
+    ok = await generate(decode.address, "after-1", PROMPT, 4)
+    assert ok.status == "OK" and len(ok.tokens) == 4 and ok.summary is not None, ok
+    assert ok.summary.transfer.read_count == 3  # three parts, one READ each
+    await restarted.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)

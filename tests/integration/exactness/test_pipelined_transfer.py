@@ -1,0 +1,227 @@
+"""Pipelined transfer (--prefill-chunk-tokens): prefill computes the prompt in chunks and sends a
+manifest part after each chunk that made attention blocks final; decode READs each part while
+prefill computes on, the SSM / conv state with the last part.
+
+Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), reference
+engine. Tokens must equal a colocated run bit for bit, with every part's digests checked, for
+prompts around chunk and block edges at TP pairs 1->1, 2->1, 1->2 and with differing kernel
+block sizes; a part is shown READ (its notification counted by prefill) while prefill is held
+before its next chunk; a byte flipped in one part fails the request with DATA_LOSS naming that
+part; and chunking off, or a decode engine that does not accept parts, sends one manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from functools import cache
+from typing import Any
+
+import grpc
+import pytest
+
+from decode_svc.part_reads import PartReads
+from decode_svc.reader import ReadStats
+from prefill_svc.part_plan import part_spans
+from shared.cache.manifest import Manifest
+from shared.engine.reference.colocated import colocated_generate
+from shared.layout.page import build_engine_layout
+from shared.layout.presets import TINY_PRESETS
+from shared.rpc import fault_hooks
+from tests.integration.exactness.pair import RunningPair, service_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+TEXT = bytes(range(32, 127)) * 3
+CHUNK = 20  # smaller than every tiny block (32 or 48 tokens): some chunks complete no block
+MAX_TOKENS = 6
+
+
+def prompt_of(length: int) -> list[int]:
+    return list(TEXT[:length])
+
+
+@cache
+def expected(model: str, length: int) -> tuple[int, ...]:
+    return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), MAX_TOKENS))
+
+
+def edge_lengths(block_size: int) -> list[int]:
+    """One chunk, one past it, around the first and second block edges (prefill computes N-1)."""
+    return [CHUNK, CHUNK + 1, block_size, block_size + 1, block_size + 2, 2 * block_size + 1, 3 * block_size + 7]
+
+
+async def all_freed(pair: RunningPair) -> bool:
+    """Whether both sides' blocks and prefill's pins are all free, waiting a while for the last
+    notifications and decode's cleanup after its last response (polled, never timed)."""
+    for _ in range(1000):
+        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def parts_of(length: int, block_size: int) -> int:
+    return len(part_spans(length - 1, CHUNK, block_size))
+
+
+CASES = [
+    ("tiny-mamba2", 1, 1, 16, 16),
+    ("tiny-gdn", 1, 1, 16, 16),
+    ("tiny-mamba1", 1, 1, 16, 16),
+    ("tiny-mamba2", 2, 1, 16, 16),
+    ("tiny-gdn", 1, 2, 16, 16),
+    ("tiny-mamba1", 2, 1, 16, 16),
+    ("tiny-gdn", 1, 1, 16, 32),  # decode blocks of 64 tokens, prefill's of 48
+    ("tiny-mamba2", 2, 1, 32, 16),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "model,prefill_tp,decode_tp,prefill_kb,decode_kb", CASES, ids=[f"{m}-P{p}-D{d}-kb{a}-{b}" for m, p, d, a, b in CASES]
+)
+async def test_pipelined_tokens_equal_colocated(
+    model: str, prefill_tp: int, decode_tp: int, prefill_kb: int, decode_kb: int
+) -> None:
+    block_size = build_engine_layout(TINY_PRESETS[model], prefill_tp, kernel_block_size=prefill_kb).block_size
+    lengths = edge_lengths(block_size)
+    async with service_pair(
+        model,
+        prefill_tp,
+        decode_tp,
+        extra_prefill=["--prefill-chunk-tokens", str(CHUNK), "--kernel-block-size", str(prefill_kb)],
+        extra_decode=["--check-state", "--kernel-block-size", str(decode_kb)],
+    ) as pair:
+        got = await asyncio.gather(*(pair.generate(prompt_of(n), MAX_TOKENS) for n in lengths))
+        assert await all_freed(pair)
+        pairs_read = len(pair.decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
+    for n, g in zip(lengths, got):
+        assert tuple(g.token_ids) == expected(model, n), f"prompt of {n} tokens"
+        assert g.summary.digests_verified and g.summary.state_verified
+        assert g.summary.transfer.read_count == parts_of(n, block_size) * pairs_read, f"prompt of {n} tokens"
+    assert max(parts_of(n, block_size) for n in lengths) >= 3  # the long prompts really came in parts
+
+
+@pytest.mark.asyncio
+async def test_a_part_is_read_while_prefill_holds_before_its_next_chunk() -> None:
+    """TEST-ONLY hold after part 1: prefill's NIXL notification of that part's READ arrives while
+    the next chunk has not started; released, the request completes exactly."""
+    model, length = "tiny-mamba2", 120
+    async with service_pair(model, 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        runner = pair.prefill.servicer.runner
+        router = pair.prefill.host.poller.router
+        held, release = asyncio.Event(), asyncio.Event()
+        computed_at_hold: list[int] = []
+
+        async def hold(request_id: str, index: int) -> None:
+            if index == 0:
+                computed_at_hold.append(router.received)
+                held.set()
+                await release.wait()
+
+        runner.after_part = hold
+        call = asyncio.ensure_future(pair.generate(prompt_of(length), MAX_TOKENS))
+        await asyncio.wait_for(held.wait(), 60)
+        for _ in range(500):  # part 1's READ notifies prefill while prefill still holds
+            if router.received > computed_at_hold[0]:
+                break
+            await asyncio.sleep(0.01)
+        notified_while_held = router.received - computed_at_hold[0]
+        still_held = not call.done()
+        release.set()
+        got = await call
+    assert notified_while_held == 1 and still_held
+    assert tuple(got.token_ids) == expected(model, length)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("section,part", [("fa", "part 1 of"), ("ssm", "part 3 of 3")])
+async def test_a_flipped_byte_in_a_part_fails_naming_the_part(monkeypatch: pytest.MonkeyPatch, section: str, part: str) -> None:
+    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, f"{section}:victim-")
+    length = 100  # 99 computed, blocks of 32, chunks of 20: parts [0,32) [32,64) [64,99)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        healthy = await pair.generate(prompt_of(length), MAX_TOKENS)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await pair.generate(prompt_of(length), MAX_TOKENS, request_id="victim-1")
+        assert await all_freed(pair)  # on prefill once decode's READs of every part are released
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", length)
+    assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+    details = failed.value.details() or ""
+    assert "victim-1" in details and part in details and f"prefill rank 0, {section} of layer group" in details, details
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "prefill_flags,decode_flags", [([], []), (["--prefill-chunk-tokens", str(CHUNK)], ["--manifest-parts", "off"])]
+)
+async def test_without_chunking_or_parts_one_manifest(prefill_flags: list[str], decode_flags: list[str]) -> None:
+    length = 100
+    async with service_pair("tiny-gdn", 1, 1, extra_prefill=prefill_flags, extra_decode=decode_flags) as pair:
+        got = await pair.generate(prompt_of(length), MAX_TOKENS)
+    assert tuple(got.token_ids) == expected("tiny-gdn", length)
+    assert got.summary.transfer.read_count == 1
+
+
+def test_part_spans_cover_the_computed_tokens_in_whole_blocks() -> None:
+    assert [(s.compute_to, s.tokens_from, s.tokens_to) for s in part_spans(99, 20, 32)] == [
+        (40, 0, 32), (80, 32, 64), (99, 64, 99),
+    ]  # fmt: skip
+    assert len(part_spans(99, 0, 32)) == 1  # off
+    assert len(part_spans(20, 20, 32)) == 1  # one chunk
+    assert len(part_spans(40, 20, 48)) == 1  # no block completes before the last chunk
+    assert len(part_spans(99, 20, 0)) == 1  # no attention group
+    spans = part_spans(1000, 64, 48)
+    assert spans[0].tokens_from == 0 and spans[-1].tokens_to == 1000
+    assert all(a.tokens_to == b.tokens_from for a, b in itertools.pairwise(spans))
+    assert all(s.tokens_to % 48 == 0 and s.compute_to >= s.tokens_to for s in spans[:-1])
+
+
+@pytest.mark.asyncio
+async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST-ONLY: decode drops the READ of the first part (digests off, so nothing else notices):
+    the tokens must differ from colocated, so the exactness test above can fail."""
+    arrived = PartReads.arrived
+
+    def drop_first(self: PartReads, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
+        if part.part is not None and part.part.index == 0:
+            self.parts.append(part)
+            read.close()
+            return
+        arrived(self, part, read)
+
+    monkeypatch.setattr(PartReads, "arrived", drop_first)
+    off = ["--verify-transfer", "off"]
+    length = 100
+    async with service_pair(
+        "tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK), *off], extra_decode=off
+    ) as pair:
+        got = await pair.generate(prompt_of(length), MAX_TOKENS)
+    assert tuple(got.token_ids) != expected("tiny-mamba2", length)
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
+    """The client goes away while prefill holds after part 1 (already READ): decode releases the
+    request once that part's READs are released, prefill stops the job, and every block is free."""
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(request_id: str, index: int) -> None:
+            held.set()
+            await release.wait()
+
+        pair.prefill.servicer.runner.after_part = hold
+        call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-1"))
+        await asyncio.wait_for(held.wait(), 60)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await all_freed(pair)
+        freed = (pair.prefill.host.allocator.num_used, pair.decode.host.allocator.num_used, len(pair.prefill.pins))
+        ended = dict(pair.prefill.pins.ended)
+        release.set()
+        pair.prefill.servicer.runner.after_part = None
+        healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert freed == (0, 0, 0) and ended.get("released") == 1, (freed, ended)
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)

@@ -1,0 +1,38 @@
+"""Pipelined transfer with the hf engine (--prefill-chunk-tokens): prefill runs one forward per
+chunk on one transformers cache and sends a manifest part after each chunk that made blocks
+final. A continued forward rounds differently from one forward over the whole prompt, so the
+baseline is a colocated run with the same chunks: tokens equal bit for bit, every part's
+digests checked (--check-state, which recomputes with one forward, does not apply)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from shared.engine.hf.checkpoint import HfCheckpoint
+from shared.engine.hf.colocated import colocated_generate
+from tests.integration.services.hf_services import generate_ids, hf_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
+
+CHUNK = 40
+
+
+@pytest.mark.parametrize("family,p_tp,d_tp", [("nemotron_h", 1, 1), ("bamba", 1, 2), ("qwen3_5", 2, 1)])
+async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
+    hf_checkpoint: Callable[[str], str], family: str, p_tp: int, d_tp: int
+) -> None:
+    directory = hf_checkpoint(family)
+    ckpt = HfCheckpoint(directory, dtype="fp32")
+    prompts = [[(7 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate((CHUNK, CHUNK + 1, 150, 233))]
+    flags = ("--prefill-chunk-tokens", str(CHUNK))
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False) as (_, decode):
+        got = [await generate_ids(decode.port, p, 6) for p in prompts]
+        pairs = len(decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
+    for prompt, (ids, summary) in zip(prompts, got, strict=True):
+        want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
+        assert ids == want, len(prompt)
+        assert summary.digests_verified
+    assert got[0][1].transfer.read_count == pairs  # one chunk: one manifest
+    assert got[-1][1].transfer.read_count > pairs  # the longest prompt came in parts
