@@ -62,3 +62,22 @@ def test_the_first_stop_to_complete_wins_however_the_text_is_split() -> None:
     assert run(["abc", "b"], ["abc"]) == ("a", True)
     assert run(["abc", "b"], ["a", "b", "c"]) == ("a", True)
     assert run(["bc", "abc"], ["abc"]) == ("", True)  # both complete at "c": the longest
+
+
+def test_unarmed_text_ends_nothing_and_armed_text_does() -> None:
+    # min_tokens: the first pieces come before the min_tokens-th token.
+    m = StopMatcher(["END"])
+    assert m.feed("aEND", armed=False) + m.feed("b", armed=False) == "aENDb" and not m.stopped
+    assert m.feed("cEND") == "c" and m.stopped
+    # A match that began before min_tokens but ends after it counts.
+    m = StopMatcher(["END"])
+    assert m.feed("xEN", armed=False) == "x" and m.feed("Dy") == "" and m.stopped
+    # Negative control: the same pieces armed stop at the first match.
+    assert run(["END"], ["aEND", "b"]) == ("a", True)
+
+
+def test_an_unarmed_match_held_back_as_a_prefix_still_ends_nothing() -> None:
+    m = StopMatcher(["a", "bab"])
+    assert m.feed("ba", armed=False) == ""  # "ba" might become "bab"; its "a" came too early
+    assert m.feed("") == "" and m.feed("x") == "bax" and not m.stopped
+    assert m.feed("a") == "" and m.stopped
