@@ -4,10 +4,11 @@ An adapter over the same domain entry the gRPC Generate handler uses
 (`DecodeServicer.generate` -> `Generation.run`): the body becomes a GenerateRequest (token ids,
 max_tokens, the `X-Request-Id` header as request id), its token chunks become OpenAI objects or
 SSE chunks; a P/D router's decode leg passes its `kv_transfer_params` through as JSON
-(decode_svc/learned_peers.py). Stop sequences are applied here, on the text; a match closes the generation early
-(its blocks are freed as on any early end), but not one that ends before min_tokens tokens. A streamed response starts once the first token
-exists, so every failure before it (bad input, no prefill, cache full, draining) is a real HTTP
-status; a failure after it is sent as a last `data: {"error": ...}` event before `[DONE]`.
+(decode_svc/learned_peers.py). Stop sequences are applied here, on the text; a match closes the
+generation early (its blocks are freed as on any early end), but not one that ends before
+min_tokens tokens. A streamed response starts once the first token exists, so every failure
+before it (bad input, no prefill, cache full, draining) is a real HTTP status; a failure after it
+is sent as a last `data: {"error": ...}` event before `[DONE]`.
 """
 
 from __future__ import annotations
