@@ -88,7 +88,8 @@ class GenerateRequest(_message.Message):
     min_tokens: _builtins.int
     """Generate at least this many tokens (vLLM's min_tokens; at most max_tokens): until then the
     ids that would stop the generation (EOS unless ignore_eos, and stop_token_ids) are masked
-    out in the sampler, so they are never drawn. 0 (the default): off.
+    out in the sampler, so they are never drawn (an engine without logits, the synthetic one,
+    cannot mask: there such an id does not end the request before then). 0 (the default): off.
     """
     kv_transfer_params: _builtins.str
     """Optional: vLLM's `kv_transfer_params` as JSON, exactly as a P/D router passes it through
