@@ -4,10 +4,11 @@ An adapter over the same domain entry the gRPC Generate handler uses
 (`DecodeServicer.generate` -> `Generation.run`): the body becomes a GenerateRequest (token ids,
 max_tokens, the `X-Request-Id` header as request id), its token chunks become OpenAI objects or
 SSE chunks; a P/D router's decode leg passes its `kv_transfer_params` through as JSON
-(decode_svc/learned_peers.py). Stop sequences are applied here, on the text; a match closes the generation early
-(its blocks are freed as on any early end). A streamed response starts once the first token
-exists, so every failure before it (bad input, no prefill, cache full, draining) is a real HTTP
-status; a failure after it is sent as a last `data: {"error": ...}` event before `[DONE]`.
+(decode_svc/learned_peers.py). Stop sequences are applied here, on the text; a match closes the
+generation early (its blocks are freed as on any early end), but not one that ends before
+min_tokens tokens. A streamed response starts once the first token exists, so every failure
+before it (bad input, no prefill, cache full, draining) is a real HTTP status; a failure after it
+is sent as a last `data: {"error": ...}` event before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class Generated:
         early: EarlyStop,
         rename: Callable[[ServiceError], ServiceError],
         text: Tokenizer,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = text
+        self._min_tokens = min_tokens  # stop sequences end nothing before this many tokens
         self._responses = responses
         self.outcome = outcome
         self._stop = stop
@@ -116,7 +119,8 @@ class Generated:
         out = []
         for token in ids:
             self.outcome.completion_tokens += 1
-            out.append(self._stop.feed(decoder.feed([token])))
+            armed = self.outcome.completion_tokens >= self._min_tokens
+            out.append(self._stop.feed(decoder.feed([token]), armed=armed))
             if self._stop.stopped:
                 break
         return "".join(out)
@@ -202,6 +206,7 @@ class DecodeHttp:
             sampling=grpc_sampling(params.sampling),
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
         )
         if wants_remote_prefill(params.kv_transfer_params):  # a P/D router's decode leg: passed through as JSON
             grpc_request.kv_transfer_params = json.dumps(params.kv_transfer_params)
@@ -220,6 +225,7 @@ class DecodeHttp:
             early,
             lambda e: renamed(e, names),
             self.tokenizer,
+            params.min_tokens,
         )
         await generated.first()
         return generated, rid

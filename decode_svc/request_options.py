@@ -1,4 +1,5 @@
-"""What a GenerateRequest asks of decoding besides its prompt: sampling and when to stop.
+"""What a GenerateRequest asks of decoding besides its prompt: sampling and when to stop
+(min_tokens: both the sampler's mask and the stop rule).
 
 Bad values name their field (`sampling.temperature`, ...). An unseeded sampled request gets a
 random seed here, reported back in the summary, so every request is reproducible afterwards.
@@ -10,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 
 from shared.engine.protocol import Engine
-from shared.engine.sampling import GREEDY, SamplingError, SamplingParams
+from shared.engine.sampling import GREEDY, SamplingError, SamplingParams, with_min_tokens
 from shared.engine.stopping import StopRule
 from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -49,8 +50,18 @@ def decode_options(request: pb.GenerateRequest, engine: Engine) -> DecodeOptions
     bad = [t for t in request.stop_token_ids if t >= vocab]
     if bad:
         raise InvalidArgument(f"token ids must be < {vocab} (the vocabulary), got {bad[:4]}", field="stop_token_ids")
-    stop = StopRule.of(request.max_tokens, engine.eos_token_ids, request.stop_token_ids, ignore_eos=request.ignore_eos)
-    return DecodeOptions(sampling_of(request, engine), stop)
+    if request.min_tokens > request.max_tokens:
+        raise InvalidArgument(f"{request.min_tokens} is more than max_tokens ({request.max_tokens})", field="min_tokens")
+    stop = StopRule.of(
+        request.max_tokens,
+        engine.eos_token_ids,
+        request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+    )
+    # The sampler masks exactly the ids the rule stops at, until min_tokens.
+    sampling = with_min_tokens(sampling_of(request, engine), request.min_tokens, stop.stop_token_ids)
+    return DecodeOptions(sampling, stop)
 
 
 def finish_reason_message(reason: str | None) -> pb.FinishReason.ValueType:

@@ -52,7 +52,10 @@ def advertised_address(advertise: str | None, listen_host: str, grpc_port: int) 
 def first_token_sampling(s: HttpSampling) -> SamplingParams:
     """How the prefill leg draws the first token at the full-N boundary: with the body's sampling,
     as the decode leg (sent the same body) draws the rest. Without a seed in the body each leg
-    picks its own, so only seeded sampled requests are reproducible across the two legs."""
+    picks its own, so only seeded sampled requests are reproducible across the two legs. The
+    body's min_tokens is the router's (it sends 1, or none), not the client's, so the draw masks
+    nothing: the decode leg, sent the client's body, masks its tokens. (Decode legs take n-1
+    state only today; one at full-N must not use a first token its min_tokens masks.)"""
     seed = s.seed % 2**64 if s.seed is not None else (secrets.randbits(64) if s.temperature > 0 else 0)
     try:
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed)

@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port
+from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port, non_negative_int
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.channel import build_channel
@@ -82,6 +82,13 @@ def register(subparsers: Any) -> None:
     prompt.add_argument("--prompt", help="prompt text (tokenized by the service)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="prompt token ids, e.g. 72,101,108")
     p.add_argument("--max-tokens", type=positive_count, default=16, metavar="N", help="tokens to generate (default 16)")
+    p.add_argument(
+        "--min-tokens",
+        type=_arg_type(non_negative_int),
+        default=0,
+        metavar="N",
+        help="generate at least N tokens: EOS ids are masked until then (default 0; at most --max-tokens)",
+    )
     p.add_argument("--request-id", default="", help="request id (default: the service makes one)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -140,7 +147,7 @@ def register(subparsers: Any) -> None:
 
 
 async def _generate(args: argparse.Namespace) -> dict[str, Any]:
-    request = pb.GenerateRequest(request_id=args.request_id, max_tokens=args.max_tokens)
+    request = pb.GenerateRequest(request_id=args.request_id, max_tokens=args.max_tokens, min_tokens=args.min_tokens)
     if args.temperature:
         request.sampling.CopyFrom(
             pb.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -233,7 +240,9 @@ def _colocated_hf(args: argparse.Namespace) -> dict[str, Any]:
     )
     if any(t >= checkpoint.vocab_size for t in prompt):
         raise ValueError(f"--prompt-ids: token ids must be < {checkpoint.vocab_size}")
-    result = colocated_generate(checkpoint, prompt, args.max_tokens, boundary=args.boundary, sampling=sampling)
+    result = colocated_generate(
+        checkpoint, prompt, args.max_tokens, boundary=args.boundary, sampling=sampling, min_tokens=args.min_tokens
+    )
     return {
         "request_id": args.request_id,
         "token_ids": result.token_ids,

@@ -18,7 +18,7 @@ from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import DEFAULT_SEED, cached_model
 from shared.engine.reference.model import greedy
 from shared.engine.reference.state_store import read_global_state
-from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.engine.sampling import GREEDY, SamplingParams, masked, sample
 from shared.layout import boundary
 from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout
@@ -58,7 +58,8 @@ class ReferenceDecodeSession:
         if logits is None:
             logits = self._step(self._last)
         # Greedy keeps the model's own tie rule; sampling draws as every engine does.
-        self._last = greedy(logits) if self._sampling.greedy else sample(logits, self._sampling, self._index)
+        s, i = self._sampling, self._index
+        self._last = greedy(masked(logits, s, i)) if s.greedy else sample(logits, s, i)
         self._index += 1
         return self._last
 

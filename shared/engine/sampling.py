@@ -1,15 +1,19 @@
-"""Per-request sampling: greedy by default; temperature, top-k, top-p and a seed.
+"""Per-request sampling: greedy by default; temperature, top-k, top-p, a seed and min_tokens.
 
 Reproducible across processes and machines: the draw for output token `index` of a request
 uses its own generator seeded from (seed, index), on the CPU in fp32, so prefill sampling the
 first token and decode sampling the rest give exactly the tokens a colocated run gives.
+
+min_tokens (vLLM's semantics): before output index min_tokens the ids that would end the
+generation (EOS unless ignore_eos, and the request's stop ids) get logit -inf, before greedy,
+top-k, top-p or the seeded draw, so they cannot be picked.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -30,6 +34,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0: every token
     seed: int = 0
+    min_tokens: int = 0  # output tokens drawn with `stop_token_ids` masked
+    # The ids that end this generation; masked only while index < min_tokens (see `masked`).
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -40,6 +47,10 @@ class SamplingParams:
             raise SamplingError("top_k", f"must be >= 0 (0: off), got {self.top_k}")
         if not 0 <= self.seed < 2**64:
             raise SamplingError("seed", f"must be in [0, 2**64), got {self.seed}")
+        if self.min_tokens < 0:
+            raise SamplingError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingError("stop_token_ids", f"must be token ids >= 0, got {sorted(self.stop_token_ids)[:4]}")
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +60,25 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def with_min_tokens(params: SamplingParams, min_tokens: int, stop_token_ids: frozenset[int]) -> SamplingParams:
+    """`params` that keep `stop_token_ids` from being drawn before `min_tokens` tokens; `params`
+    itself when nothing is masked (so a plain greedy request stays GREEDY)."""
+    if min_tokens == 0 or not stop_token_ids:
+        return params
+    return replace(params, min_tokens=min_tokens, stop_token_ids=frozenset(int(t) for t in stop_token_ids))
+
+
+def masked(logits: Tensor, params: SamplingParams, index: int) -> Tensor:
+    """`logits` [vocab] (fp32, CPU, a copy when changed) with the stop ids at -inf while output
+    index `index` is below min_tokens; `logits` itself otherwise."""
+    if index >= params.min_tokens or not params.stop_token_ids:
+        return logits
+    ids = torch.tensor(sorted(t for t in params.stop_token_ids if t < logits.numel()), dtype=torch.long)
+    out = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
+    out[ids] = -math.inf
+    return out
+
+
 def _generator(seed: int, index: int) -> torch.Generator:
     mixed = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(mixed[:8], "little") & (2**63 - 1))
@@ -56,7 +86,7 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
     """The token at output position `index` (0: the first generated token) from `logits` [vocab]."""
-    scores = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    scores = masked(logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1), params, index)
     if params.greedy:
         return int(torch.argmax(scores))
     scores = scores / params.temperature

@@ -1,5 +1,7 @@
 """When a generation ends: at an EOS or stop token id (which is kept as the last token), or at
-max_tokens. One rule for the decode service, the colocated baseline and the CLI."""
+max_tokens; a stop id ends it only from min_tokens tokens on (the samplers also mask those ids
+until then, `shared.engine.sampling.masked`; this rule covers engines without logits). One rule
+for the decode service, the colocated baseline and the CLI."""
 
 from __future__ import annotations
 
@@ -16,14 +18,23 @@ FinishReason = Literal["stop", "length"]
 class StopRule:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # the model's EOS ids and the request's own
+    min_tokens: int = 0  # before this many tokens no stop id ends the generation
 
     @classmethod
-    def of(cls, max_tokens: int, eos: frozenset[int], extra: Sequence[int] = (), *, ignore_eos: bool = False) -> StopRule:
-        return cls(max_tokens, frozenset(int(t) for t in extra) | (frozenset() if ignore_eos else eos))
+    def of(
+        cls,
+        max_tokens: int,
+        eos: frozenset[int],
+        extra: Sequence[int] = (),
+        *,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> StopRule:
+        return cls(max_tokens, frozenset(int(t) for t in extra) | (frozenset() if ignore_eos else eos), min_tokens)
 
     def finish(self, token: int, count: int) -> FinishReason | None:
         """Why generation ends after `count` tokens, the last being `token` (None: it goes on)."""
-        if token in self.stop_token_ids:
+        if token in self.stop_token_ids and count >= self.min_tokens:
             return "stop"
         return "length" if count >= self.max_tokens else None
 

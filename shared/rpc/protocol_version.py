@@ -8,4 +8,4 @@ keeps the two in step).
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6

@@ -2,7 +2,8 @@
 
 Decode resolves a request's sampling once (the seed chosen when the client gave none) and sends
 it with the job, so prefill can draw the first output token at the full-N boundary exactly as a
-colocated run would. Prefill refuses values the sampler would refuse, naming the field.
+colocated run would (min_tokens with the ids it masks included). Prefill refuses values the
+sampler would refuse, naming the field.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ def job_sampling_message(params: SamplingParams) -> pb.JobSampling | None:
     """The message for `params`; None for greedy (the field's absence means greedy)."""
     if params == GREEDY:
         return None
-    return pb.JobSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+    return pb.JobSampling(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        min_tokens=params.min_tokens,
+        stop_token_ids=sorted(params.stop_token_ids),
+    )
 
 
 def sampling_of_job(job: pb.PrefillJob) -> SamplingParams:
@@ -24,6 +32,13 @@ def sampling_of_job(job: pb.PrefillJob) -> SamplingParams:
         return GREEDY
     s = job.sampling
     try:
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            min_tokens=s.min_tokens,
+            stop_token_ids=frozenset(s.stop_token_ids),
+        )
     except SamplingError as e:
         raise InvalidArgument(e.detail, field=f"job.sampling.{e.field}") from None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.prefill_chunks import chunk_ends
-from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.engine.sampling import GREEDY, SamplingParams, sample, with_min_tokens
 
 FinishReason = Literal["stop", "length"]
 
@@ -28,9 +28,10 @@ class Generation:
     logits: list[Tensor] = field(default_factory=list)  # one per generated token, when kept
 
 
-def finish(token: int, count: int, max_tokens: int, eos: frozenset[int]) -> FinishReason | None:
-    """Why generation stops after `count` tokens ending in `token` (None: it goes on)."""
-    if token in eos:
+def finish(token: int, count: int, max_tokens: int, eos: frozenset[int], min_tokens: int = 0) -> FinishReason | None:
+    """Why generation stops after `count` tokens ending in `token` (None: it goes on); an EOS
+    id ends it only from min_tokens tokens on."""
+    if token in eos and count >= min_tokens:
         return "stop"
     return "length" if count >= max_tokens else None
 
@@ -45,14 +46,19 @@ def colocated_generate(
     keep_logits: bool = False,
     stop_at_eos: bool = True,
     prefill_chunk_tokens: int = 0,
+    min_tokens: int = 0,
 ) -> Generation:
     """`prefill_chunk_tokens`: the prompt's computed tokens run one forward per chunk, as the
-    services' --prefill-chunk-tokens (0: one forward)."""
+    services' --prefill-chunk-tokens (0: one forward). `min_tokens`: EOS ids are masked in the
+    sampler before that many tokens (vLLM's min_tokens)."""
     if not prompt:
         raise ValueError("prompt: at least one token is needed")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0 <= min_tokens <= max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {min_tokens}")
     eos = checkpoint.eos_token_ids if stop_at_eos else frozenset()
+    sampling = with_min_tokens(sampling, min_tokens, eos)
     cache = checkpoint.new_cache()
 
     def prefill(n: int) -> Tensor | None:
@@ -79,7 +85,7 @@ def colocated_generate(
         tokens.append(token)
         if keep_logits:
             logits_kept.append(logits.clone())
-        reason = finish(token, len(tokens), max_tokens, eos)
+        reason = finish(token, len(tokens), max_tokens, eos, min_tokens)
         if reason is not None:
             return Generation(tokens, reason, logits_kept)
         logits = checkpoint.forward([token], pos, cache)

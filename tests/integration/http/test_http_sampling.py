@@ -1,6 +1,7 @@
 """Sampling and stop token ids through the HTTP API (the official `openai` client): a seeded
 completion is the gRPC Generate's tokens with the same sampling, another seed other text; vLLM's
-stop_token_ids end it with finish_reason "stop"; penalties no engine applies are refused."""
+stop_token_ids end it with finish_reason "stop", and min_tokens keeps them and stop sequences from
+ending it early; penalties no engine applies are refused."""
 
 from __future__ import annotations
 
@@ -62,3 +63,47 @@ async def test_penalties_are_refused_naming_the_field(http_pair: HttpPair, field
         await asyncio.to_thread(_complete, http_pair, max_tokens=2, **{field: 0.5})
     assert err.value.body["param"] == field  # type: ignore[index]
     await http_pair.blocks_freed()
+
+
+async def test_min_tokens_keeps_a_stop_token_id_from_ending_early(http_pair: HttpPair) -> None:
+    ids = await _grpc_ids(http_pair, max_tokens=12)
+    stop = {"stop_token_ids": [ids[0]]}  # the first greedy pick
+    cut = await asyncio.to_thread(_complete, http_pair, max_tokens=12, extra_body=stop)
+    assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("stop", 1)  # negative control
+    out = await asyncio.to_thread(_complete, http_pair, max_tokens=12, extra_body=stop | {"min_tokens": 5})
+    want = await _grpc_ids(http_pair, max_tokens=12, stop_token_ids=[ids[0]], min_tokens=5)
+    assert len(want) >= 5 and ids[0] not in want[:5]
+    assert out.choices[0].text == bytes(want).decode("utf-8", errors="replace")
+    assert out.usage.completion_tokens == len(want)
+
+    def chat() -> Any:
+        with openai.OpenAI(base_url=http_pair.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+            messages = [{"role": "user", "content": PROMPT}]
+            return client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, extra_body={"stop_token_ids": [ids[0]], "min_tokens": 6}
+            )
+
+    reply = await asyncio.to_thread(chat)
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 6)
+    await http_pair.blocks_freed()
+
+
+async def test_min_tokens_keeps_a_stop_sequence_from_ending_early(http_pair: HttpPair) -> None:
+    ids = await _grpc_ids(http_pair, max_tokens=24)
+    # An ASCII byte (one character) that comes back: its first occurrence is before min_tokens, a later one after.
+    k = next(i for i, t in enumerate(ids) if t < 128 and t in ids[i + 2 :])
+    stop, min_tokens = chr(ids[k]), k + 2
+    cut = await asyncio.to_thread(_complete, http_pair, max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == k + 1  # negative control
+    out = await asyncio.to_thread(_complete, http_pair, max_tokens=24, stop=[stop], extra_body={"min_tokens": min_tokens})
+    end = next(j for j in range(min_tokens - 1, len(ids)) if ids[j] == ids[k])
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == end + 1
+    assert out.choices[0].text == bytes(ids[:end]).decode("utf-8", errors="replace")
+    await http_pair.blocks_freed()
+
+
+@pytest.mark.parametrize(("extra", "max_tokens"), [({"min_tokens": -1}, 4), ({"min_tokens": 5}, 4)])
+async def test_bad_min_tokens_is_refused_naming_the_field(http_pair: HttpPair, extra: dict[str, int], max_tokens: int) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await asyncio.to_thread(_complete, http_pair, max_tokens=max_tokens, extra_body=extra)
+    assert err.value.body["param"] == "min_tokens"  # type: ignore[index]

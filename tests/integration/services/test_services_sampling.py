@@ -1,6 +1,7 @@
 """Sampling and stopping through the real services (reference engine, N-1): a seeded request
 gives the same tokens disaggregated and colocated (the colocated baseline server), another seed
-other tokens; stop token ids end a generation and say so; bad values name their field."""
+other tokens; stop token ids end a generation and say so, not before min_tokens (masked in the
+sampler, prefill and decode alike); bad values name their field."""
 
 from __future__ import annotations
 
@@ -81,6 +82,40 @@ async def test_a_stop_token_id_ends_the_generation_and_says_so(start_prefill: An
     ids, summary = await _generate(channel, prompt_token_ids=PROMPT, max_tokens=20, stop_token_ids=[full[cut]])
     assert ids == full[: cut + 1]  # the stop token is the last one
     assert summary.finish_reason == dpb.FINISH_REASON_STOP and summary.generated_token_count == cut + 1
+    assert decode.host.allocator.num_used == 0
+
+
+async def test_min_tokens_masks_the_stop_id_and_disaggregated_equals_colocated(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    async with colocated_port(colocated_servicer("reference", MODEL, 1, 64)) as colocated:
+        full, _ = await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=20)
+        stop = full[0]  # the first greedy pick: without min_tokens the generation ends at once
+        ask = dict(prompt_token_ids=PROMPT, max_tokens=20, stop_token_ids=[stop])
+        cut, summary = await _generate(channel_to(decode.port), **ask)
+        assert cut == [stop] and summary.finish_reason == dpb.FINISH_REASON_STOP  # negative control
+        runs = {}
+        for port, where in ((decode.port, "disaggregated"), (colocated, "colocated")):
+            for sampling in (None, dpb.SamplingParams(seed=7, **SEEDED)):
+                ids, summary = await _generate(channel_to(port), **ask, min_tokens=6, sampling=sampling)
+                assert len(ids) >= 6 and stop not in ids[:6], (where, ids)
+                if summary.finish_reason == dpb.FINISH_REASON_STOP:
+                    assert ids[-1] == stop and stop not in ids[:-1]
+                runs[where, sampling is None] = ids
+    assert runs["disaggregated", True] == runs["colocated", True]
+    assert runs["disaggregated", False] == runs["colocated", False]
+    assert runs["disaggregated", True][0] != stop  # the greedy pick at index 0 was masked
+    assert decode.host.allocator.num_used == 0
+
+
+async def test_min_tokens_above_max_tokens_names_the_field(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=4, min_tokens=5)
+    failure = describe(err.value)
+    assert failure.status == "INVALID_ARGUMENT" and failure.fields == ("min_tokens",), failure.message
+    assert "max_tokens (4)" in failure.message
     assert decode.host.allocator.num_used == 0
 
 

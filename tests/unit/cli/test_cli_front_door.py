@@ -37,6 +37,13 @@ def test_a_bad_max_tokens_names_the_flag(capsys: pytest.CaptureFixture[str], val
     assert done.value.code == 2 and "--max-tokens" in err and ">= 1" in err and "Traceback" not in err
 
 
+def test_a_negative_min_tokens_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--colocated", "--model", "tiny-mamba2", "--prompt", "hi", "--min-tokens", "-1"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "--min-tokens" in err and ">= 0" in err and "Traceback" not in err
+
+
 def test_a_missing_config_file_is_named(tmp_path: os.PathLike[str]) -> None:
     missing = os.path.join(str(tmp_path), "missing", "config.json")
     with pytest.raises(LayoutError, match=f"^{re.escape(missing)} does not exist$"):

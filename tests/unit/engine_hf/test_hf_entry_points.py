@@ -67,6 +67,12 @@ def test_generation_stops_at_the_eos_ids_of_generation_config(hf_checkpoint: Cal
     assert ckpt.eos_token_ids == frozenset({1, eos})
     stopped = colocated_generate(ckpt, prompt, 12)
     assert stopped.token_ids == free[: free.index(eos) + 1] and stopped.finish_reason == "stop"
+    # min_tokens masks the EOS ids in the sampler until then: the same tokens up to the EOS, then others.
+    kept = colocated_generate(ckpt, prompt, 12, min_tokens=6)
+    assert kept.token_ids[:3] == free[:3] and not {1, eos} & set(kept.token_ids[:6]) and len(kept.token_ids) >= 6
+    assert kept.token_ids[3] != eos
+    with pytest.raises(ValueError, match="min_tokens"):
+        colocated_generate(ckpt, prompt, 4, min_tokens=5)
 
 
 def test_generate_colocated_with_the_hf_engine(

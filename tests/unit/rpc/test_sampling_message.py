@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.sampling import GREEDY, SamplingParams
+from shared.engine.sampling import GREEDY, SamplingParams, with_min_tokens
 from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.sampling_message import job_sampling_message, sampling_of_job
@@ -37,3 +37,12 @@ def test_bad_values_name_the_job_field() -> None:
     with pytest.raises(InvalidArgument) as err:
         sampling_of_job(msg)
     assert err.value.fields == ("job.sampling.top_p",)
+
+
+def test_min_tokens_and_its_masked_ids_travel() -> None:
+    params = with_min_tokens(GREEDY, 3, frozenset({7, 2}))
+    msg = job(params)
+    assert msg.HasField("sampling")  # greedy, but not GREEDY: prefill must mask token 0
+    assert list(msg.sampling.stop_token_ids) == [2, 7] and msg.sampling.min_tokens == 3
+    assert sampling_of_job(msg) == params
+    assert sampling_of_job(job(with_min_tokens(GREEDY, 2, frozenset({7, 2})))) != params  # negative control

@@ -76,6 +76,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
@@ -84,6 +85,12 @@ class GenerateRequest(_message.Message):
     max_tokens: _builtins.int
     ignore_eos: _builtins.bool
     """Generate max_tokens tokens even past an EOS id (benchmarks); stop_token_ids still stop."""
+    min_tokens: _builtins.int
+    """Generate at least this many tokens (vLLM's min_tokens; at most max_tokens): until then the
+    ids that would stop the generation (EOS unless ignore_eos, and stop_token_ids) are masked
+    out in the sampler, so they are never drawn (an engine without logits, the synthetic one,
+    cannot mask: there such an id does not end the request before then). 0 (the default): off.
+    """
     kv_transfer_params: _builtins.str
     """Optional: vLLM's `kv_transfer_params` as JSON, exactly as a P/D router passes it through
     (the object a prefill engine's HTTP prefill leg answered). With `do_remote_prefill: true` the
@@ -112,11 +119,12 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        min_tokens: _builtins.int = ...,
         kv_transfer_params: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

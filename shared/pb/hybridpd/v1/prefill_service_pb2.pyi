@@ -409,6 +409,8 @@ class JobSampling(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0: greedy, ties to the lowest token id."""
     top_p: _builtins.float
@@ -416,6 +418,16 @@ class JobSampling(_message.Message):
     top_k: _builtins.int
     """Keep the k most likely tokens; 0: off."""
     seed: _builtins.int
+    min_tokens: _builtins.int
+    """Output tokens before which `stop_token_ids` are masked out (logit -inf before any draw), so
+    prefill drawing token 0 masks them when min_tokens >= 1, as decode does for the rest.
+    """
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ids that end this request, as decode resolved them (the model's EOS ids unless
+        ignore_eos, and the request's stop_token_ids); only used while min_tokens is not reached.
+        """
+
     def __init__(
         self,
         *,
@@ -423,10 +435,12 @@ class JobSampling(_message.Message):
         top_p: _builtins.float = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int = ...,
+        min_tokens: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_tokens", b"min_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
