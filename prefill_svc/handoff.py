@@ -60,8 +60,10 @@ class Handoffs:
         self._unclaimed[manifest.transfer_id] = manifest
         return manifest
 
-    def sent(self, request_id: str) -> None:
-        """The answer left: the lease counts from now (a no-op once claimed or ended)."""
+    async def sent(self, request_id: str) -> None:
+        """The answer left: the lease counts from now (a no-op once claimed or ended). A
+        coroutine so that the HTTP server runs it on the event loop, where the pins live: a plain
+        function would run on a worker thread."""
         self.pins.renew(UNCLAIMED, [request_id])
 
     def claim(self, request_id: str, transfer_id: str, *, owner: str, readers_per_rank: list[int]) -> Manifest:

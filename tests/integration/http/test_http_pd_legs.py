@@ -106,6 +106,41 @@ async def held() -> AsyncIterator[Legs]:
         await _stop_legs(pair)
 
 
+async def test_the_unclaimed_lease_is_renewed_on_the_loop_when_the_answer_left(legs: Legs) -> None:
+    """The lease counts from when the prefill leg's answer was sent: renewed after the answer,
+    on the event loop (the pins' thread), finding the pin. Before, the renewal ran on a worker
+    thread and failed there, so the lease counted from the pin."""
+    renewed: list[tuple[list[str], bool, int | BaseException]] = []
+    pins = legs.prefill.pins
+    renew = pins.renew
+
+    def recording(owner: str, request_ids: list[str]) -> int:
+        on_loop = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            on_loop = False
+        try:
+            found = renew(owner, request_ids)
+        except BaseException as e:
+            renewed.append((request_ids, on_loop, e))
+            raise
+        renewed.append((request_ids, on_loop, found))
+        return found
+
+    pins.renew = recording  # type: ignore[method-assign]
+    try:
+        kv = await legs.prefill_leg({"model": MODEL, "prompt": "renew me", "max_tokens": 3}, "leg-renew")
+        async with asyncio.timeout(10):
+            while not any(ids == ["leg-renew"] for ids, _, _ in renewed):
+                await asyncio.sleep(0.01)
+    finally:
+        pins.renew = renew  # type: ignore[method-assign]
+    assert [(on_loop, found) for ids, on_loop, found in renewed if ids == ["leg-renew"]] == [(True, 1)], renewed
+    assert legs.prefill.servicer.handoffs.give_up("leg-renew", kv["hybrid_pd"]["transfer_id"])
+    await legs.blocks_freed()
+
+
 async def test_prefill_leg_answers_kv_transfer_params_and_pins_for_an_unknown_reader(legs: Legs) -> None:
     kv = await legs.prefill_leg({"model": MODEL, "prompt": "hello world", "max_tokens": 5}, "leg-a")
     p = legs.prefill
