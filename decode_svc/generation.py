@@ -367,17 +367,14 @@ class Generation:
             parts.source = session
             parts.arrived(part, self._read_part(req, link, part, local, compute, reads))
 
-        return (
-            session,
-            link,
-            await session.submit(
-                req.request_id,
-                req.prompt,
-                wait_deadline(req.deadline, now) - now,
-                req.sampling,
-                on_part=on_part if self.manifest_parts else None,
-            ),
+        submit = session.submit(
+            req.request_id,
+            req.prompt,
+            wait_deadline(req.deadline, now) - now,
+            req.sampling,
+            on_part=on_part if self.manifest_parts else None,
         )
+        return session, link, await (parts.unless_one_fails(submit) if self.manifest_parts else submit)
 
     async def _read_part(
         self, req: RequestContext, link: PeerLink, part: Manifest, local: RequestBlocks, compute: ComputeGuard, reads: ReadFence

@@ -5,19 +5,23 @@ checks its digests) at once, while prefill computes the next chunk. The last par
 job as a whole manifest does; by then most of the state has moved. Every READ goes through the
 request's `ReadFence`, so on failure the request cancels these READs (`cancel`) and releases
 its blocks, here and on prefill, only once the fence says no READ of any part can still land.
+A part whose READ or digest check fails ends the request at once (`unless_one_fails`), while
+prefill may still be computing later chunks: the caller's release stops that job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
 from decode_svc.reader import ReadStats
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.errors import Internal
+
+T = TypeVar("T")
 
 
 class PartReads:
@@ -25,6 +29,8 @@ class PartReads:
         self.parts: list[Manifest] = []
         self.source: SessionClient | None = None  # the session the parts came on (it releases them)
         self._tasks: list[asyncio.Future[ReadStats]] = []
+        self._failure: BaseException | None = None  # the first part READ (or check) that failed
+        self._failed = asyncio.Event()
 
     @property
     def any(self) -> bool:
@@ -34,7 +40,33 @@ class PartReads:
     def arrived(self, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
         """Start `read`, the READ (and digest check) of `part`."""
         self.parts.append(part)
-        self._tasks.append(asyncio.ensure_future(read))
+        task = asyncio.ensure_future(read)
+        task.add_done_callback(self._note_failure)
+        self._tasks.append(task)
+
+    def _note_failure(self, task: asyncio.Future[ReadStats]) -> None:
+        if task.cancelled() or self._failure is not None:
+            return
+        self._failure = task.exception()
+        if self._failure is not None:
+            self._failed.set()
+
+    async def unless_one_fails(self, work: Awaitable[T]) -> T:
+        """`work` (the wait for the last manifest), unless a part's READ fails first: then `work`
+        is cancelled and that failure raised at once, not when the last manifest arrives."""
+        task = asyncio.ensure_future(work)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled():
+            return task.result()
+        assert self._failure is not None
+        raise self._failure
 
     def check_chain(self, last: Manifest, peer: str) -> None:
         """The parts and `last` must cover the computed tokens once, in order: a part that went

@@ -153,6 +153,36 @@ async def test_a_flipped_byte_in_a_part_fails_naming_the_part(monkeypatch: pytes
 
 
 @pytest.mark.asyncio
+async def test_a_failed_part_ends_the_request_while_prefill_still_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part 1's digest check fails while prefill is held before its next chunk (TEST-ONLY hold,
+    never let go before the answer): the request fails DATA_LOSS at once, not when the last part
+    would arrive; the job is stopped, and once prefill goes on everything is free."""
+    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, "fa:victim-")
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        release = asyncio.Event()
+        holding: list[int] = []
+
+        async def hold(request_id: str, index: int) -> None:
+            holding.append(index)
+            await release.wait()
+
+        pair.prefill.servicer.runner.after_part = hold
+        call = asyncio.ensure_future(pair.generate(prompt_of(100), MAX_TOKENS, request_id="victim-early"))
+        try:
+            failed = await asyncio.wait_for(asyncio.gather(call, return_exceptions=True), 60)
+        finally:
+            held_throughout = holding == [0] and not release.is_set()
+            release.set()
+        pair.prefill.servicer.runner.after_part = None
+        freed = await all_freed(pair)
+        ended = dict(pair.prefill.pins.ended)
+    error = failed[0]
+    assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DATA_LOSS, error
+    assert held_throughout and "part 1 of" in (error.details() or "")
+    assert freed and ended.get("released") == 1, ended
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     "prefill_flags,decode_flags", [([], []), (["--prefill-chunk-tokens", str(CHUNK)], ["--manifest-parts", "off"])]
 )
