@@ -50,6 +50,7 @@ from decode_svc.learned_peers import LearnedPeers, check_claimed, remote_prefill
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.prefill_retry import on_some_prefill
+from decode_svc.prefix_cache import Hit, PrefixCache, root_of, skipped_bytes
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
@@ -208,9 +209,11 @@ class ComputeGuard:
         self._last = task  # type: ignore[assignment]
         return await asyncio.shield(task)
 
-    def free_when_idle(self, key: str, reads: ReadFence) -> None:
+    def free_when_idle(self, key: str, reads: ReadFence, hit: Hit | None = None) -> None:
         def free() -> None:
             reads.when_released(lambda: self.host.free(key))
+            if hit is not None:  # the prefix cache's blocks: no model call reads them any more
+                hit.release()
 
         last = self._last
         if last is None or last.done():
@@ -229,6 +232,7 @@ class Generation:
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
         telemetry: Telemetry | None = None,
         learned: LearnedPeers | None = None,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -237,6 +241,7 @@ class Generation:
         self.read_timeout = read_timeout
         self.telemetry = telemetry
         self._active: set[str] = set()
+        self.prefix = PrefixCache(host, prefix_cache_blocks, telemetry)
 
     @property
     def in_flight(self) -> int:
@@ -261,8 +266,16 @@ class Generation:
             peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
             assert peer.link is not None
             check_fits_prefill(self.host, peer.link, req)
-            local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
+            computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+            hit = self.prefix.lookup(root_of(peer.link, self.host), req.prompt, computed)
+            try:
+                leading = hit.leading(self.prefix.kinds) if hit.entries else None
+                local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
+            except BaseException:
+                hit.release()
+                raise
         else:
+            hit = Hit()
             try:
                 peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
@@ -279,7 +292,7 @@ class Generation:
                 peer = self.peers.pick()
             job_sent = time.monotonic()
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
-                attempt = functools.partial(self._submit, req)
+                attempt = functools.partial(self._submit, req, hit)
                 session, link, manifest = await on_some_prefill(self.peers, peer, attempt, deadline, self._count_retry)
             else:
                 assert peer.session is not None and peer.link is not None and remote.transfer_id is not None
@@ -292,6 +305,7 @@ class Generation:
                 if remote is not None:
                     computed = self.host.engine.num_prefill_tokens(len(req.prompt))
                     check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
+                local = self._reuse(manifest, hit, local, link.engine_id)
                 first = first_token_of(manifest, self.host, link.engine_id)
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
@@ -325,23 +339,35 @@ class Generation:
             session.done_reading(pinned_as)
             self._count_read(stats)
             transfer = Transfer(link, manifest, stats, prefill_seconds)
-            async for response in self._decode(req, transfer, local, compute, out, first):
+            async for response in self._decode(req, transfer, local, compute, out, first, hit):
                 yield response
         finally:
-            compute.free_when_idle(key, reads)
+            compute.free_when_idle(key, reads, hit)
 
-    async def _submit(self, req: RequestContext, peer: PrefillPeer) -> tuple[SessionClient, PeerLink, Manifest]:
-        """The request's job on `peer`: the session and link it went through, and its manifest."""
+    async def _submit(self, req: RequestContext, hit: Hit, peer: PrefillPeer) -> tuple[SessionClient, PeerLink, Manifest]:
+        """The request's job on `peer`: the session and link it went through, and its manifest.
+        The prefix cache's tokens are announced only to a prefill engine that writes the same K/V."""
         session, link = peer.session, peer.link
         if session is None or link is None:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
         check_fits_prefill(self.host, link, req)
         now = asyncio.get_running_loop().time()
-        return (
-            session,
-            link,
-            await session.submit(req.request_id, req.prompt, wait_deadline(req.deadline, now) - now, req.sampling),
-        )
+        cached = hit.tokens if hit.entries and hit.root == root_of(link, self.host) else 0
+        timeout = wait_deadline(req.deadline, now) - now
+        return session, link, await session.submit(req.request_id, req.prompt, timeout, req.sampling, cached_tokens=cached)
+
+    def _reuse(self, manifest: Manifest, hit: Hit, local: RequestBlocks, peer: str) -> RequestBlocks:
+        """The blocks to READ into: with the hit's where prefill skipped its tokens, else fresh ones
+        (a prefill that ignored the cached count, or another engine after a retry)."""
+        if manifest.skipped_tokens == hit.tokens:
+            return local
+        if manifest.skipped_tokens:
+            raise Internal(
+                f"prefill {peer} skipped {manifest.skipped_tokens} prompt tokens; this decode engine holds {hit.tokens}",
+                field="manifest.skipped_prompt_tokens",
+                reason="BAD_MANIFEST",
+            )
+        return self.prefix.unshare(hit, local)
 
     def _count_retry(self, reason: str) -> None:
         if self.telemetry is not None:
@@ -371,6 +397,7 @@ class Generation:
         compute: ComputeGuard,
         out: ClientStream,
         first_token: int | None,
+        hit: Hit,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Decode steps from the READ state (after `first_token`, already sent, at the full-N
         boundary), streamed to the client, then the summary."""
@@ -382,6 +409,7 @@ class Generation:
         if self.host.verify_transfer:
             checking = time.monotonic()
             await self._verify_digests(compute, req, manifest, link, local)
+            await self._verify_cached(compute, req, hit, local)
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
@@ -402,10 +430,45 @@ class Generation:
             n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
             ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             yield out.chunk(ids)
+        await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
         tail = out.tail()
         if tail is not None:
             yield tail
         yield self._summary(req, out, finish, transfer, transferred=num_computed, digest_check_seconds=digest_check_seconds)
+
+    async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:
+        """The prefix cache's blocks must still have the digests they had when they entered
+        (prefill's digests cover only what was READ); a corrupt entry leaves the cache."""
+        if not hit.entries:
+            return
+        bad = await compute.run(lambda: self.prefix.verify(hit, local))
+        if bad:
+            self.prefix.discard(hit)
+            raise DataLoss(
+                f"request {req.request_id}: {len(bad)} of the {len(hit.entries)} prefix cache blocks it reused differ "
+                f"from their digests (first: block {bad[0]} of the prompt); they left the cache",
+                field="prompt_token_ids",
+                reason="PREFIX_CACHE_MISMATCH",
+            )
+
+    async def _keep_prefix(
+        self,
+        compute: ComputeGuard,
+        req: RequestContext,
+        hit: Hit,
+        local: RequestBlocks,
+        link: PeerLink,
+        num_computed: int,
+        skipped: int,
+    ) -> None:
+        """A finished request's full prompt blocks READ from prefill go to the prefix cache."""
+        if self.telemetry is not None and skipped:
+            self.telemetry.prefix_cache_saved_bytes.inc(skipped_bytes(link, skipped))
+        new = self.prefix.candidates(hit.root or root_of(link, self.host), req.prompt, num_computed, hit)
+        if not new:
+            return
+        digests = await compute.run(lambda: self.prefix.block_digests(local, [i for i, _ in new]))
+        self.prefix.insert(local, new, digests)
 
     def _summary(
         self,
@@ -446,6 +509,7 @@ class Generation:
                 digest_check_duration=duration(digest_check_seconds),
                 prefill_digest_duration=nanoseconds(manifest.digest_ns),
                 seed=req.sampling.seed,
+                prefix_cached_tokens=transfer.manifest.skipped_tokens if read else 0,
             )
         )
 
@@ -469,8 +533,8 @@ class Generation:
         (that they are there, of our kind, was checked when the manifest arrived)."""
         expected = list(manifest.digests)
         layout, views, n = self.host.layout, self.host.views, manifest.num_computed_tokens
-        source = link.plan.prefill
-        got = await compute.run(lambda: state_digests(layout, views, local.block_ids, n, source=source))
+        source, skipped = link.plan.prefill, manifest.skipped_tokens  # K/V before `skipped`: the prefix cache's
+        got = await compute.run(lambda: state_digests(layout, views, local.block_ids, n, source=source, tokens_from=skipped))
         bad = compare_digests(layout, expected, got)
         if not bad:
             return

@@ -63,11 +63,11 @@ class ReadStats:
         self.post_seconds += other.post_seconds
 
 
-def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens: int) -> ReadStats:
+def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, num_tokens: int, skip_tokens: int) -> ReadStats:
     """Bytes of one READ by kind of state: counted from the token count (every region of a
     group moves the same pieces), not summed over the ids."""
     read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
-    fa, conv, ssm = pair.lists.bytes_for(num_tokens, read.ssm is not None)
+    fa, conv, ssm = pair.lists.bytes_for(num_tokens, read.ssm is not None, skip_tokens)
     stats = ReadStats(attention_bytes=fa, conv_bytes=conv, ssm_bytes=ssm, read_count=1, descriptor_count=int(local_idx.size))
     return stats
 
@@ -123,7 +123,7 @@ async def read_request(
     Every READ is added to `fence`; on failure the fence is abandoned (see the module doc)."""
     remote_blocks = manifest.block_ids  # checked against the peer's layout when it arrived
     notif = manifest.transfer_id.encode()
-    num_tokens = manifest.num_computed_tokens
+    num_tokens, skip = manifest.num_computed_tokens, manifest.skipped_tokens  # K/V before `skip`: the prefix cache's
     if timeout <= 0:
         raise DeadlineExceeded("no time left to read the prefilled state (deadline or lease ran out)")
     stats = ReadStats()
@@ -133,7 +133,9 @@ async def read_request(
             for pair in link.pairs:
                 ids = link.id_buffers.claim()
                 try:
-                    lidx, ridx = read_indices(pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids)
+                    lidx, ridx = read_indices(
+                        pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids, skip_tokens=skip
+                    )
                     tracing.mark(Step.IDS)
                 except LayoutError as e:
                     ids.release()
@@ -145,7 +147,7 @@ async def read_request(
                     ids.release()
                     jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                     continue
-                stats.add(_pair_bytes(link, pair, lidx, num_tokens))
+                stats.add(_pair_bytes(link, pair, lidx, num_tokens, skip))
                 tracing.mark(Step.BYTES)
                 read = _read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids, fence)
                 jobs.append(asyncio.ensure_future(read))

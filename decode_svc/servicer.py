@@ -54,6 +54,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         read_timeout: float = DEFAULT_READ_TIMEOUT_SECONDS,
         metrics: ServiceMetrics | None = None,
         learned: LearnedPeers | None = None,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -66,6 +67,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             read_timeout=read_timeout,
             telemetry=self.metrics.telemetry,
             learned=learned,
+            prefix_cache_blocks=prefix_cache_blocks,
         )
 
     async def Generate(

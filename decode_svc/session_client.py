@@ -99,10 +99,22 @@ class SessionClient:
     # ---- requests ----
 
     async def submit(
-        self, request_id: str, prompt: Sequence[int], timeout: float | None, sampling: SamplingParams = GREEDY
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        timeout: float | None,
+        sampling: SamplingParams = GREEDY,
+        *,
+        cached_tokens: int = 0,
     ) -> Manifest:
-        """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError."""
-        job = pb.PrefillJob(request_id=request_id, prompt_token_ids=list(prompt), sampling=job_sampling_message(sampling))
+        """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
+        `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds."""
+        job = pb.PrefillJob(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling=job_sampling_message(sampling),
+            cached_prompt_tokens=cached_tokens,
+        )
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace

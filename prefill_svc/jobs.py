@@ -38,12 +38,14 @@ class Job:
     owner: str  # the decode incarnation whose pin this becomes
     readers_per_rank: list[int]  # decode ranks that READ from each prefill rank
     sampling: SamplingParams = GREEDY  # draws the first output token at the full-N boundary
+    cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
     """The job once as domain values; `now` is event-loop time (the timeout travels as a duration)."""
     deadline = now + seconds(job.timeout) if job.HasField("timeout") else None
-    return Job(job.request_id, list(job.prompt_token_ids), deadline, owner, readers_per_rank, sampling_of_job(job))
+    prompt = list(job.prompt_token_ids)
+    return Job(job.request_id, prompt, deadline, owner, readers_per_rank, sampling_of_job(job), job.cached_prompt_tokens)
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -58,6 +60,15 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         raise InvalidArgument(
             f"a prompt of {len(prompt)} tokens needs {needed} blocks; this prefill engine has {host.num_blocks}",
             field="job.prompt_token_ids",
+        )
+
+
+def check_cached_tokens(cached: int, computed: int) -> None:
+    """Decode can hold at most the K/V prefill computes."""
+    if cached > computed:
+        raise InvalidArgument(
+            f"{cached} cached prompt tokens, but this prefill engine computes {computed} of the prompt",
+            field="job.cached_prompt_tokens",
         )
 
 
@@ -83,6 +94,7 @@ class JobRunner:
         validate_prompt(self.host, job.request_id, prompt)
         engine = self.host.engine
         computed = engine.num_prefill_tokens(len(prompt))
+        check_cached_tokens(job.cached_tokens, computed)
         tid = self.next_transfer_id()
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
@@ -126,6 +138,7 @@ class JobRunner:
             digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
             digest_ns=int(digest_seconds * 1e9),
             first_token=first_token,
+            skipped_tokens=job.cached_tokens,
         )
 
     def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float]:
@@ -135,7 +148,7 @@ class JobRunner:
         if not self.host.verify_transfer:
             return first_token, [], 0.0
         started = time.monotonic()
-        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed)
+        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed, tokens_from=job.cached_tokens)
         took = time.monotonic() - started
         section = fault_hooks.corruption_for(job.request_id)
         if section is not None:

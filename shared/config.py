@@ -82,6 +82,7 @@ class ServiceSettings:
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
+    prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
 
     @property
     def listen_address(self) -> str:
@@ -152,6 +153,13 @@ def split_advertised(text: str) -> tuple[str, int | None]:
         host, _, port = text.partition(":")
         return host, int(port)
     return text, None  # a bare name, IPv4 or IPv6 address
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
 
 
 def non_negative_float(text: str) -> float:
@@ -410,6 +418,16 @@ FLAGS: tuple[Flag, ...] = (
         metavar="HOST[:PORT]",
     ),
     Flag(
+        "prefix-cache-blocks",
+        non_negative_int,
+        "decode: keep up to this many attention blocks of finished prompts and READ only the K/V after a prompt's "
+        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine); evicted least "
+        "recently used when the cache needs blocks; 0: off",
+        0,
+        roles=("decode",),
+        metavar="BLOCKS",
+    ),
+    Flag(
         "discovery-seconds",
         non_negative_float,
         "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
@@ -666,6 +684,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
+        prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         kv_dtype=_opt(values, "kv_dtype", str),

@@ -102,18 +102,21 @@ async def start_setups(
     max_tokens: int,
     concurrent: int = 1,
     name: str = "bench-e2e",
+    prefix_cache_blocks: int = 0,
 ) -> AsyncIterator[Running]:
     """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
-    `max_tokens` tokens each (one block spare); stop them on exit."""
+    `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on the disaggregated
+    decode for its prefix cache; stop them on exit."""
     prefill = build_engine_layout(spec, prefill_tp, kernel_block_size=kernel_block_size)
     decode = build_engine_layout(spec, decode_tp, kernel_block_size=kernel_block_size)
     p_blocks = concurrent * blocks_needed(prefill, prefill_tokens(spec, prompt_tokens)) + 1
     d_blocks = concurrent * blocks_needed(decode, prompt_tokens + max_tokens) + 1
     common = ["--model", model, "--engine", engine, "--kernel-block-size", str(kernel_block_size)]
     quiet = ["--log-level", "WARNING"]
+    decode_own = ["--engine-id", f"{name}-decode", "--prefix-cache-blocks", str(prefix_cache_blocks)]
     pair = await start_pair(
         [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *quiet],
-        [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--engine-id", f"{name}-decode", *quiet],
+        [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *decode_own, *quiet],
     )
     colocated: Colocated | None = None
     try:

@@ -33,6 +33,9 @@ class Manifest:
     digest_ns: int = 0
     # The full-N boundary: the first output token prefill sampled (None at n-1).
     first_token: int | None = None
+    # Decode's prefix cache: leading prompt tokens whose K/V decode already holds, so the FA
+    # digests cover tokens [skipped_tokens, num_computed_tokens) and decode READs no K/V before it.
+    skipped_tokens: int = 0
 
     @property
     def lease_seconds(self) -> float:
@@ -45,7 +48,7 @@ class Manifest:
             np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
-        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token")
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token", "skipped_tokens")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more))
 
     __hash__ = None  # type: ignore[assignment]

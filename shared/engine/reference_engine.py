@@ -68,6 +68,7 @@ class ReferenceEngine:
     samples = True
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
+    prefix_stable = True  # K/V of position i: a per-token projection of the layer input, causal (tokens <= i only)
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec

@@ -141,11 +141,11 @@ class ReadLists:
         is_ssm = self.mamba_piece_of(local_ids[~is_fa]) == self.mamba_pieces - 1
         return fa, int(mamba[~is_ssm].sum()), int(mamba[is_ssm].sum())
 
-    def bytes_for(self, num_tokens: int, reads_ssm: bool) -> tuple[int, int, int]:
-        """(FA, conv, SSM) bytes that `read_indices(..., num_tokens)` moves: what
+    def bytes_for(self, num_tokens: int, reads_ssm: bool, skip_tokens: int = 0) -> tuple[int, int, int]:
+        """(FA, conv, SSM) bytes that `read_indices(..., num_tokens, skip_tokens=...)` moves: what
         `bytes_by_section` sums over its ids, from counts alone (no per-id work), since every
         region of a group moves the same pieces."""
-        num_units = -(-num_tokens // self.fa_unit_tokens)
+        num_units = -(-num_tokens // self.fa_unit_tokens) - skip_tokens // self.fa_unit_tokens
         fa_unit_bytes, mamba_sizes = self._piece_bytes
         conv_bytes = sum(mamba_sizes[:-1]) if reads_ssm else sum(mamba_sizes)
         ssm_bytes = mamba_sizes[-1] if reads_ssm and mamba_sizes else 0
@@ -321,8 +321,11 @@ def read_indices(
     num_tokens: int,
     *,
     buffers: Callable[[int], tuple[IdArray, IdArray]] | None = None,
+    skip_tokens: int = 0,
 ) -> tuple[IdArray, IdArray]:
     """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
+    `skip_tokens` (a multiple of the FA unit): the K/V of the first tokens is not moved (decode
+    holds it already, in the same local blocks); the Mamba state always is.
 
     Runs on every request: the per-peer part (region starts) is cached on the lists, and each id
     is written once, straight into the two output arrays (long prompts give millions of ids), as
@@ -338,18 +341,25 @@ def read_indices(
         )
     if num_tokens < 0:
         raise LayoutError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not 0 <= skip_tokens <= num_tokens or skip_tokens % lists.fa_unit_tokens:
+        raise LayoutError(
+            f"skip_tokens must be a multiple of the FA unit ({lists.fa_unit_tokens} tokens) in [0, {num_tokens}], "
+            f"got {skip_tokens}"
+        )
     lg, rg = lists.local_geometry, lists.remote_geometry
     num_units = -(-num_tokens // lists.fa_unit_tokens)
+    skip_units = skip_tokens // lists.fa_unit_tokens
     # (region starts, local offsets, remote offsets) per group that moves bytes: one row of ids
     # per region, `start + offset` for every offset (the pieces of its units or its one block).
     parts: list[tuple[_RegionStarts, IdArray, IdArray]] = []
     for g, (group, starts) in enumerate(zip(lists.groups, lists.region_starts)):
-        if starts is None or (group.kind == "attention" and num_units == 0):
+        if starts is None or (group.kind == "attention" and num_units == skip_units):
             continue
         lids = np.asarray(local_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         rids = np.asarray(remote_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         if group.kind == "attention":
-            lu, ru = _units(lg, lids, num_units, "local", g), _units(rg, rids, num_units, "remote", g)
+            lu = _units(lg, lids, num_units, "local", g)[skip_units:]
+            ru = _units(rg, rids, num_units, "remote", g)[skip_units:]
             parts.append((starts, _block_pieces(lu, lists.fa_pieces), _block_pieces(ru, lists.fa_pieces)))
         else:
             lm, rm = _mamba_block(lg, lids, "local", g), _mamba_block(rg, rids, "remote", g)

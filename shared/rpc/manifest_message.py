@@ -51,6 +51,7 @@ def manifest_message(m: Manifest) -> pb.Manifest:
             for d in m.digests
         ],
         digest_algorithm=m.digest_algorithm,
+        skipped_prompt_tokens=m.skipped_tokens,
     )
     msg.lease_expire_time.FromNanoseconds(m.lease_expire_time_ns)
     msg.lease_duration.FromNanoseconds(m.lease_ns)
@@ -125,6 +126,12 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
             f"prefill {source.engine_id}: num_computed_tokens {msg.num_computed_tokens} > prompt {msg.prompt_token_count}",
             "manifest.num_computed_tokens",
         )
+    if msg.skipped_prompt_tokens > msg.num_computed_tokens:
+        raise _bad(
+            f"prefill {source.engine_id}: skipped_prompt_tokens {msg.skipped_prompt_tokens} > num_computed_tokens "
+            f"{msg.num_computed_tokens}",
+            "manifest.skipped_prompt_tokens",
+        )
     first_token = _first_token(msg, source)
     return Manifest(
         request_id=msg.request_id,
@@ -139,4 +146,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         digest_algorithm=msg.digest_algorithm,
         digest_ns=msg.digest_duration.ToNanoseconds(),
         first_token=first_token,
+        skipped_tokens=msg.skipped_prompt_tokens,
     )

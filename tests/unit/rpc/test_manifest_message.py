@@ -36,6 +36,7 @@ def manifest() -> Manifest:
         digest_algorithm=DIGEST_ALGORITHM,
         digest_ns=987,
         first_token=299,
+        skipped_tokens=32,
     )
 
 
