@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
+from prefill_svc import session as session_module
+from prefill_svc.jobs import Job
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.presets import TINY_PRESETS
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -148,3 +152,32 @@ async def test_without_digests_a_corrupt_cached_block_changes_the_tokens() -> No
         changed = await pair.generate(prompt, 8)
         assert changed.summary.prefix_cached_tokens > 0
         assert changed.token_ids != healthy.token_ids
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_ignores_the_cached_count_gets_a_full_read_into_fresh_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill from before the field reads a job without it: it digests and pins the whole state
+    and echoes 0. Decode must then READ everything, and into blocks of its own, never the cache's."""
+    real = session_module.job_from_message
+
+    def ignoring(job: prefill_pb.PrefillJob, **kw: Any) -> Job:  # TEST-ONLY: an old prefill
+        old = prefill_pb.PrefillJob()
+        old.CopyFrom(job)
+        old.ClearField("cached_prompt_tokens")
+        return real(old, **kw)
+
+    prompt, added = _conversation(7, 70, 40)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=CACHE) as pair:
+        first = (await _turns(pair, "tiny-mamba2", prompt, added, 1, seed=7))[0]
+        cache = pair.decode.servicer.generation.prefix
+        cached_ids = {b for e in cache._entries.values() for b in e.blocks}
+        monkeypatch.setattr(session_module, "job_from_message", ignoring)
+        again = await pair.generate(prompt, ANSWER, request_id="old-prefill")
+        assert again.token_ids == first.token_ids
+        assert again.summary.prefix_cached_tokens == 0
+        assert again.summary.transfer.attention_bytes == first.summary.transfer.attention_bytes
+        assert _metric(pair, "hybrid_pd_prefix_cache_hits_total") == 1  # found, then not used
+        assert {b for e in cache._entries.values() for b in e.blocks} == cached_ids  # untouched, still there
+        assert pair.decode.host.allocator.num_used == cache.num_blocks
