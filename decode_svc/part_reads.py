@@ -5,6 +5,10 @@ checks its digests) at once, while prefill computes the next chunk. The last par
 job as a whole manifest does; by then most of the state has moved. Every READ goes through the
 request's `ReadFence`, so on failure the request cancels these READs (`cancel`) and releases
 its blocks, here and on prefill, only once the fence says no READ of any part can still land.
+
+With decode's prefix cache the parts cover only the tokens after the cached prefix (every
+part repeats `skipped_tokens`, and the first starts there); each part's READ moves just its
+own token range, so no READ of a part ever writes the cache's shared blocks.
 """
 
 from __future__ import annotations
@@ -37,17 +41,26 @@ class PartReads:
         self._tasks.append(asyncio.ensure_future(read))
 
     def check_chain(self, last: Manifest, peer: str) -> None:
-        """The parts and `last` must cover the computed tokens once, in order: a part that went
-        missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug), checked before the
-        last READ."""
+        """The parts and `last` must cover the computed tokens after the skipped prefix (decode's
+        prefix cache holds the K/V before it) once, in order, all skipping the same prefix: a
+        part that went missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug),
+        checked before the last READ."""
         chain = [*self.parts, last]
         if last.part is None:
             if self.parts:
                 raise Internal(f"prefill {peer} ended parts with a whole manifest", field="manifest.part", reason="BAD_MANIFEST")
             return
+        skipped = {m.skipped_tokens for m in chain}
+        if len(skipped) > 1:
+            raise Internal(
+                f"prefill {peer} sent parts skipping {sorted(skipped)} prompt tokens: not one count",
+                field="manifest.skipped_prompt_tokens",
+                reason="BAD_MANIFEST",
+            )
         indices = [m.part.index if m.part is not None else -1 for m in chain]
         edges = [(m.tokens_from, m.tokens_to) for m in chain]
-        contiguous = edges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
+        start = last.skipped_tokens
+        contiguous = edges[0][0] == start and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
         if indices != list(range(last.part.count)) or not contiguous:
             raise Internal(
                 f"prefill {peer} sent parts {indices} of {last.part.count} covering {edges}: not every token once, in order",

@@ -257,7 +257,7 @@ LONG_PROMPT_FLAGS = (
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
-    "prefill-tp", "decode-tp",
+    "prefill-tp", "decode-tp", "prefix-cache-blocks",
 )  # fmt: skip
 WORKLOADS = ("concurrency", "long-prompt", "multi-turn")
 
@@ -348,6 +348,7 @@ def _multi_turn(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefix_cache_blocks=args.prefix_cache_blocks,
     )
     command = _command("e2e", args, MULTI_TURN_FLAGS)
     result = _run_async(run_multi_turn(cfg, command=command, show_progress=not args.no_progress))
@@ -547,6 +548,14 @@ def register(subparsers: Any) -> None:
         256,
         "multi-turn: each later turn's new user message, after the previous answer",
         type=_positive,
+        metavar="N",
+    )
+    _add(
+        e,
+        "prefix-cache-blocks",
+        0,
+        "multi-turn: the decode service's --prefix-cache-blocks (0: no prefix reuse, the baseline)",
+        type=_non_negative,
         metavar="N",
     )
     _common(e)
