@@ -369,8 +369,10 @@ class Generation:
                 raise
             if ended is not None:
                 assert first is not None
-                # The first token ended the request: the state is never needed, so never READ.
-                session.release(pinned_as, "the first token ended the request")
+                # The first token ended the request: the state is never needed, so never READ (the
+                # READs of parts already started are stopped; prefill frees once they are released).
+                await parts.cancel()
+                reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
                 for response in (out.chunk([first]), out.tail()):
                     if response is not None:
                         yield response
