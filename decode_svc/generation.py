@@ -12,6 +12,14 @@ transfer hides behind the first token), and decoding continues by feeding it. A 
 ends the request (a stop token, or max_tokens 1) needs no state at all: nothing is READ and
 prefill's pin is released at once.
 
+Pipelined transfer (--manifest-parts, with a chunking prefill): each manifest part but the last
+is READ and its digests checked as it arrives (decode_svc/part_reads.py); the last answers the
+job. Decode's prefix cache (--prefix-cache-blocks, decode_svc/prefix_cache.py): a hit's blocks
+lead the request's, the job says how many prompt tokens they hold, and every READ (each part's,
+or the one manifest's) moves only K/V after them. Which blocks the READs write is settled at the
+first manifest, part or whole (`_reuse`): if prefill skipped nothing, fresh blocks replace the
+hit's before any READ, so no READ ever writes blocks the cache shares.
+
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
 sight, decode_svc/learned_peers.py) and a `claim` of the request it pinned instead of a job.
@@ -51,6 +59,7 @@ from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.prefill_retry import on_some_prefill
+from decode_svc.prefix_cache import Hit, PrefixCache, root_of, skipped_bytes
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
@@ -61,7 +70,16 @@ from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import SamplingParams
 from shared.engine.stopping import FinishReason, StopRule, steps
 from shared.engine.text import TextStream
-from shared.errors import Aborted, AlreadyExists, DataLoss, DeadlineExceeded, Internal, InvalidArgument, Unavailable
+from shared.errors import (
+    Aborted,
+    AlreadyExists,
+    DataLoss,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+)
 from shared.http.kv_transfer import RemotePrefill
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -94,6 +112,14 @@ class RequestContext:
     # The decode leg of vLLM's P/D protocol: the prefill engine and pinned request that
     # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
     remote: RemotePrefill | None = None
+
+
+@dataclass
+class ReadTarget:
+    """The blocks a request's READs write: its own, led by the prefix cache's hit, until a
+    manifest says prefill sent the whole state after all (then fresh ones in the hit's place)."""
+
+    blocks: RequestBlocks
 
 
 @dataclass(frozen=True)
@@ -209,9 +235,11 @@ class ComputeGuard:
         self._last = task  # type: ignore[assignment]
         return await asyncio.shield(task)
 
-    def free_when_idle(self, key: str, reads: ReadFence) -> None:
+    def free_when_idle(self, key: str, reads: ReadFence, hit: Hit | None = None) -> None:
         def free() -> None:
             reads.when_released(lambda: self.host.free(key))
+            if hit is not None:  # the prefix cache's blocks: no model call reads them any more
+                hit.release()
 
         last = self._last
         if last is None or last.done():
@@ -231,6 +259,7 @@ class Generation:
         manifest_parts: bool = True,
         telemetry: Telemetry | None = None,
         learned: LearnedPeers | None = None,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -240,6 +269,7 @@ class Generation:
         self.manifest_parts = manifest_parts  # --manifest-parts: jobs accept manifest parts
         self.telemetry = telemetry
         self._active: set[str] = set()
+        self.prefix = PrefixCache(host, prefix_cache_blocks, telemetry)
 
     @property
     def in_flight(self) -> int:
@@ -264,8 +294,16 @@ class Generation:
             peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
             assert peer.link is not None
             check_fits_prefill(self.host, peer.link, req)
-            local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
+            computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+            hit = self.prefix.lookup(root_of(peer.link, self.host), req.prompt, computed)
+            try:
+                leading = hit.leading(self.prefix.kinds) if hit.entries else None
+                local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
+            except BaseException:
+                hit.release()
+                raise
         else:
+            hit = Hit()
             try:
                 peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
@@ -276,6 +314,7 @@ class Generation:
         compute = ComputeGuard(self.host)
         reads = ReadFence()
         parts = PartReads()
+        target = ReadTarget(local)
         try:
             if not peer.ready and remote is not None:
                 raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
@@ -283,7 +322,7 @@ class Generation:
                 peer = self.peers.pick()
             job_sent = time.monotonic()
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
-                attempt = functools.partial(self._submit, req, local, compute, reads, parts)
+                attempt = functools.partial(self._submit, req, hit, target, compute, reads, parts)
                 try:
                     session, link, manifest = await on_some_prefill(
                         self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any
@@ -306,6 +345,7 @@ class Generation:
                 if remote is not None:
                     computed = self.host.engine.num_prefill_tokens(len(req.prompt))
                     check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
+                local = self._reuse(manifest, hit, target, link.engine_id)
                 first = first_token_of(manifest, self.host, link.engine_id)
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
@@ -329,8 +369,10 @@ class Generation:
                 raise
             if ended is not None:
                 assert first is not None
-                # The first token ended the request: the state is never needed, so never READ.
-                session.release(pinned_as, "the first token ended the request")
+                # The first token ended the request: the state is never needed, so never READ (the
+                # READs of parts already started are stopped; prefill frees once they are released).
+                await parts.cancel()
+                reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
                 for response in (out.chunk([first]), out.tail()):
                     if response is not None:
                         yield response
@@ -341,31 +383,39 @@ class Generation:
             session.done_reading(pinned_as)
             self._count_read(stats)
             transfer = Transfer(link, manifest, stats, prefill_seconds)
-            async for response in self._decode(req, transfer, local, compute, out, first):
+            async for response in self._decode(req, transfer, local, compute, out, first, hit):
                 yield response
         finally:
-            compute.free_when_idle(key, reads)
+            compute.free_when_idle(key, reads, hit)
 
     async def _submit(
         self,
         req: RequestContext,
-        local: RequestBlocks,
+        hit: Hit,
+        target: ReadTarget,
         compute: ComputeGuard,
         reads: ReadFence,
         parts: PartReads,
         peer: PrefillPeer,
     ) -> tuple[SessionClient, PeerLink, Manifest]:
         """The request's job on `peer`: the session and link it went through, and its (last)
-        manifest; with --manifest-parts each earlier part is READ as it arrives (`parts`)."""
+        manifest; with --manifest-parts each earlier part is READ as it arrives (`parts`). The
+        prefix cache's tokens are announced only to a prefill engine that writes the same K/V."""
         session, link = peer.session, peer.link
         if session is None or link is None:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
         check_fits_prefill(self.host, link, req)
         now = asyncio.get_running_loop().time()
+        cached = hit.tokens if hit.entries and hit.root == root_of(link, self.host) else 0
 
         def on_part(part: Manifest) -> None:
             parts.source = session
-            parts.arrived(part, self._read_part(req, link, part, local, compute, reads))
+            try:  # before its READ: a part must never land in the prefix cache's shared blocks
+                blocks = self._reuse(part, hit, target, link.engine_id)
+            except ServiceError as e:
+                parts.arrived(part, _raise(e))  # fails the request where the parts' READs are gathered
+                return
+            parts.arrived(part, self._read_part(req, link, part, blocks, compute, reads))
 
         submit = session.submit(
             req.request_id,
@@ -373,8 +423,24 @@ class Generation:
             wait_deadline(req.deadline, now) - now,
             req.sampling,
             on_part=on_part if self.manifest_parts else None,
+            cached_tokens=cached,
         )
         return session, link, await (parts.unless_one_fails(submit) if self.manifest_parts else submit)
+
+    def _reuse(self, manifest: Manifest, hit: Hit, target: ReadTarget, peer: str) -> RequestBlocks:
+        """The blocks to READ into: with the hit's where prefill skipped its tokens, else fresh ones
+        (a prefill that ignored the cached count, or another engine after a retry). Called for
+        every manifest (each part, then the last): the first one decides, later ones agree."""
+        if manifest.skipped_tokens == hit.tokens:
+            return target.blocks
+        if manifest.skipped_tokens:
+            raise Internal(
+                f"prefill {peer} skipped {manifest.skipped_tokens} prompt tokens; this decode engine holds {hit.tokens}",
+                field="manifest.skipped_prompt_tokens",
+                reason="BAD_MANIFEST",
+            )
+        target.blocks = self.prefix.unshare(hit, target.blocks)
+        return target.blocks
 
     async def _read_part(
         self, req: RequestContext, link: PeerLink, part: Manifest, local: RequestBlocks, compute: ComputeGuard, reads: ReadFence
@@ -429,6 +495,7 @@ class Generation:
         compute: ComputeGuard,
         out: ClientStream,
         first_token: int | None,
+        hit: Hit,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Decode steps from the READ state (after `first_token`, already sent, at the full-N
         boundary), streamed to the client, then the summary."""
@@ -440,6 +507,7 @@ class Generation:
         if self.host.verify_transfer:
             checking = time.monotonic()
             await self._verify_digests(compute, req, manifest, link, local)
+            await self._verify_cached(compute, req, hit, local)
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
@@ -460,10 +528,45 @@ class Generation:
             n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
             ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             yield out.chunk(ids)
+        await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
         tail = out.tail()
         if tail is not None:
             yield tail
         yield self._summary(req, out, finish, transfer, transferred=num_computed, digest_check_seconds=digest_check_seconds)
+
+    async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:
+        """The prefix cache's blocks must still have the digests they had when they entered
+        (prefill's digests cover only what was READ); a corrupt entry leaves the cache."""
+        if not hit.entries:
+            return
+        bad = await compute.run(lambda: self.prefix.verify(hit, local))
+        if bad:
+            self.prefix.discard(hit)
+            raise DataLoss(
+                f"request {req.request_id}: {len(bad)} of the {len(hit.entries)} prefix cache blocks it reused differ "
+                f"from their digests (first: block {bad[0]} of the prompt); they left the cache",
+                field="prompt_token_ids",
+                reason="PREFIX_CACHE_MISMATCH",
+            )
+
+    async def _keep_prefix(
+        self,
+        compute: ComputeGuard,
+        req: RequestContext,
+        hit: Hit,
+        local: RequestBlocks,
+        link: PeerLink,
+        num_computed: int,
+        skipped: int,
+    ) -> None:
+        """A finished request's full prompt blocks READ from prefill go to the prefix cache."""
+        if self.telemetry is not None and skipped:
+            self.telemetry.prefix_cache_saved_bytes.inc(skipped_bytes(link, skipped))
+        new = self.prefix.candidates(hit.root or root_of(link, self.host), req.prompt, num_computed, hit)
+        if not new:
+            return
+        digests = await compute.run(lambda: self.prefix.block_digests(local, [i for i, _ in new]))
+        self.prefix.insert(local, new, digests)
 
     def _summary(
         self,
@@ -504,6 +607,7 @@ class Generation:
                 digest_check_duration=duration(digest_check_seconds),
                 prefill_digest_duration=nanoseconds(manifest.digest_ns),
                 seed=req.sampling.seed,
+                prefix_cached_tokens=transfer.manifest.skipped_tokens if read else 0,
             )
         )
 
@@ -555,6 +659,10 @@ class Generation:
         if mismatches:
             shown = "; ".join(mismatches[:5])
             raise DataLoss(f"transferred state differs from prefill's in {len(mismatches)} places: {shown}")
+
+
+async def _raise(error: ServiceError) -> ReadStats:
+    raise error
 
 
 async def _unless_session_ends(session: SessionClient, work: Coroutine[Any, Any, T]) -> T:

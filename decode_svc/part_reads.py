@@ -7,6 +7,10 @@ request's `ReadFence`, so on failure the request cancels these READs (`cancel`) 
 its blocks, here and on prefill, only once the fence says no READ of any part can still land.
 A part whose READ or digest check fails ends the request at once (`unless_one_fails`), while
 prefill may still be computing later chunks: the caller's release stops that job.
+
+With decode's prefix cache the parts cover only the tokens after the cached prefix (every
+part repeats `skipped_tokens`, and the first starts there); each part's READ moves just its
+own token range, so no READ of a part ever writes the cache's shared blocks.
 """
 
 from __future__ import annotations
@@ -69,17 +73,26 @@ class PartReads:
         raise self._failure
 
     def check_chain(self, last: Manifest, peer: str) -> None:
-        """The parts and `last` must cover the computed tokens once, in order: a part that went
-        missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug), checked before the
-        last READ."""
+        """The parts and `last` must cover the computed tokens after the skipped prefix (decode's
+        prefix cache holds the K/V before it) once, in order, all skipping the same prefix: a
+        part that went missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug),
+        checked before the last READ."""
         chain = [*self.parts, last]
         if last.part is None:
             if self.parts:
                 raise Internal(f"prefill {peer} ended parts with a whole manifest", field="manifest.part", reason="BAD_MANIFEST")
             return
+        skipped = {m.skipped_tokens for m in chain}
+        if len(skipped) > 1:
+            raise Internal(
+                f"prefill {peer} sent parts skipping {sorted(skipped)} prompt tokens: not one count",
+                field="manifest.skipped_prompt_tokens",
+                reason="BAD_MANIFEST",
+            )
         indices = [m.part.index if m.part is not None else -1 for m in chain]
         edges = [(m.tokens_from, m.tokens_to) for m in chain]
-        contiguous = edges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
+        start = last.skipped_tokens
+        contiguous = edges[0][0] == start and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
         if indices != list(range(last.part.count)) or not contiguous:
             raise Internal(
                 f"prefill {peer} sent parts {indices} of {last.part.count} covering {edges}: not every token once, in order",

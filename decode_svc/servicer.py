@@ -55,6 +55,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         manifest_parts: bool = True,
         metrics: ServiceMetrics | None = None,
         learned: LearnedPeers | None = None,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -68,6 +69,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             manifest_parts=manifest_parts,
             telemetry=self.metrics.telemetry,
             learned=learned,
+            prefix_cache_blocks=prefix_cache_blocks,
         )
 
     async def Generate(

@@ -113,14 +113,18 @@ class SessionClient:
         timeout: float | None,
         sampling: SamplingParams = GREEDY,
         on_part: Callable[[Manifest], None] | None = None,
+        *,
+        cached_tokens: int = 0,
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
-        `on_part`: the job accepts manifest parts, each but the last given to it as it arrives."""
+        `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
+        `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             sampling=job_sampling_message(sampling),
             accept_manifest_parts=on_part is not None,
+            cached_prompt_tokens=cached_tokens,
         )
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))

@@ -8,7 +8,12 @@ final, with the digests of just those tokens; the pin is made before the first p
 notification expected per reader and part) and the last part brings the conv / SSM state.
 From the first part on, the pin owns the blocks: a job that fails later leaves them to decode's
 release, the cancel, or the lease, and a pin that ends while a chunk computes frees them only
-once that chunk is done."""
+once that chunk is done.
+
+Decode's prefix cache (`cached_prompt_tokens`): the whole prompt is still computed (the SSM
+state needs it), but no digest covers the K/V of the cached tokens, and every manifest echoes
+the count; with parts, the first part starts there (the parts cover only the tokens after the
+cached prefix)."""
 
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class Job:
     readers_per_rank: list[int]  # decode ranks that READ from each prefill rank
     sampling: SamplingParams = GREEDY  # draws the first output token at the full-N boundary
     accepts_parts: bool = False  # decode takes the state in manifest parts (pipelined transfer)
+    cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -64,6 +70,7 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         readers_per_rank,
         sampling_of_job(job),
         job.accept_manifest_parts,
+        job.cached_prompt_tokens,
     )
 
 
@@ -79,6 +86,15 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         raise InvalidArgument(
             f"a prompt of {len(prompt)} tokens needs {needed} blocks; this prefill engine has {host.num_blocks}",
             field="job.prompt_token_ids",
+        )
+
+
+def check_cached_tokens(cached: int, computed: int) -> None:
+    """Decode can hold at most the K/V prefill computes."""
+    if cached > computed:
+        raise InvalidArgument(
+            f"{cached} cached prompt tokens, but this prefill engine computes {computed} of the prompt",
+            field="job.cached_prompt_tokens",
         )
 
 
@@ -100,9 +116,9 @@ class JobRunner:
         """The job's parts; one span (no parts) unless the job, the engine and the flag allow them."""
         engine, layout = self.host.engine, self.host.layout
         if on_part is None or not job.accepts_parts or not offers_chunks(engine, self.chunk_tokens):
-            return [PartSpan(computed, 0, computed)]
+            return [PartSpan(computed, job.cached_tokens, computed)]
         block_tokens = layout.block_size if layout.attention_group_ids else 0
-        return part_spans(computed, self.chunk_tokens, block_tokens)
+        return part_spans(computed, self.chunk_tokens, block_tokens, tokens_from=job.cached_tokens)
 
     def next_transfer_id(self) -> str:
         return f"t{next(self._ids):x}"
@@ -122,6 +138,7 @@ class JobRunner:
         validate_prompt(self.host, job.request_id, prompt)
         engine = self.host.engine
         computed = engine.num_prefill_tokens(len(prompt))
+        check_cached_tokens(job.cached_tokens, computed)
         tid = self.next_transfer_id()
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
@@ -169,6 +186,7 @@ class JobRunner:
             digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
             digest_ns=int(digest_seconds * 1e9),
             first_token=first_token,
+            skipped_tokens=job.cached_tokens,
         )
 
     async def _run_parts(
@@ -234,6 +252,7 @@ class JobRunner:
                 digest_ns=int(digest_seconds * 1e9),
                 first_token=first_token,
                 part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
+                skipped_tokens=job.cached_tokens,
             )
             if last:
                 tracing.mark(Step.MANIFEST_BUILT)
@@ -272,11 +291,11 @@ class JobRunner:
         if not self.host.verify_transfer:
             return first_token, [], 0.0
         started = time.monotonic()
-        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed)
+        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed, tokens_from=job.cached_tokens)
         took = time.monotonic() - started
         section = fault_hooks.corruption_for(job.request_id)
-        if section is not None:
-            _flip_one_byte(self.host, blocks, section)
+        if section is not None:  # fa: in the first token decode READs (the cached K/V is not)
+            _flip_one_byte(self.host, blocks, section, min(job.cached_tokens, max(0, computed - 1)))
         return first_token, digests, took
 
 

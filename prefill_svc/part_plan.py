@@ -6,7 +6,8 @@ final (later chunks never write it again), and a part names the blocks that beca
 the previous part. A chunk that completes no new block sends nothing. The last part covers the
 rest, up to `computed`, and the conv and SSM state, final only then. The plan is known before
 the first chunk, so prefill knows how many READ notifications to expect per reader (one per
-part).
+part). With decode's prefix cache, the parts start after the cached prefix (`tokens_from`): the
+chunks still compute from token 0, but only blocks that end after it become parts.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ class PartSpan:
     tokens_to: int
 
 
-def part_spans(computed: int, chunk_tokens: int, block_tokens: int) -> list[PartSpan]:
+def part_spans(computed: int, chunk_tokens: int, block_tokens: int, *, tokens_from: int = 0) -> list[PartSpan]:
     """The parts of a prefill of `computed` tokens; one span (the whole state, no parts) when
     chunking is off, the prompt fits one chunk, or no block completes before the last chunk.
-    `block_tokens`: tokens per block of the prefill layout's attention groups (0: none)."""
+    `block_tokens`: tokens per block of the prefill layout's attention groups (0: none).
+    `tokens_from`: the K/V before it is decode's already (its prefix cache), so the first part
+    starts there and a chunk that completes no block after it sends nothing."""
     if chunk_tokens <= 0 or block_tokens <= 0 or computed <= chunk_tokens:
-        return [PartSpan(computed, 0, computed)]
+        return [PartSpan(computed, tokens_from, computed)]
     spans: list[PartSpan] = []
-    final = 0
+    final = tokens_from
     for end in range(chunk_tokens, computed, chunk_tokens):
         whole = end // block_tokens * block_tokens
         if whole > final:

@@ -84,6 +84,7 @@ class ServiceSettings:
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
+    prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
 
     @property
     def listen_address(self) -> str:
@@ -439,6 +440,16 @@ FLAGS: tuple[Flag, ...] = (
         metavar="HOST[:PORT]",
     ),
     Flag(
+        "prefix-cache-blocks",
+        non_negative_int,
+        "decode: keep up to this many attention blocks of finished prompts and READ only the K/V after a prompt's "
+        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine); evicted least "
+        "recently used when the cache needs blocks; 0: off",
+        0,
+        roles=("decode",),
+        metavar="BLOCKS",
+    ),
+    Flag(
         "discovery-seconds",
         non_negative_float,
         "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
@@ -695,6 +706,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
+        prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,

@@ -148,6 +148,20 @@ class Telemetry:
             ["section"],
             registry=decode,
         )
+        self.prefix_cache_hits = Counter(
+            "hybrid_pd_prefix_cache_hits", "Requests whose prompt started with K/V blocks the prefix cache held", registry=decode
+        )
+        self.prefix_cache_misses = Counter(
+            "hybrid_pd_prefix_cache_misses", "Requests the prefix cache held no leading block of", registry=decode
+        )
+        self.prefix_cache_evictions = Counter(
+            "hybrid_pd_prefix_cache_evictions",
+            "Blocks the prefix cache gave up (least recently used, or found corrupt)",
+            registry=decode,
+        )
+        self.prefix_cache_saved_bytes = Counter(
+            "hybrid_pd_prefix_cache_saved_bytes", "K/V bytes not READ because the prefix cache held them", registry=decode
+        )
         for section in SECTIONS:
             self.transferred_bytes.labels(section=section)
             self.digest_mismatches.labels(section=section)

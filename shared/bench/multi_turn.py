@@ -12,7 +12,9 @@ This is the baseline decode-side prefix reuse will be measured against: today de
 nothing of a finished request, so every turn reads the attention K/V of the whole prompt again
 and the attention bytes per new token grow with the conversation; with reuse only the new
 tokens' blocks (plus the state at the end of the prompt) would move, about `attention bytes per
-transferred token x new tokens` (`attention_bytes_if_only_new`).
+transferred token x new tokens` (`attention_bytes_if_only_new`). With `prefill_chunk_tokens` the
+pair transfers in manifest parts (pipelined transfer), which with the prefix cache cover only the
+tokens after the cached prefix; `reads` counts the READs (rank pairs x parts).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class MultiTurnConfig:
     decode_tp: int = 1
     kernel_block_size: int = 16
     seed: int = 0
+    prefix_cache_blocks: int = 0  # the decode service's prefix cache (0: off, the baseline)
+    prefill_chunk_tokens: int = 0  # pipelined transfer: prefill (and colocated) compute in chunks of N (0: off)
 
     def longest_prompt(self) -> int:
         return self.first_turn_tokens + (self.turns - 1) * (self.max_tokens + self.turn_tokens)
@@ -85,6 +89,9 @@ async def run_multi_turn(cfg: MultiTurnConfig, *, command: str, show_progress: b
             prompt_tokens=cfg.longest_prompt(),
             max_tokens=cfg.max_tokens,
             name="bench-multi-turn",
+            prefix_cache_blocks=cfg.prefix_cache_blocks,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            unpipelined=False,
         ) as running:
             channels = {s: grpc.aio.insecure_channel(a) for s, a in running.addresses.items()}
             stubs = {s: pb_grpc.DecodeServiceStub(c) for s, c in channels.items()}
@@ -128,7 +135,8 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
     transferred = first.num_transferred_tokens if first else 0
     attention = first.transfer.attention_bytes if first else None
     new = turns[0].new_tokens if turns else 0
-    per_token = attention / transferred if attention is not None and transferred else math.nan
+    read_tokens = transferred - (first.prefix_cached_tokens if first else 0)  # the K/V the READ moved
+    per_token = attention / read_tokens if attention is not None and read_tokens else math.nan
     d_ttft, c_ttft = Summary.of([r.ttft for r in d]).median, Summary.of([r.ttft for r in c]).median
     return {
         "turn": t,
@@ -137,6 +145,7 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
         "prompt_tokens": turns[0].prompt_tokens if turns else None,
         "new_tokens": new,
         "transferred_tokens": transferred if first else None,
+        "prefix_cached_tokens": first.prefix_cached_tokens if first else None,
         "bytes": {
             "attention": attention,
             "conv": first.transfer.conv_bytes if first else None,
@@ -145,9 +154,11 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
         },
         "attention_bytes_per_new_token": json_number(attention / new if attention is not None and new else math.nan),
         "attention_bytes_if_only_new": json_number(per_token * min(new, transferred)),  # turn 1: all of it
+        "attention_bytes_per_read_token": json_number(per_token),
         "ttft_ms": {"disaggregated": ms_summary([r.ttft for r in d]), "colocated": ms_summary([r.ttft for r in c])},
         "ttft_ratio": json_number(ratio(d_ttft, c_ttft)),
         "read_ms": ms_summary([seconds(s.read_duration) for s in summaries]),
+        "reads": first.transfer.read_count if first else None,  # one per rank pair and manifest part
         "digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in summaries]),
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(turns)}",
     }
@@ -184,25 +195,45 @@ def format_multi_turn(result: dict[str, Any]) -> str:
         f"decode TP {c['decode_tp']}, {c['conversations']} conversations of {c['turns']} turns: "
         f"{c['first_turn_tokens']} tokens first, then +{c['max_tokens']} answer +{c['turn_tokens']} message per turn",
         "",
-        f"{'turn':>4} {'prompt':>7} {'new':>6} {'read tok':>8} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} "
-        f"{'FA B/new tok':>12} {'FA MB if new':>12} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'READ ms':>8} {'same':>5}",
+        f"{'turn':>4} {'prompt':>7} {'new':>6} {'read tok':>8} {'cached':>7} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} "
+        f"{'FA B/new tok':>12} {'FA MB if new':>12} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'READ ms':>8} {'READs':>5} {'same':>5}",
     ]
     for r in result["turns"]:
         b = r["bytes"]
         lines.append(
-            f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['transferred_tokens'] or '-':>8} "
+            f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['new_tokens']:>6} {r['transferred_tokens'] or '-':>8} {r.get('prefix_cached_tokens') or 0:>7} "
             f"{megabytes(b['attention']):>8} {megabytes(b['conv']):>8} {megabytes(b['ssm']):>8} {fixed(r['attention_bytes_per_new_token'], 0):>12} "
             f"{megabytes(r['attention_bytes_if_only_new']):>12} {fixed(r['ttft_ms']['disaggregated']['median'], 1):>10} "
             f"{fixed(r['ttft_ms']['colocated']['median'], 1):>10} {fixed(r['ttft_ratio'], 3):>6} "
-            f"{fixed(r['read_ms']['median'], 2):>8} {r['tokens_match']:>5}" + (f"  errors: {r['errors']}" if r["errors"] else "")
+            f"{fixed(r['read_ms']['median'], 2):>8} {r.get('reads') or '-':>5} {r['tokens_match']:>5}"
+            + (f"  errors: {r['errors']}" if r["errors"] else "")
         )
     x = result["later_turns"]
     share = x["reuse_would_save_share"]
+    reuse = (
+        [
+            f"Decode's prefix cache on ({c['prefix_cache_blocks']} blocks): each turn reads K/V after the cached prefix only",
+            "('cached': prompt tokens whose K/V decode held; 'FA MB if new': reading only the new tokens; the rest is",
+            "the previous prompt's partly filled last block and its last token, which decode computed itself).",
+        ]
+        if c.get("prefix_cache_blocks")
+        else [
+            "No decode-side prefix reuse (--prefix-cache-blocks 0): every turn reads the attention K/V of its whole prompt,",
+            "so FA bytes per new token grow with the conversation ('FA MB if new': what reading only the new tokens would move).",
+        ]
+    )
+    chunks = c.get("prefill_chunk_tokens")
+    pipelined = (
+        [f"Pipelined transfer (--prefill-chunk-tokens {chunks}): 'READs' counts one per rank pair and manifest part."]
+        if chunks
+        else []
+    )
     lines += [
         "",
-        "No decode-side prefix reuse yet: every turn reads the attention K/V of its whole prompt, so FA bytes per",
-        "new token grow with the conversation ('FA MB if new': what reading only the new tokens would move).",
+        *reuse,
+        *pipelined,
         f"turns 2..{c['turns']}: {megabytes(x['attention_bytes'])} MB of attention read, {megabytes(x['attention_bytes_if_only_new'])} MB "
-        f"for the new tokens alone ({fixed(None if share is None else 100 * share, 1)} % would be saved)",
+        f"for the new tokens alone ({fixed(None if share is None else 100 * share, 1)} % "
+        + ("beyond them)" if c.get("prefix_cache_blocks") else "would be saved)"),
     ]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ class NoComputeEngine:
     samples = False
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
+    prefix_stable = False  # writes nothing
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache] = ()) -> None:
         self.spec = layout.spec

@@ -117,10 +117,14 @@ async def start_setups(
     name: str = "bench-e2e",
     boundary: str | None = None,
     prefill_chunk_tokens: int = 0,
+    prefix_cache_blocks: int = 0,
+    unpipelined: bool = True,
 ) -> AsyncIterator[Running]:
     """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
-    `max_tokens` tokens each (one block spare); stop them on exit. `boundary`: both setups'
-    --boundary (None: the engine's default)."""
+    `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on the disaggregated
+    decode for its prefix cache; stop them on exit. `boundary`: both setups' --boundary (None:
+    the engine's default). With `prefill_chunk_tokens`, `unpipelined` adds a decode service with
+    --manifest-parts off on the same prefill (long-prompt's comparison)."""
     prefill = build_engine_layout(spec, prefill_tp, kernel_block_size=kernel_block_size)
     decode = build_engine_layout(spec, decode_tp, kernel_block_size=kernel_block_size)
     p_blocks = concurrent * blocks_needed(prefill, prefill_tokens(spec, prompt_tokens)) + 1
@@ -131,15 +135,16 @@ async def start_setups(
     quiet = ["--log-level", "WARNING"]
     chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
     decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
+    cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(
         [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *chunks, *quiet],
-        [*decode_args, "--engine-id", f"{name}-decode"],
+        [*cached, "--engine-id", f"{name}-decode", "--prefix-cache-blocks", str(prefix_cache_blocks)],
     )
     colocated: Colocated | None = None
-    unpipelined: ServiceProcess | None = None
+    parts_off: ServiceProcess | None = None
     try:
-        if prefill_chunk_tokens:
-            unpipelined = start_service(
+        if prefill_chunk_tokens and unpipelined:
+            parts_off = start_service(
                 "decode",
                 [
                     *decode_args,
@@ -151,12 +156,12 @@ async def start_setups(
                     pair.prefill.address,
                 ],
             )
-            await wait_serving(unpipelined.address, DECODE_SERVICE)
+            await wait_serving(parts_off.address, DECODE_SERVICE)
         colocated = Colocated([*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *chunks])
-        yield Running(pair, colocated, unpipelined)
+        yield Running(pair, colocated, parts_off)
     finally:
         if colocated is not None:
             colocated.stop()
-        if unpipelined is not None:
-            unpipelined.stop()
+        if parts_off is not None:
+            parts_off.stop()
         pair.stop()

@@ -85,6 +85,23 @@ class BlockAllocator:
         self._num_free += int(ids.size)
         return int(ids.size)
 
+    def transfer(self, from_id: str, to_id: str, ids: BlockIds) -> None:
+        """Hand blocks `ids`, held by `from_id`, to `to_id` (decode's prefix cache keeps a
+        finished request's prompt blocks this way); nothing changes unless `from_id` holds them all."""
+        ids = np.asarray(ids, dtype=np.int64)
+        parts = self._held.get(from_id)
+        held = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if not np.isin(ids, held).all() or np.unique(ids).size != ids.size:
+            raise ValueError(f"{from_id!r} does not hold all of blocks {ids.tolist()}")
+        if ids.size == 0:
+            return
+        rest = held[~np.isin(held, ids)]
+        if rest.size:
+            self._held[from_id] = [rest]
+        else:
+            del self._held[from_id]
+        self._held.setdefault(to_id, []).append(ids.copy())
+
     def free_runs(self) -> tuple[BlockIds, BlockIds]:
         """(start, length) of every maximal run of free blocks, in block order."""
         padded = np.concatenate(([False], self._free, [False]))

@@ -52,6 +52,9 @@ class Manifest:
     digest_ns: int = 0
     # The full-N boundary: the first output token prefill sampled (None at n-1).
     first_token: int | None = None
+    # Decode's prefix cache: leading prompt tokens whose K/V decode already holds, so the FA
+    # digests cover no K/V before it and decode READs none (every part repeats it).
+    skipped_tokens: int = 0
     # One part of the state (pipelined transfer); None: the whole state in this one manifest.
     part: ManifestPart | None = None
 
@@ -62,8 +65,9 @@ class Manifest:
 
     @property
     def tokens_from(self) -> int:
-        """First token whose attention K/V this manifest makes final."""
-        return 0 if self.part is None else self.part.tokens_from
+        """First token whose attention K/V this manifest makes final (the K/V before it is
+        decode's prefix cache's, or an earlier part's)."""
+        return self.skipped_tokens if self.part is None else self.part.tokens_from
 
     @property
     def tokens_to(self) -> int:
@@ -81,7 +85,8 @@ class Manifest:
             np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
-        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "first_token", "part")
-        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more))
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns")
+        parts = ("first_token", "part", "skipped_tokens")
+        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
 
     __hash__ = None  # type: ignore[assignment]

@@ -257,7 +257,7 @@ LONG_PROMPT_FLAGS = (
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
-    "prefill-tp", "decode-tp",
+    "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens",
 )  # fmt: skip
 WORKLOADS = ("concurrency", "long-prompt", "multi-turn")
 
@@ -348,6 +348,8 @@ def _multi_turn(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     command = _command("e2e", args, MULTI_TURN_FLAGS)
     result = _run_async(run_multi_turn(cfg, command=command, show_progress=not args.no_progress))
@@ -534,7 +536,8 @@ def register(subparsers: Any) -> None:
         0,
         "long-prompt: pipelined transfer (prefill and colocated compute in chunks of N; the decode service READs "
         "manifest parts meanwhile) measured against an unpipelined decode service on the same prefill, in the same "
-        "run; 0: off",
+        "run; multi-turn: the pair transfers in manifest parts (after the cached prefix with --prefix-cache-blocks); "
+        "0: off",
         type=_non_negative,
         metavar="N",
     )
@@ -547,6 +550,14 @@ def register(subparsers: Any) -> None:
         256,
         "multi-turn: each later turn's new user message, after the previous answer",
         type=_positive,
+        metavar="N",
+    )
+    _add(
+        e,
+        "prefix-cache-blocks",
+        0,
+        "multi-turn: the decode service's --prefix-cache-blocks (0: no prefix reuse, the baseline)",
+        type=_non_negative,
         metavar="N",
     )
     _common(e)

@@ -50,6 +50,9 @@ class Engine(Protocol):
     # Where prefill stops (shared/layout/boundary.py): "full" only where the engine samples the
     # first token in prefill (the hf engine); both engines of a pair must state the same.
     boundary: Boundary
+    # Whether the K/V prefill writes for a prompt's first tokens are bit for bit what it writes
+    # for any longer prompt starting with them (decode's prefix cache reuses blocks only then).
+    prefix_stable: bool
 
     @property
     def tokenizer(self) -> Tokenizer | None:

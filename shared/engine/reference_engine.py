@@ -86,6 +86,7 @@ class ReferenceEngine:
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
     exact_chunk_tokens: int | None = None  # a per-token step loop: any chunking, the same bits
+    prefix_stable = True  # K/V of position i: a per-token projection of the layer input, causal (tokens <= i only)
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec

@@ -35,6 +35,7 @@ class SyntheticEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False  # tokens come from a state checksum, not logits: greedy only
     boundary: Boundary = "n-1"
+    prefix_stable = False  # K/V patterns are seeded by the whole prompt
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:

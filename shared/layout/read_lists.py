@@ -326,8 +326,10 @@ def read_indices(
 ) -> tuple[IdArray, IdArray]:
     """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
 
-    One part of a pipelined transfer: `tokens_from` (a multiple of the FA unit) leaves out the
-    FA units of the tokens before it, and `mamba=False` the conv and SSM state.
+    `tokens_from` (a multiple of the FA unit) leaves out the FA units of the tokens before it:
+    decode's prefix cache holds their K/V already (in the same local blocks), or an earlier part
+    of a pipelined transfer moved it. `mamba=False` (a part before the last) leaves out the conv
+    and SSM state.
 
     Runs on every request: the per-peer part (region starts) is cached on the lists, and each id
     is written once, straight into the two output arrays (long prompts give millions of ids), as

@@ -4,8 +4,9 @@ Prefill builds the message from its domain manifest (`manifest_message`, trusted
 the message into a domain manifest once, when it arrives (`manifest_from_message`), and refuses
 one that does not fit the prefill engine it came from, naming the field: group count and block
 ids against the peer's layout, a first token outside the vocabulary or without the whole prompt
-computed, a part whose token range does not fit (INTERNAL, BAD_MANIFEST: a peer bug), digests missing or of
-another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
+computed, a skipped prefix longer than the computed tokens, a part whose token range does not
+fit or starts inside the skipped prefix (INTERNAL, BAD_MANIFEST: a peer bug), digests missing
+or of another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
 mismatch). Nothing of a refused manifest is read.
 """
 
@@ -51,6 +52,7 @@ def manifest_message(m: Manifest) -> pb.Manifest:
             for d in m.digests
         ],
         digest_algorithm=m.digest_algorithm,
+        skipped_prompt_tokens=m.skipped_tokens,
     )
     msg.lease_expire_time.FromNanoseconds(m.lease_expire_time_ns)
     msg.lease_duration.FromNanoseconds(m.lease_ns)
@@ -133,6 +135,11 @@ def _part(msg: pb.Manifest, source: ManifestSource) -> ManifestPart | None:
         raise _bad(
             f"prefill {peer} sent {part.describe()} of {msg.num_computed_tokens} computed tokens", "manifest.part.tokens_to"
         )
+    if p.tokens_from < msg.skipped_prompt_tokens:
+        raise _bad(
+            f"prefill {peer} sent {part.describe()}, but skipped the first {msg.skipped_prompt_tokens} prompt tokens",
+            "manifest.part.tokens_from",
+        )
     if part.last != (p.tokens_to == msg.num_computed_tokens):
         raise _bad(f"prefill {peer} sent {part.describe()}: only the last part ends the computed tokens", "manifest.part")
     if not part.last and msg.HasField("first_token_id"):
@@ -147,6 +154,12 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         raise _bad(
             f"prefill {source.engine_id}: num_computed_tokens {msg.num_computed_tokens} > prompt {msg.prompt_token_count}",
             "manifest.num_computed_tokens",
+        )
+    if msg.skipped_prompt_tokens > msg.num_computed_tokens:
+        raise _bad(
+            f"prefill {source.engine_id}: skipped_prompt_tokens {msg.skipped_prompt_tokens} > num_computed_tokens "
+            f"{msg.num_computed_tokens}",
+            "manifest.skipped_prompt_tokens",
         )
     first_token = _first_token(msg, source)
     return Manifest(
@@ -163,4 +176,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         digest_ns=msg.digest_duration.ToNanoseconds(),
         first_token=first_token,
         part=_part(msg, source),
+        skipped_tokens=msg.skipped_prompt_tokens,
     )

@@ -42,6 +42,7 @@ from shared.transport.poller import CompletionPoller
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 EngineFactory = Callable[[EngineLayout, Sequence[RankCache]], Engine]
 """Builds the model engine over the host's layout and per-rank caches (`--engine`)."""
@@ -119,6 +120,9 @@ class EngineHost:
     on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
+    # Decode's prefix cache: frees up to n of the blocks it keeps (least recently used, none in
+    # use) when an allocation finds too few free; returns how many it freed.
+    reclaim: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         self.views = [RankViews(self.layout, cache) for cache in self.caches]
@@ -223,15 +227,26 @@ class EngineHost:
         spare = self.num_blocks - len(self.layout.mamba_group_ids)
         return max(0, spare // max(1, fa_groups)) * self.layout.block_size
 
-    def allocate(self, key: str, num_tokens: int) -> RequestBlocks:
-        """Blocks for a request's first `num_tokens` tokens, split per group (one allocation)."""
+    def allocate(self, key: str, num_tokens: int, *, leading: Sequence[np.ndarray] | None = None) -> RequestBlocks:
+        """Blocks for a request's first `num_tokens` tokens, split per group (one allocation).
+        `leading`: per group, blocks the request uses first without holding them (decode's
+        prefix cache); only the rest are allocated."""
         counts = self.blocks_per_group(num_tokens)
+        given = [np.asarray(b, dtype=np.int64) for b in leading] if leading is not None else [_NO_BLOCKS] * len(counts)
+        counts = [max(0, n - len(b)) for n, b in zip(counts, given)]
+        ids = self.take(key, sum(counts))
+        bounds = np.cumsum([0, *counts])
+        return RequestBlocks(key, [np.concatenate([given[g], ids[bounds[g] : bounds[g + 1]]]) for g in range(len(counts))])
+
+    def take(self, key: str, n: int) -> np.ndarray:
+        """`n` more blocks for `key`; the prefix cache gives up blocks first if too few are free."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
         try:
-            ids = self.allocator.allocate(key, sum(counts))
+            return self.allocator.allocate(key, n)
         except BlocksExhausted as e:
             raise ResourceExhausted(str(e), reason="CACHE_FULL") from e
-        bounds = np.cumsum([0, *counts])
-        return RequestBlocks(key, [ids[bounds[g] : bounds[g + 1]] for g in range(len(counts))])
 
     def grow(self, blocks: RequestBlocks, num_tokens: int) -> RequestBlocks:
         """Add attention blocks so `num_tokens` tokens fit (decode, as the sequence grows)."""
@@ -242,10 +257,7 @@ class EngineHost:
         ]
         if not any(extra):
             return blocks
-        try:
-            ids = self.allocator.allocate(blocks.request_id, sum(extra))
-        except BlocksExhausted as e:
-            raise ResourceExhausted(str(e), reason="CACHE_FULL") from e
+        ids = self.take(blocks.request_id, sum(extra))
         bounds = np.cumsum([0, *extra])
         return RequestBlocks(
             blocks.request_id,
@@ -259,12 +271,22 @@ class EngineHost:
             self._freed = asyncio.Event()
         return freed
 
-    async def allocate_queued(self, key: str, num_tokens: int, deadline: float, *, counted: bool = True) -> RequestBlocks:
+    async def allocate_queued(
+        self,
+        key: str,
+        num_tokens: int,
+        deadline: float,
+        *,
+        counted: bool = True,
+        leading: Sequence[np.ndarray] | None = None,
+    ) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
         `counted`: the wait goes to `on_queue_wait` (requests and jobs; not start-up probes)."""
         started = asyncio.get_running_loop().time()
-        blocks = await self._when_free(lambda: self.allocate(key, num_tokens), num_tokens, deadline, counted=counted)
+        blocks = await self._when_free(
+            lambda: self.allocate(key, num_tokens, leading=leading), num_tokens, deadline, counted=counted
+        )
         tracing.mark(Step.ALLOCATED)
         if counted and self.on_queue_wait is not None:
             self.on_queue_wait(asyncio.get_running_loop().time() - started)

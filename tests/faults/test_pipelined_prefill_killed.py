@@ -64,3 +64,40 @@ async def test_prefill_killed_between_parts_fails_cleanly(services: tuple[int, l
     assert ok.status == "OK" and len(ok.tokens) == 4 and ok.summary is not None, ok
     assert ok.summary.transfer.read_count == 3  # three parts, one READ each
     await restarted.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
+
+
+async def test_prefill_killed_between_parts_after_a_cached_prefix_keeps_only_the_cache(
+    services: tuple[int, list[Service]],
+) -> None:
+    """Decode's prefix cache on: the next turn's parts start after the cached prefix, and the
+    prefill dies between them. Decode frees every block of the request (the cached ones stay the
+    cache's, untouched), and the restarted prefill serves the turn again from the same prefix."""
+    port, started = services
+    prefill = start("prefill", *PREFILL_FLAGS, "--port", str(port), pauses="between_parts:30:midway-")
+    started.append(prefill)
+    decode = start("decode", *DECODE_FLAGS, "--prefix-cache-blocks", "16", "--prefill", f"127.0.0.1:{port}")
+    started.append(decode)
+    await decode.wait_serving()
+    first = await generate(decode.address, "turn-1", PROMPT, 4)
+    assert first.status == "OK" and first.summary is not None, first
+    await decode.wait_metric("hybrid_pd_requests_in_flight", lambda v: v == 0)
+    cached_blocks = 99 // 32  # turn 1's full decode blocks of its 99 computed tokens, now the cache's
+    await decode.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == cached_blocks)
+    turn = [*PROMPT, *first.tokens, *range(140, 196)]  # 160 tokens: parts [96, 128), [128, 159)
+    call = asyncio.ensure_future(generate(decode.address, "midway-2", turn, 4))
+    await prefill.wait_line("TEST PAUSE between_parts midway-2", timeout=30)
+    prefill.kill()
+    outcome = await call
+    assert outcome.status == "UNAVAILABLE", outcome
+    await decode.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == cached_blocks)
+    await decode.wait_metric("hybrid_pd_open_read_handles", lambda v: v == 0)
+    await decode.wait_metric("hybrid_pd_requests_in_flight", lambda v: v == 0)
+
+    restarted = start("prefill", *PREFILL_FLAGS, "--port", str(port))
+    started.append(restarted)
+    await decode.wait_serving()
+    ok = await generate(decode.address, "turn-2", turn, 4)
+    assert ok.status == "OK" and len(ok.tokens) == 4 and ok.summary is not None, ok
+    assert ok.summary.prefix_cached_tokens == 96 and ok.summary.digests_verified
+    assert ok.summary.transfer.read_count == 2  # the two parts after the prefix, one READ each
+    await restarted.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)

@@ -57,6 +57,7 @@ def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
 
 class HfEngine:
     samples = True
+    prefix_stable = False  # one forward over the prompt: other shapes may round the prefix differently (not proved)
 
     def __init__(
         self,

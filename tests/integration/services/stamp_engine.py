@@ -48,6 +48,7 @@ class StampEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False
     boundary = "n-1"
+    prefix_stable = False
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache]) -> None:

@@ -6,12 +6,16 @@ digests checked (--check-state, which recomputes with one forward, does not appl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
 
+from decode_svc.generation import Generation, RequestContext
+from decode_svc.reader import ReadStats
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
+from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from tests.integration.services.hf_services import generate_ids, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -36,3 +40,33 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
         assert summary.digests_verified
     assert got[0][1].transfer.read_count == pairs  # one chunk: one manifest
     assert got[-1][1].transfer.read_count > pairs  # the longest prompt came in parts
+
+
+async def test_a_first_token_that_ends_the_request_stops_the_reads_of_its_parts(
+    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_tokens 1 at the full-N boundary: the last part's first token ends the request, so its
+    state is never needed. A part's READ still pending then (TEST-ONLY: held forever) must be
+    stopped, and prefill's pin released only after, with every block free on both sides."""
+    started: list[str] = []
+
+    async def held(self: Generation, req: RequestContext, *args: object) -> ReadStats:
+        started.append(req.request_id)
+        await asyncio.Event().wait()  # never set: only a cancel ends it
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(Generation, "_read_part", held)
+    directory = hf_checkpoint("nemotron_h")
+    prompt = [(7 * i) % 300 + 4 for i in range(233)]
+    flags = ("--prefill-chunk-tokens", str(CHUNK))
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=flags, check_state=False) as (prefill, decode):
+        ids, summary = await generate_ids(decode.port, prompt, 1)
+        pending = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__name__", "") == "held" and not t.done()]
+        for _ in range(1000):  # the release travels on the session stream (polled, never timed)
+            if not (prefill.host.allocator.num_used or len(prefill.pins) or decode.host.allocator.num_used):
+                break
+            await asyncio.sleep(0.01)
+        freed = (prefill.host.allocator.num_used, len(prefill.pins), decode.host.allocator.num_used)
+    assert len(ids) <= 1 and summary.finish_reason in (dpb.FINISH_REASON_LENGTH, dpb.FINISH_REASON_STOP)
+    assert started and not pending  # parts arrived, and none of their READs outlived the request
+    assert freed == (0, 0, 0)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -127,3 +128,20 @@ def test_multi_turn_extends_each_prompt_and_reads_it_all_again() -> None:
     assert attention[0] < attention[1] < attention[2]  # no prefix reuse: grows with the prompt
     assert len({t["bytes"]["ssm"] for t in rows}) == 1 and rows[0]["bytes"]["conv"] > 0
     assert r["later_turns"]["reuse_would_save_share"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_multi_turn_with_the_prefix_cache_and_parts_reads_parts_after_the_prefix() -> None:
+    cfg = MultiTurnConfig(
+        model="tiny-mamba2", engine="reference", turns=3, conversations=1, first_turn_tokens=96, turn_tokens=60,
+        max_tokens=4, warmup=0, prefix_cache_blocks=32, prefill_chunk_tokens=20,
+    )  # fmt: skip
+    r = asyncio.run(run_multi_turn(cfg, command="test", show_progress=False))
+    rows = r["turns"]
+    assert all(t["errors"] == [] and t["tokens_match"] == "1/1" for t in rows)
+    assert rows[0]["prefix_cached_tokens"] == 0
+    for prev, cur in itertools.pairwise(rows):  # decode blocks of 32 tokens: the previous prompt's full ones
+        assert cur["prefix_cached_tokens"] == prev["transferred_tokens"] // 32 * 32 > 0
+    assert all(t["reads"] > 1 for t in rows)  # in parts (one rank pair), after the prefix from turn 2 on
+    assert "Pipelined transfer (--prefill-chunk-tokens 20)" in format_multi_turn(r)

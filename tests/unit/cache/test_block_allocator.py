@@ -181,3 +181,16 @@ def test_allocating_until_full_never_repeats_a_block(sizes: list[int]) -> None:
             given_out.append(alloc.allocate(f"r{i}", n))
     ids = np.concatenate(given_out)
     assert np.unique(ids).size == ids.size and ids.min() >= 0 and ids.max() < 40
+
+
+def test_transfer_hands_some_blocks_to_another_holder() -> None:
+    """Decode's prefix cache takes a finished request's prompt blocks this way."""
+    a = BlockAllocator(10)
+    ids = a.allocate("req", 4)
+    a.transfer("req", "cache", ids[:2])
+    assert (a.held("req"), a.held("cache"), a.num_free) == (2, 2, 6)
+    with pytest.raises(ValueError, match="does not hold"):
+        a.transfer("req", "cache", ids[:1])  # no longer the request's
+    assert a.free("req") == 2 and a.num_free == 8
+    a.transfer("cache", "other", ids[:2])
+    assert a.held("cache") == 0 and a.free("other") == 2 and a.num_free == 10

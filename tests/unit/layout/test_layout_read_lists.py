@@ -339,3 +339,35 @@ def test_parts_of_a_pipelined_transfer_select_the_whole_ids_once(p_kernel: int, 
     assert tuple(map(sum, zip(*totals, strict=True))) == rl.bytes_for(n, True)
     with pytest.raises(LayoutError, match="tokens_from"):
         read_indices(rl, local, remote, n, tokens_from=plan.fa_unit_tokens + 1)
+
+
+@pytest.mark.parametrize("p_kernel,d_kernel", [(16, 16), (32, 16), (16, 32)])
+def test_skipped_tokens_drop_exactly_their_fa_units(p_kernel: int, d_kernel: int) -> None:
+    """Decode's prefix cache: the ids with `tokens_from` are the full read's minus the K/V units
+    of the skipped tokens (Mamba pieces all kept), and `bytes_for` counts what they move."""
+    spec = get_preset("tiny-mamba2")
+    plan = build_plan(
+        build_engine_layout(spec, 1, kernel_block_size=p_kernel), build_engine_layout(spec, 1, kernel_block_size=d_kernel)
+    )
+    rl = lists_for(plan, 0, 0, n_local=9, n_remote=9)
+    tokens = 3 * plan.decode.block_size + 5
+    local = blocks(plan, list(range(-(-tokens // plan.decode.block_size))), 8)
+    remote = [
+        np.array(list(range(-(-tokens // plan.prefill.block_size)))) if g.kind == "attention" else np.array([8])
+        for g in plan.prefill.groups
+    ]
+    full_l, full_r = read_indices(rl, local, remote, tokens)
+    reads_ssm = plan.ranks[0].read_from(0).ssm is not None
+    for skip in (0, rl.fa_unit_tokens, plan.decode.block_size, 2 * plan.decode.block_size):
+        li, ri = read_indices(rl, local, remote, tokens, tokens_from=skip)
+        kept = set(zip(li.tolist(), ri.tolist()))
+        assert kept <= set(zip(full_l.tolist(), full_r.tolist()))
+        dropped = len(full_l) - len(li)
+        fa_units_dropped = (skip // rl.fa_unit_tokens) * rl.fa_pieces * len(plan.decode.groups[2].layers)
+        assert dropped == fa_units_dropped, skip
+        assert rl.bytes_for(tokens, reads_ssm, tokens_from=skip) == rl.bytes_by_section(li, reads_ssm)
+        assert (li >= rl.local_geometry.fa_part).sum() == (full_l >= rl.local_geometry.fa_part).sum()
+    with pytest.raises(LayoutError, match="tokens_from"):
+        read_indices(rl, local, remote, tokens, tokens_from=rl.fa_unit_tokens + 1)
+    with pytest.raises(LayoutError, match="tokens_from"):
+        read_indices(rl, local, remote, tokens, tokens_from=tokens + rl.fa_unit_tokens)

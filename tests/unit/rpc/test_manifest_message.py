@@ -36,6 +36,7 @@ def manifest() -> Manifest:
         digest_algorithm=DIGEST_ALGORITHM,
         digest_ns=987,
         first_token=299,
+        skipped_tokens=32,
     )
 
 
@@ -131,7 +132,7 @@ def test_missing_digests_are_refused_only_where_they_are_checked() -> None:
 
 
 def test_a_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> None:
-    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40)
+    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=0)
     first = dataclasses.replace(whole, part=ManifestPart(0, 3, 0, 16))
     last = dataclasses.replace(whole, part=ManifestPart(2, 3, 32, 40))
     for m in (first, last):
@@ -151,3 +152,16 @@ def test_a_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> Non
     with pytest.raises(ServiceError) as early:
         manifest_from_message(manifest_message(dataclasses.replace(first, first_token=7, num_computed_tokens=41)), SOURCE)
     assert early.value.issues[0].field == "manifest.first_token_id"
+
+
+def test_parts_after_a_cached_prefix_start_at_it() -> None:
+    """Decode's prefix cache and parts: a whole manifest's K/V starts after the skipped tokens,
+    and a part may not start inside them."""
+    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=16)
+    assert (whole.tokens_from, whole.tokens_to) == (16, 40)
+    first = dataclasses.replace(whole, part=ManifestPart(0, 2, 16, 32))
+    back = manifest_from_message(manifest_message(first), SOURCE)
+    assert back == first and (back.tokens_from, back.skipped_tokens) == (16, 16)
+    with pytest.raises(ServiceError) as inside:
+        manifest_from_message(manifest_message(dataclasses.replace(whole, part=ManifestPart(0, 2, 0, 32))), SOURCE)
+    assert inside.value.status == "INTERNAL" and inside.value.issues[0].field == "manifest.part.tokens_from"

@@ -283,6 +283,7 @@ class GenerateSummary(_message.Message):
     DIGEST_CHECK_DURATION_FIELD_NUMBER: _builtins.int
     PREFILL_DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -302,6 +303,10 @@ class GenerateSummary(_message.Message):
     """
     seed: _builtins.int
     """The sampling seed used (decode's pick when the request gave none); 0 when greedy."""
+    prefix_cached_tokens: _builtins.int
+    """Leading prompt tokens whose K/V came from decode's prefix cache (--prefix-cache-blocks), not
+    from prefill: `transfer` moved none of their attention state. 0: none.
+    """
     @_builtins.property
     def transfer(self) -> Global___TransferStats: ...
     @_builtins.property
@@ -342,10 +347,11 @@ class GenerateSummary(_message.Message):
         digest_check_duration: _duration_pb2.Duration | None = ...,
         prefill_digest_duration: _duration_pb2.Duration | None = ...,
         seed: _builtins.int = ...,
+        prefix_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -351,6 +351,7 @@ class PrefillJob(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     ACCEPT_MANIFEST_PARTS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -358,6 +359,13 @@ class PrefillJob(_message.Message):
     that computes long prompts in chunks (--prefill-chunk-tokens) may then answer with several
     manifests, each naming the attention blocks a chunk made final, while it computes the next.
     False (the default): one manifest for the whole state, as before.
+    """
+    cached_prompt_tokens: _builtins.int
+    """Decode's prefix cache: how many leading prompt tokens decode already holds the K/V of (a
+    multiple of decode's block size, at most the tokens prefill computes). Prefill still computes
+    the whole prompt (the SSM state needs it) but digests K/V only from here on and echoes the
+    count in `Manifest.skipped_prompt_tokens`; decode READs only the attention state after it.
+    0 (absent): the whole state, as before.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -387,10 +395,11 @@ class PrefillJob(_message.Message):
         sampling: Global___JobSampling | None = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         accept_manifest_parts: _builtins.bool = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_manifest_parts", b"accept_manifest_parts", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -568,6 +577,7 @@ class Manifest(_message.Message):
     DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
+    SKIPPED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -584,6 +594,12 @@ class Manifest(_message.Message):
     """The full-N boundary only: the first output token, which prefill sampled from the logits
     after the whole prompt with the job's sampling. Decode streams it before its READ, then
     continues from the state by feeding it.
+    """
+    skipped_prompt_tokens: _builtins.int
+    """The job's `cached_prompt_tokens`, echoed: the FA digests cover K/V of tokens
+    [skipped_prompt_tokens, num_computed_tokens) only, and decode READs no attention state before
+    it. 0: the whole state (also what a prefill that ignores the job field sends). With parts,
+    every part repeats it and the first part's tokens_from equals it.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
@@ -634,10 +650,11 @@ class Manifest(_message.Message):
         digest_duration: _duration_pb2.Duration | None = ...,
         first_token_id: _builtins.int | None = ...,
         part: Global___ManifestPart | None = ...,
+        skipped_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
@@ -659,6 +676,8 @@ class ManifestPart(_message.Message):
     carries them, the first token (full-N boundary) and the whole prefill_duration. `digests`
     of a part cover what it makes final: FA over its token range (every part), conv and SSM
     (the last). The lease of the first part starts the pin; heartbeats renew it from then on.
+    Together the parts cover tokens [skipped_prompt_tokens, num_computed_tokens) once, in order:
+    with decode's prefix cache the first part starts after the cached prefix.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
