@@ -417,7 +417,8 @@ class Generation:
                 return
             parts.arrived(part, self._read_part(req, link, part, blocks, compute, reads))
 
-        submit = session.submit(
+        parts.on_failure = functools.partial(session.fail_waiting, req.request_id)  # a failed part ends the wait
+        manifest = await session.submit(
             req.request_id,
             req.prompt,
             wait_deadline(req.deadline, now) - now,
@@ -425,7 +426,7 @@ class Generation:
             on_part=on_part if self.manifest_parts else None,
             cached_tokens=cached,
         )
-        return session, link, await (parts.unless_one_fails(submit) if self.manifest_parts else submit)
+        return session, link, manifest
 
     def _reuse(self, manifest: Manifest, hit: Hit, target: ReadTarget, peer: str) -> RequestBlocks:
         """The blocks to READ into: with the hit's where prefill skipped its tokens, else fresh ones

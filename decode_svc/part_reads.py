@@ -5,8 +5,9 @@ checks its digests) at once, while prefill computes the next chunk. The last par
 job as a whole manifest does; by then most of the state has moved. Every READ goes through the
 request's `ReadFence`, so on failure the request cancels these READs (`cancel`) and releases
 its blocks, here and on prefill, only once the fence says no READ of any part can still land.
-A part whose READ or digest check fails ends the request at once (`unless_one_fails`), while
-prefill may still be computing later chunks: the caller's release stops that job.
+A part whose READ or digest check fails ends the request at once (`on_failure`: the session
+fails the job's wait with it), while prefill may still be computing later chunks: the
+caller's release stops that job.
 
 With decode's prefix cache the parts cover only the tokens after the cached prefix (every
 part repeats `skipped_tokens`, and the first starts there); each part's READ moves just its
@@ -17,15 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from decode_svc.reader import ReadStats
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.errors import Internal
-
-T = TypeVar("T")
 
 
 class PartReads:
@@ -34,7 +33,8 @@ class PartReads:
         self.source: SessionClient | None = None  # the session the parts came on (it releases them)
         self._tasks: list[asyncio.Future[ReadStats]] = []
         self._failure: BaseException | None = None  # the first part READ (or check) that failed
-        self._failed = asyncio.Event()
+        # Told the first failure at once (the session fails the job's wait with it).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     @property
     def any(self) -> bool:
@@ -52,25 +52,8 @@ class PartReads:
         if task.cancelled() or self._failure is not None:
             return
         self._failure = task.exception()
-        if self._failure is not None:
-            self._failed.set()
-
-    async def unless_one_fails(self, work: Awaitable[T]) -> T:
-        """`work` (the wait for the last manifest), unless a part's READ fails first: then `work`
-        is cancelled and that failure raised at once, not when the last manifest arrives."""
-        task = asyncio.ensure_future(work)
-        failed = asyncio.ensure_future(self._failed.wait())
-        try:
-            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if not task.cancelled():
-            return task.result()
-        assert self._failure is not None
-        raise self._failure
+        if self._failure is not None and self.on_failure is not None:
+            self.on_failure(self._failure)
 
     def check_chain(self, last: Manifest, peer: str) -> None:
         """The parts and `last` must cover the computed tokens after the skipped prefix (decode's

@@ -174,6 +174,13 @@ class SessionClient:
             spans.event(spans.MANIFEST, manifest_attributes(manifest, self.peer_name))
         return manifest
 
+    def fail_waiting(self, request_id: str, error: BaseException) -> None:
+        """End a job's wait for its manifest with `error` (a part of it failed here: its READ or
+        its digests), in the task that waits, so nothing it received is lost to a second task."""
+        future = self._waiting.get(request_id)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
     def release(self, request_id: str, reason: str) -> None:
         """Tell prefill to free a request's blocks now (failed or cancelled READ, nothing to read).
 

@@ -162,6 +162,41 @@ async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(start
     assert not prefill.pins.ended["lease_expired"]
 
 
+async def test_a_generate_cancelled_as_its_manifest_arrives_frees_both_sides(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    """The same race one level up, through a real Generate: the request's own task (the one that
+    submitted the job) is cancelled in the loop turn its manifest is delivered. Whatever waits
+    between the two (a second task, a wrapper) must not lose the manifest: the job is cancelled
+    or released on prefill at once, and its lease is not heartbeated on forever."""
+    prefill = await start_prefill("--lease-seconds", "60", "--heartbeat-seconds", "0.2")
+    decode = await start_decode(prefill.port)
+    session = decode.peers.pick().session
+    submit, resolve = session.submit, session._resolve  # fault injection, as above
+    submitter: list[asyncio.Task[Any]] = []
+
+    def recording_submit(*args: Any, **kw: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        submitter.append(task)
+        return submit(*args, **kw)
+
+    def resolve_then_cancel(request_id: str, **kw: Any) -> None:
+        resolve(request_id, **kw)
+        if kw.get("manifest") is not None and submitter:
+            submitter[0].cancel()
+
+    session.submit = recording_submit
+    session._resolve = resolve_then_cancel
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    with pytest.raises(grpc.aio.AioRpcError):
+        async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5, 6], max_tokens=4), timeout=30):
+            pass
+    assert len(submitter) == 1
+    await until(lambda: prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0)
+    assert session.in_flight == 0 and not prefill.pins.ended["lease_expired"]
+
+
 async def test_drain_finishes_in_flight_and_refuses_new(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port, "--drain-seconds", "10", engine=SlowStamp)
