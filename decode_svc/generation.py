@@ -59,7 +59,7 @@ from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.prefill_retry import on_some_prefill
-from decode_svc.prefix_cache import Hit, PrefixCache, root_of, skipped_bytes
+from decode_svc.prefix_cache import Hit, PrefixCache, chain_of, skipped_bytes
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
@@ -295,7 +295,7 @@ class Generation:
             assert peer.link is not None
             check_fits_prefill(self.host, peer.link, req)
             computed = self.host.engine.num_prefill_tokens(len(req.prompt))
-            hit = self.prefix.lookup(root_of(peer.link, self.host), req.prompt, computed)
+            hit = self.prefix.lookup(chain_of(peer.link, self.host), req.prompt, computed)
             try:
                 leading = hit.leading(self.prefix.kinds) if hit.entries else None
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
@@ -406,7 +406,7 @@ class Generation:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
         check_fits_prefill(self.host, link, req)
         now = asyncio.get_running_loop().time()
-        cached = hit.tokens if hit.entries and hit.root == root_of(link, self.host) else 0
+        cached = hit.tokens if hit.entries and hit.chain == chain_of(link, self.host) else 0
 
         def on_part(part: Manifest) -> None:
             parts.source = session
@@ -563,7 +563,7 @@ class Generation:
         """A finished request's full prompt blocks READ from prefill go to the prefix cache."""
         if self.telemetry is not None and skipped:
             self.telemetry.prefix_cache_saved_bytes.inc(skipped_bytes(link, skipped))
-        new = self.prefix.candidates(hit.root or root_of(link, self.host), req.prompt, num_computed, hit)
+        new = self.prefix.candidates(hit.chain or chain_of(link, self.host), req.prompt, num_computed, hit)
         if not new:
             return
         digests = await compute.run(lambda: self.prefix.block_digests(local, [i for i, _ in new]))

@@ -4,12 +4,18 @@ request whose prompt starts with the same tokens (the next turn of a conversatio
 An entry is one full decode block of a prompt: its block id in every attention group, keyed by
 a chained content hash (the previous block's key and this block's tokens, as vLLM keys its
 blocks), so a key names the whole prefix up to the block's end. The chain starts from a root
-naming what computed the K/V (model, prefill TP and engine kind, `root_key`): blocks are reused
-only for jobs to prefill engines that would write the same bytes.
+naming what computed the K/V (model, prefill TP, engine kind and prefill chunk size,
+`root_key`): blocks are reused only for jobs to prefill engines that would write the same bytes.
 
 Only blocks READ from prefill wholly inside a prompt's computed tokens enter (decode's own steps
-never write them); the engine must say its K/V of a prefix does not depend on what follows
-(`Engine.prefix_stable`), else nothing is cached. With digests on, an entry carries the FA
+never write them), and only at the granularity U the engine says its K/V of a prefix does not
+depend on what follows (`Engine.prefix_stable_unit`, for the prefill peer's chunk size; None:
+nothing is cached): the K/V of a block depends on the tokens up to the end of the last unit it
+touches (its reach, `reach`), so its key hashes exactly those tokens, and a block enters or is
+found only when its reach lies within the prompt's computed tokens. Identical keys then mean
+the block's K/V were computed by identical units on identical inputs: exact by construction
+(the hf engine with --prefill-chunk-tokens C: U = C, and a block of a chunk that ended the
+prompt early, or whose chunk continued with other tokens, is never shared). With digests on, an entry carries the FA
 digests of its bytes taken when it entered (after the request's digest check passed); a request
 reusing it recomputes them (`verify`), since prefill's digests cover only what was READ.
 
@@ -40,15 +46,41 @@ from shared.telemetry import Telemetry
 IntArray = np.ndarray
 
 
-def root_key(model: str, prefill_tp: int, engine_kind: str) -> bytes:
-    """The chain's start: which computation wrote the K/V (same model, TP and engine kind)."""
-    return hashlib.blake2b(f"{model}|tp{prefill_tp}|{engine_kind}".encode(), digest_size=16).digest()
+def root_key(model: str, prefill_tp: int, engine_kind: str, chunk_tokens: int = 0) -> bytes:
+    """The chain's start: which computation wrote the K/V (same model, TP, engine kind and
+    prefill chunk size)."""
+    name = f"{model}|tp{prefill_tp}|{engine_kind}|chunk{chunk_tokens}"
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
 
 
-def root_of(link: PeerLink, host: EngineHost) -> bytes:
-    """The root for K/V READ from `link`'s prefill engine (its model fingerprint and TP; the
-    engine kind is assumed equal on both sides, as the services pair them)."""
-    return root_key(link.remote.model.fingerprint, link.remote.tp_size, type(host.engine).__name__)
+@dataclass(frozen=True)
+class Chain:
+    """How one prefill peer's K/V is keyed: the chain's root and the engine's unit of prefix
+    stability in tokens."""
+
+    root: bytes
+    unit: int
+
+
+def chain_of(link: PeerLink, host: EngineHost) -> Chain | None:
+    """The chain for K/V READ from `link`'s prefill engine (its model fingerprint, TP and chunk
+    size; the engine kind is assumed equal on both sides, as the services pair them); None: that
+    engine's K/V of a prefix is not stable, nothing of it is cached."""
+    chunk = link.remote.prefill_chunk_tokens
+    unit = host.engine.prefix_stable_unit(chunk)
+    if unit is None:
+        return None
+    return Chain(root_key(link.remote.model.fingerprint, link.remote.tp_size, type(host.engine).__name__, chunk), unit)
+
+
+def reach(block: int, block_size: int, unit: int) -> int:
+    """Tokens the K/V of block `block` depend on: up to the end of the last unit it touches."""
+    return -(-(block + 1) * block_size // unit) * unit
+
+
+def cacheable_blocks(computed: int, block_size: int, unit: int) -> int:
+    """Leading full blocks whose reach lies within `computed` tokens."""
+    return computed // unit * unit // block_size
 
 
 def skipped_bytes(link: PeerLink, tokens: int) -> int:
@@ -56,16 +88,21 @@ def skipped_bytes(link: PeerLink, tokens: int) -> int:
     return sum(pair.lists.bytes_for(tokens, False)[0] for pair in link.pairs) if tokens else 0
 
 
-def chain_keys(root: bytes, tokens: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+def chain_keys(root: bytes, tokens: Sequence[int], block_size: int, num_blocks: int, unit: int = 1) -> list[bytes]:
     """Keys of the first `num_blocks` full blocks of `tokens`: each hashes the previous key and
-    the block's tokens."""
+    the tokens after the previous block's reach up to its own (at unit 1: the block's tokens),
+    so a key names every token its block's K/V depend on. The blocks' reach must lie within
+    `tokens` (`cacheable_blocks`)."""
     keys: list[bytes] = []
-    previous = root
-    ids = np.asarray(tokens[: num_blocks * block_size], dtype=np.int64)
+    previous, start = root, 0
+    ids = np.asarray(tokens[: reach(num_blocks - 1, block_size, unit) if num_blocks else 0], dtype=np.int64)
     for b in range(num_blocks):
+        end = reach(b, block_size, unit)
+        if end > len(ids):
+            raise ValueError(f"block {b} depends on {end} tokens, only {len(ids)} given")
         h = hashlib.blake2b(previous, digest_size=16)
-        h.update(ids[b * block_size : (b + 1) * block_size].tobytes())
-        previous = h.digest()
+        h.update(ids[start:end].tobytes())
+        previous, start = h.digest(), end
         keys.append(previous)
     return keys
 
@@ -89,7 +126,7 @@ class Hit:
 
     entries: list[_Entry] = field(default_factory=list)
     block_size: int = 0
-    root: bytes = b""
+    chain: Chain | None = None
     _cache: PrefixCache | None = None
 
     @property
@@ -118,7 +155,8 @@ class PrefixCache:
         self.kinds = [g.kind for g in host.layout.groups]
         self._attention = [g for g, kind in enumerate(self.kinds) if kind == "attention"]
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self.enabled = capacity_blocks > 0 and bool(self._attention) and host.engine.prefix_stable
+        # Whether anything may be cached; what is depends on each prefill peer (`chain_of`).
+        self.enabled = capacity_blocks > 0 and bool(self._attention)
         if self.enabled:
             host.reclaim = self.reclaim
 
@@ -130,12 +168,14 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self._entries) * len(self._attention)
 
-    def lookup(self, root: bytes, prompt: Sequence[int], computed: int) -> Hit:
-        """The longest run of cached leading blocks of `prompt` within its `computed` tokens, pinned."""
-        hit = Hit(block_size=self.block_size, root=root, _cache=self)
-        if not self.enabled:
+    def lookup(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> Hit:
+        """The longest run of cached leading blocks of `prompt` whose reach lies within its
+        `computed` tokens, pinned."""
+        hit = Hit(block_size=self.block_size, chain=chain, _cache=self)
+        if not self.enabled or chain is None:
             return hit
-        for key in chain_keys(root, prompt, self.block_size, computed // self.block_size):
+        size = self.block_size
+        for key in chain_keys(chain.root, prompt, size, cacheable_blocks(computed, size, chain.unit), chain.unit):
             entry = self._entries.get(key)
             if entry is None:
                 break
@@ -199,11 +239,12 @@ class PrefixCache:
         hit.entries = []
         return RequestBlocks(blocks.request_id, out)
 
-    def candidates(self, root: bytes, prompt: Sequence[int], computed: int, hit: Hit) -> list[tuple[int, bytes]]:
-        """(block index, key) of the request's full prompt blocks after its hit not cached yet."""
-        if not self.enabled:
+    def candidates(self, chain: Chain | None, prompt: Sequence[int], computed: int, hit: Hit) -> list[tuple[int, bytes]]:
+        """(block index, key) of the request's cacheable prompt blocks after its hit not cached yet."""
+        if not self.enabled or chain is None:
             return []
-        keys = chain_keys(root, prompt, self.block_size, computed // self.block_size)
+        size = self.block_size
+        keys = chain_keys(chain.root, prompt, size, cacheable_blocks(computed, size, chain.unit), chain.unit)
         return [(i, k) for i, k in enumerate(keys) if i >= len(hit.entries) and k not in self._entries]
 
     def insert(

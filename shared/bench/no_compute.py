@@ -27,10 +27,12 @@ class NoComputeEngine:
     samples = False
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
-    prefix_stable = False  # writes nothing
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache] = ()) -> None:
         self.spec = layout.spec
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        return None  # writes nothing
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)

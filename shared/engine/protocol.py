@@ -50,13 +50,18 @@ class Engine(Protocol):
     # Where prefill stops (shared/layout/boundary.py): "full" only where the engine samples the
     # first token in prefill (the hf engine); both engines of a pair must state the same.
     boundary: Boundary
-    # Whether the K/V prefill writes for a prompt's first tokens are bit for bit what it writes
-    # for any longer prompt starting with them (decode's prefix cache reuses blocks only then).
-    prefix_stable: bool
 
     @property
     def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer for text prompts and output; None: the services' byte tokenizer."""
+        ...
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        """The granularity of prefix stability, for K/V that a prefill engine of this kind wrote
+        computing in chunks of `prefill_chunk_tokens` from token 0 (0: one forward): U means the
+        K/V of a prompt's first k * U tokens is bit for bit what it writes for every prompt
+        sharing those tokens and computing at least k * U (1: any prefix; None: no prefix, so
+        decode's prefix cache keeps nothing of it)."""
         ...
 
     def num_prefill_tokens(self, prompt_len: int) -> int:

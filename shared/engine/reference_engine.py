@@ -86,7 +86,6 @@ class ReferenceEngine:
     tokenizer = None  # the byte tokenizer
     boundary: Boundary = "n-1"
     exact_chunk_tokens: int | None = None  # a per-token step loop: any chunking, the same bits
-    prefix_stable = True  # K/V of position i: a per-token projection of the layer input, causal (tokens <= i only)
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], seed: int = DEFAULT_SEED) -> None:
         self.spec = layout.spec
@@ -94,6 +93,11 @@ class ReferenceEngine:
         self.ranks = list(ranks)
         device = str(self.ranks[0].cache.device) if self.ranks else "cpu"
         self.model = cached_model(self.spec, seed, device)
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        # K/V of position i: a per-token projection of the layer input, causal (tokens <= i
+        # only), in a per-token step loop: any prefix, however prefill chunks.
+        return 1
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)

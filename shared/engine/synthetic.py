@@ -35,7 +35,6 @@ class SyntheticEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False  # tokens come from a state checksum, not logits: greedy only
     boundary: Boundary = "n-1"
-    prefix_stable = False  # K/V patterns are seeded by the whole prompt
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:
@@ -65,6 +64,9 @@ class SyntheticEngine:
         conv = self._pattern(self._conv_shape, self._conv_dtype, _seed(prompt, "conv", layer))
         ssm = self._pattern(self._ssm_shape, self._ssm_dtype, _seed(prompt, "ssm", layer))
         return conv, ssm
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        return None  # K/V patterns are seeded by the whole prompt
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)

@@ -86,8 +86,11 @@ def engine_layout_message(
     num_logical_blocks: int,
     ranks: Sequence[RankMemory],
     boundary: str = "n-1",
+    prefill_chunk_tokens: int = 0,
 ) -> pb.EngineLayout:
-    """`boundary`: the engine's (--boundary), which its peer must share."""
+    """`boundary`: the engine's (--boundary), which its peer must share. `prefill_chunk_tokens`:
+    the chunks a prefill engine computes in (--prefill-chunk-tokens; 0: one forward), which
+    decode's prefix cache needs to know what K/V of a prefix it may reuse."""
     msg = pb.EngineLayout(
         protocol_version=PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -104,6 +107,7 @@ def engine_layout_message(
         num_physical_blocks=layout.num_kernel_blocks(num_logical_blocks),
         num_regions=layout.num_regions,
         boundary=BOUNDARIES[boundary],  # type: ignore[arg-type]
+        prefill_chunk_tokens=prefill_chunk_tokens,
         groups=[
             pb.CacheGroup(kind=GROUP_KINDS[g.kind], layer_indices=list(g.layers))  # type: ignore[arg-type]
             for g in layout.groups

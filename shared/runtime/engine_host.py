@@ -182,6 +182,7 @@ class EngineHost:
             num_logical_blocks=num_blocks,
             ranks=ranks,
             boundary=engine.boundary,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,  # 0 on decode (a prefill-only flag)
         )
         host = cls(
             role=settings.role,

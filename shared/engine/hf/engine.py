@@ -57,7 +57,6 @@ def _check_layers(spec: ModelSpec, ckpt: HfCheckpoint) -> None:
 
 class HfEngine:
     samples = True
-    prefix_stable = False  # one forward over the prompt: other shapes may round the prefix differently (not proved)
 
     def __init__(
         self,
@@ -107,6 +106,14 @@ class HfEngine:
     ) -> HfEngine:
         checkpoint = HfCheckpoint(directory, dtype=dtype, device=device)
         return cls(layout, ranks, checkpoint, boundary=boundary, prefill_chunk_tokens=prefill_chunk_tokens)
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        """Chunks of C tokens from token 0 (--prefill-chunk-tokens C): a chunk made of the same
+        tokens after the same earlier chunks runs the identical forward on identical inputs, so
+        its K/V are the same bits whatever follows; a shorter or different chunk may round
+        them differently. One forward over the whole prompt (0): other prompt lengths change
+        every matmul's shape, so no prefix is stable."""
+        return prefill_chunk_tokens or None
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return num_prefill_tokens(self.spec, prompt_len, self.boundary)

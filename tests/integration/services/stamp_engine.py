@@ -48,7 +48,6 @@ class StampEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False
     boundary = "n-1"
-    prefix_stable = False
     tokenizer = None  # the byte tokenizer
 
     def __init__(self, layout: EngineLayout, caches: Sequence[RankCache]) -> None:
@@ -56,6 +55,9 @@ class StampEngine:
         self.layout = layout
         self.caches = list(caches)
         self.prefills = 0
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        return None
 
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return prompt_len - 1

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hybridpd/v1/layout.proto\x12\x0bhybridpd.v1\"\x99\x02\n\rModelIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12&\n\x06\x66\x61mily\x18\x03 \x01(\x0e\x32\x16.hybridpd.v1.SsmFamily\x12\'\n\x08kv_dtype\x18\x04 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12)\n\nconv_dtype\x18\x05 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12(\n\tssm_dtype\x18\x06 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x17\n\x0fnum_spec_tokens\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\"I\n\nCacheGroup\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.hybridpd.v1.GroupKind\x12\x15\n\rlayer_indices\x18\x02 \x03(\r\"R\n\x0b\x43onvSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03\x64im\x18\x04 \x01(\r\"\xf5\x02\n\nRankLayout\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12,\n\x0b\x64\x65vice_type\x18\x04 \x01(\x0e\x32\x17.hybridpd.v1.DeviceType\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x1d\n\x15region_base_addresses\x18\x06 \x03(\x04\x12\x19\n\x11region_size_bytes\x18\x07 \x01(\x04\x12\x12\n\npage_bytes\x18\x08 \x01(\x04\x12\x19\n\x11kernel_page_bytes\x18\t \x01(\x04\x12\x10\n\x08kv_heads\x18\n \x01(\r\x12\x12\n\nconv_bytes\x18\x0b \x01(\x04\x12\x11\n\tssm_bytes\x18\x0c \x01(\x04\x12/\n\rconv_sections\x18\r \x03(\x0b\x32\x18.hybridpd.v1.ConvSection\x12\x16\n\x0essm_state_dims\x18\x0e \x03(\r\"\x8f\x04\n\x0c\x45ngineLayout\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.hybridpd.v1.EngineRole\x12)\n\x05model\x18\x05 \x01(\x0b\x32\x1a.hybridpd.v1.ModelIdentity\x12,\n\x0b\x63onv_layout\x18\x06 \x01(\x0e\x32\x17.hybridpd.v1.ConvLayout\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11kernel_block_size\x18\t \x01(\r\x12\x1c\n\x14physical_per_logical\x18\n \x01(\r\x12\x17\n\x0f\x62lock_alignment\x18\x0b \x01(\r\x12\x1a\n\x12num_logical_blocks\x18\x0c \x01(\x04\x12\x1b\n\x13num_physical_blocks\x18\r \x01(\x04\x12\x13\n\x0bnum_regions\x18\x0e \x01(\r\x12\'\n\x06groups\x18\x0f \x03(\x0b\x32\x17.hybridpd.v1.CacheGroup\x12&\n\x05ranks\x18\x10 \x03(\x0b\x32\x17.hybridpd.v1.RankLayout\x12\'\n\x08\x62oundary\x18\x11 \x01(\x0e\x32\x15.hybridpd.v1.Boundary*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02*t\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BF16\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x02\x12\x11\n\rDATA_TYPE_FP8\x10\x03\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x04*Q\n\nConvLayout\x12\x1b\n\x17\x43ONV_LAYOUT_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ONV_LAYOUT_DS\x10\x01\x12\x12\n\x0e\x43ONV_LAYOUT_SD\x10\x02*i\n\tSsmFamily\x12\x1a\n\x16SSM_FAMILY_UNSPECIFIED\x10\x00\x12\x15\n\x11SSM_FAMILY_MAMBA1\x10\x01\x12\x15\n\x11SSM_FAMILY_MAMBA2\x10\x02\x12\x12\n\x0eSSM_FAMILY_GDN\x10\x03*W\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14GROUP_KIND_ATTENTION\x10\x01\x12\x14\n\x10GROUP_KIND_MAMBA\x10\x02*Z\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02*O\n\x08\x42oundary\x12\x18\n\x14\x42OUNDARY_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42OUNDARY_N_MINUS_1\x10\x01\x12\x11\n\rBOUNDARY_FULL\x10\x02\x42\x65\n\x0bhybridpd.v1B\x0bLayoutProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hybridpd/v1/layout.proto\x12\x0bhybridpd.v1\"\x99\x02\n\rModelIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12&\n\x06\x66\x61mily\x18\x03 \x01(\x0e\x32\x16.hybridpd.v1.SsmFamily\x12\'\n\x08kv_dtype\x18\x04 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12)\n\nconv_dtype\x18\x05 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12(\n\tssm_dtype\x18\x06 \x01(\x0e\x32\x15.hybridpd.v1.DataType\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x17\n\x0fnum_spec_tokens\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\"I\n\nCacheGroup\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.hybridpd.v1.GroupKind\x12\x15\n\rlayer_indices\x18\x02 \x03(\r\"R\n\x0b\x43onvSection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03\x64im\x18\x04 \x01(\r\"\xf5\x02\n\nRankLayout\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12,\n\x0b\x64\x65vice_type\x18\x04 \x01(\x0e\x32\x17.hybridpd.v1.DeviceType\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x1d\n\x15region_base_addresses\x18\x06 \x03(\x04\x12\x19\n\x11region_size_bytes\x18\x07 \x01(\x04\x12\x12\n\npage_bytes\x18\x08 \x01(\x04\x12\x19\n\x11kernel_page_bytes\x18\t \x01(\x04\x12\x10\n\x08kv_heads\x18\n \x01(\r\x12\x12\n\nconv_bytes\x18\x0b \x01(\x04\x12\x11\n\tssm_bytes\x18\x0c \x01(\x04\x12/\n\rconv_sections\x18\r \x03(\x0b\x32\x18.hybridpd.v1.ConvSection\x12\x16\n\x0essm_state_dims\x18\x0e \x03(\r\"\xad\x04\n\x0c\x45ngineLayout\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.hybridpd.v1.EngineRole\x12)\n\x05model\x18\x05 \x01(\x0b\x32\x1a.hybridpd.v1.ModelIdentity\x12,\n\x0b\x63onv_layout\x18\x06 \x01(\x0e\x32\x17.hybridpd.v1.ConvLayout\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11kernel_block_size\x18\t \x01(\r\x12\x1c\n\x14physical_per_logical\x18\n \x01(\r\x12\x17\n\x0f\x62lock_alignment\x18\x0b \x01(\r\x12\x1a\n\x12num_logical_blocks\x18\x0c \x01(\x04\x12\x1b\n\x13num_physical_blocks\x18\r \x01(\x04\x12\x13\n\x0bnum_regions\x18\x0e \x01(\r\x12\'\n\x06groups\x18\x0f \x03(\x0b\x32\x17.hybridpd.v1.CacheGroup\x12&\n\x05ranks\x18\x10 \x03(\x0b\x32\x17.hybridpd.v1.RankLayout\x12\'\n\x08\x62oundary\x18\x11 \x01(\x0e\x32\x15.hybridpd.v1.Boundary\x12\x1c\n\x14prefill_chunk_tokens\x18\x12 \x01(\r*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02*t\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BF16\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x02\x12\x11\n\rDATA_TYPE_FP8\x10\x03\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x04*Q\n\nConvLayout\x12\x1b\n\x17\x43ONV_LAYOUT_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43ONV_LAYOUT_DS\x10\x01\x12\x12\n\x0e\x43ONV_LAYOUT_SD\x10\x02*i\n\tSsmFamily\x12\x1a\n\x16SSM_FAMILY_UNSPECIFIED\x10\x00\x12\x15\n\x11SSM_FAMILY_MAMBA1\x10\x01\x12\x15\n\x11SSM_FAMILY_MAMBA2\x10\x02\x12\x12\n\x0eSSM_FAMILY_GDN\x10\x03*W\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14GROUP_KIND_ATTENTION\x10\x01\x12\x14\n\x10GROUP_KIND_MAMBA\x10\x02*Z\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02*O\n\x08\x42oundary\x12\x18\n\x14\x42OUNDARY_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42OUNDARY_N_MINUS_1\x10\x01\x12\x11\n\rBOUNDARY_FULL\x10\x02\x42\x65\n\x0bhybridpd.v1B\x0bLayoutProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,20 +32,20 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.pb.hybridpd.v1.layou
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013hybridpd.v1B\013LayoutProtoP\001Z\026hybridpd/v1;hybridpdv1\242\002\003HPD\252\002\013HybridPd.V1\312\002\013HybridPd\\V1\352\002\014HybridPd::V1'
-  _globals['_DEVICETYPE']._serialized_start=1390
-  _globals['_DEVICETYPE']._serialized_end=1474
-  _globals['_DATATYPE']._serialized_start=1476
-  _globals['_DATATYPE']._serialized_end=1592
-  _globals['_CONVLAYOUT']._serialized_start=1594
-  _globals['_CONVLAYOUT']._serialized_end=1675
-  _globals['_SSMFAMILY']._serialized_start=1677
-  _globals['_SSMFAMILY']._serialized_end=1782
-  _globals['_GROUPKIND']._serialized_start=1784
-  _globals['_GROUPKIND']._serialized_end=1871
-  _globals['_ENGINEROLE']._serialized_start=1873
-  _globals['_ENGINEROLE']._serialized_end=1963
-  _globals['_BOUNDARY']._serialized_start=1965
-  _globals['_BOUNDARY']._serialized_end=2044
+  _globals['_DEVICETYPE']._serialized_start=1420
+  _globals['_DEVICETYPE']._serialized_end=1504
+  _globals['_DATATYPE']._serialized_start=1506
+  _globals['_DATATYPE']._serialized_end=1622
+  _globals['_CONVLAYOUT']._serialized_start=1624
+  _globals['_CONVLAYOUT']._serialized_end=1705
+  _globals['_SSMFAMILY']._serialized_start=1707
+  _globals['_SSMFAMILY']._serialized_end=1812
+  _globals['_GROUPKIND']._serialized_start=1814
+  _globals['_GROUPKIND']._serialized_end=1901
+  _globals['_ENGINEROLE']._serialized_start=1903
+  _globals['_ENGINEROLE']._serialized_end=1993
+  _globals['_BOUNDARY']._serialized_start=1995
+  _globals['_BOUNDARY']._serialized_end=2074
   _globals['_MODELIDENTITY']._serialized_start=42
   _globals['_MODELIDENTITY']._serialized_end=323
   _globals['_CACHEGROUP']._serialized_start=325
@@ -55,5 +55,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKLAYOUT']._serialized_start=485
   _globals['_RANKLAYOUT']._serialized_end=858
   _globals['_ENGINELAYOUT']._serialized_start=861
-  _globals['_ENGINELAYOUT']._serialized_end=1388
+  _globals['_ENGINELAYOUT']._serialized_end=1418
 # @@protoc_insertion_point(module_scope)

@@ -392,6 +392,7 @@ class EngineLayout(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     BOUNDARY_FIELD_NUMBER: _builtins.int
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """Version of this contract's semantics; peers with different versions never pair."""
     engine_id: _builtins.str
@@ -412,6 +413,12 @@ class EngineLayout(_message.Message):
     """num_logical_blocks * physical_per_logical."""
     num_regions: _builtins.int
     boundary: Global___Boundary.ValueType
+    prefill_chunk_tokens: _builtins.int
+    """The prefill engine's --prefill-chunk-tokens: its prefill runs in chunks of this many
+    tokens from token 0 (0: one forward, and on every decode engine). Decode's prefix cache
+    reuses K/V only at the granularity this gives the engine (`Engine.prefix_stable_unit`):
+    the hf engine's K/V of a prefix is exact only in whole chunks.
+    """
     @_builtins.property
     def model(self) -> Global___ModelIdentity: ...
     @_builtins.property
@@ -440,10 +447,11 @@ class EngineLayout(_message.Message):
         groups: _abc.Iterable[Global___CacheGroup] | None = ...,
         ranks: _abc.Iterable[Global___RankLayout] | None = ...,
         boundary: Global___Boundary.ValueType = ...,
+        prefill_chunk_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_alignment", b"block_alignment", "block_size", b"block_size", "boundary", b"boundary", "conv_layout", b"conv_layout", "engine_id", b"engine_id", "groups", b"groups", "incarnation", b"incarnation", "kernel_block_size", b"kernel_block_size", "model", b"model", "num_logical_blocks", b"num_logical_blocks", "num_physical_blocks", b"num_physical_blocks", "num_regions", b"num_regions", "physical_per_logical", b"physical_per_logical", "protocol_version", b"protocol_version", "ranks", b"ranks", "role", b"role", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_alignment", b"block_alignment", "block_size", b"block_size", "boundary", b"boundary", "conv_layout", b"conv_layout", "engine_id", b"engine_id", "groups", b"groups", "incarnation", b"incarnation", "kernel_block_size", b"kernel_block_size", "model", b"model", "num_logical_blocks", b"num_logical_blocks", "num_physical_blocks", b"num_physical_blocks", "num_regions", b"num_regions", "physical_per_logical", b"physical_per_logical", "prefill_chunk_tokens", b"prefill_chunk_tokens", "protocol_version", b"protocol_version", "ranks", b"ranks", "role", b"role", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
