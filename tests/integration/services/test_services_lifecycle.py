@@ -189,8 +189,10 @@ async def test_a_generate_cancelled_as_its_manifest_arrives_frees_both_sides(
     session.submit = recording_submit
     session._resolve = resolve_then_cancel
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    # The handler's task is cancelled under grpc (as a client cancel does): the client sees the
+    # call end at its deadline at the latest, so keep that short.
     with pytest.raises(grpc.aio.AioRpcError):
-        async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5, 6], max_tokens=4), timeout=30):
+        async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5, 6], max_tokens=4), timeout=3):
             pass
     assert len(submitter) == 1
     await until(lambda: prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0)
