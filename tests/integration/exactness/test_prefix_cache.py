@@ -14,25 +14,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from prefill_svc import session as session_module
 from prefill_svc.jobs import Job
-from shared.engine.reference.colocated import colocated_generate
-from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
+from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens, run_turns
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-ANSWER = 4
 CACHE = ["--prefix-cache-blocks", "64", "--check-state"]
 
 
 def _conversation(seed: int, first: int, added: int) -> tuple[list[int], int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(0, 256, first)], added
+    return random_tokens(seed, first), added
 
 
 def _metric(pair: RunningPair, name: str) -> float:
@@ -40,24 +36,6 @@ def _metric(pair: RunningPair, name: str) -> float:
         if line.startswith(f"{name} "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exposed")
-
-
-async def _turns(pair: RunningPair, model: str, prompt: list[int], added: int, turns: int, seed: int) -> list[Generated]:
-    """Run `turns` turns; every turn's tokens must equal the colocated run's."""
-    rng = np.random.default_rng(seed + 1)
-    out = []
-    for t in range(turns):
-        got = await pair.generate(prompt, ANSWER, request_id=f"c{seed}-t{t}")
-        assert got.token_ids == colocated_generate(TINY_PRESETS[model], prompt, ANSWER), (model, t)
-        out.append(got)
-        prompt = [*prompt, *got.token_ids, *(int(x) for x in rng.integers(0, 256, added))]
-    return out
-
-
-def _fa_unit(pair: RunningPair) -> int:
-    peer = pair.decode.peers.peers[0]
-    assert peer.link is not None
-    return peer.link.pairs[0].lists.fa_unit_tokens
 
 
 def _check_bytes(results: Sequence[Generated], block_size: int, unit: int) -> None:
@@ -80,8 +58,8 @@ def _check_bytes(results: Sequence[Generated], block_size: int, unit: int) -> No
 async def test_every_turn_reads_only_what_follows_the_cached_prefix(model: str) -> None:
     prompt, added = _conversation(1, 70, 40)
     async with service_pair(model, 1, 1, extra_decode=CACHE) as pair:
-        results = await _turns(pair, model, prompt, added, 4, seed=1)
-        _check_bytes(results, pair.decode.host.layout.block_size, _fa_unit(pair))
+        results = await run_turns(pair, model, prompt, added, 4, seed=1)
+        _check_bytes(results, pair.decode.host.layout.block_size, fa_unit_tokens(pair))
         assert _metric(pair, "hybrid_pd_prefix_cache_hits_total") == 3
         assert _metric(pair, "hybrid_pd_prefix_cache_misses_total") == 1
         saved = _metric(pair, "hybrid_pd_prefix_cache_saved_bytes_total")
@@ -97,8 +75,8 @@ async def test_different_block_sizes_on_the_two_sides() -> None:
     decode = [*CACHE, "--block-size", "32", "--kernel-block-size", "16"]
     async with service_pair("tiny-mamba2", 2, 1, extra_prefill=prefill, extra_decode=decode) as pair:
         assert pair.decode.host.layout.block_size != pair.prefill.host.layout.block_size
-        results = await _turns(pair, "tiny-mamba2", prompt, added, 3, seed=2)
-        _check_bytes(results, pair.decode.host.layout.block_size, _fa_unit(pair))
+        results = await run_turns(pair, "tiny-mamba2", prompt, added, 3, seed=2)
+        _check_bytes(results, pair.decode.host.layout.block_size, fa_unit_tokens(pair))
 
 
 @pytest.mark.asyncio
@@ -106,8 +84,8 @@ async def test_an_evicted_prefix_falls_back_to_a_full_read() -> None:
     a, added = _conversation(3, 70, 30)
     b, _ = _conversation(4, 70, 30)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=["--prefix-cache-blocks", "2"]) as pair:
-        first = await _turns(pair, "tiny-mamba2", a, added, 1, seed=3)
-        await _turns(pair, "tiny-mamba2", b, added, 1, seed=4)  # its blocks push a's out
+        first = await run_turns(pair, "tiny-mamba2", a, added, 1, seed=3)
+        await run_turns(pair, "tiny-mamba2", b, added, 1, seed=4)  # its blocks push a's out
         assert _metric(pair, "hybrid_pd_prefix_cache_evictions_total") == 2
         again = await pair.generate(a, ANSWER, request_id="a-again")
         assert again.token_ids == first[0].token_ids
@@ -170,7 +148,7 @@ async def test_a_prefill_that_ignores_the_cached_count_gets_a_full_read_into_fre
 
     prompt, added = _conversation(7, 70, 40)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=CACHE) as pair:
-        first = (await _turns(pair, "tiny-mamba2", prompt, added, 1, seed=7))[0]
+        first = (await run_turns(pair, "tiny-mamba2", prompt, added, 1, seed=7))[0]
         cache = pair.decode.servicer.generation.prefix
         cached_ids = {b for e in cache._entries.values() for b in e.blocks}
         monkeypatch.setattr(session_module, "job_from_message", ignoring)

@@ -20,7 +20,6 @@ import itertools
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from decode_svc import generation as generation_module
@@ -31,45 +30,21 @@ from prefill_svc.jobs import Job
 from prefill_svc.part_plan import PartSpan, part_spans
 from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
-from shared.engine.reference.colocated import colocated_generate
-from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
-from tests.integration.exactness.pair import Generated, RunningPair, service_pair
+from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens, run_turns
+from tests.integration.exactness.pair import RunningPair, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-ANSWER = 4
 CHUNK = 20  # smaller than every tiny block: some chunks complete no block
 CACHE = ["--prefix-cache-blocks", "64", "--check-state"]
 CHUNKS = ["--prefill-chunk-tokens", str(CHUNK)]
-
-
-def _conversation(seed: int, first: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, first)]
-
-
-async def _turns(pair: RunningPair, model: str, prompt: list[int], added: int, turns: int, seed: int) -> list[Generated]:
-    """Run `turns` turns, each extending the last prompt and answer; tokens must equal colocated."""
-    rng = np.random.default_rng(seed + 1)
-    out = []
-    for t in range(turns):
-        got = await pair.generate(prompt, ANSWER, request_id=f"c{seed}-t{t}")
-        assert got.token_ids == colocated_generate(TINY_PRESETS[model], prompt, ANSWER), (model, t)
-        out.append(got)
-        prompt = [*prompt, *got.token_ids, *(int(x) for x in rng.integers(0, 256, added))]
-    return out
 
 
 def _pairs_read(pair: RunningPair) -> int:
     link = pair.decode.peers.peers[0].link
     assert link is not None
     return len(link.pairs)
-
-
-def _fa_unit(pair: RunningPair) -> int:
-    link = pair.decode.peers.peers[0].link
-    assert link is not None
-    return link.pairs[0].lists.fa_unit_tokens
 
 
 async def _only_the_cache_holds_blocks(pair: RunningPair) -> bool:
@@ -107,14 +82,14 @@ async def test_multi_turn_parts_after_the_cached_prefix_equal_colocated(
         extra_prefill=[*CHUNKS, *prefill_layout],
         extra_decode=[*CACHE, *decode_layout],
     ) as pair:
-        results = await _turns(pair, model, _conversation(11, 70), 100, 4, seed=11)
+        results = await run_turns(pair, model, random_tokens(11, 70), 100, 4, seed=11)
         assert await _only_the_cache_holds_blocks(pair)
         cache = pair.decode.servicer.generation.prefix
         held = cache.num_blocks
         cache.reclaim(held)  # the cache gives every block up: nothing else is left on decode
         freed = pair.decode.host.allocator.num_used
         d_block, p_block = pair.decode.host.layout.block_size, pair.prefill.host.layout.block_size
-        pairs, unit = _pairs_read(pair), _fa_unit(pair)
+        pairs, unit = _pairs_read(pair), fa_unit_tokens(pair)
     assert held > 0 and freed == 0
     first = results[0].summary
     unit_bytes = first.transfer.attention_bytes // -(-first.num_transferred_tokens // unit)
@@ -163,7 +138,7 @@ async def test_a_prefill_that_ignores_the_cached_count_sends_parts_read_into_fre
         return await real_read(host, link, manifest, local, **kw)
 
     monkeypatch.setattr(generation_module, "read_request", recording)
-    prompt = _conversation(12, 130)
+    prompt = random_tokens(12, 130)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
         cache = pair.decode.servicer.generation.prefix
@@ -190,7 +165,7 @@ async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.M
     def from_zero(computed: int, chunk_tokens: int, block_tokens: int, *, tokens_from: int = 0) -> list[PartSpan]:
         return real(computed, chunk_tokens, block_tokens)
 
-    prompt = _conversation(13, 130)
+    prompt = random_tokens(13, 130)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:
         healthy = await pair.generate(prompt, ANSWER, request_id="warm")
         monkeypatch.setattr(jobs_module, "part_spans", from_zero)
@@ -207,13 +182,13 @@ async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.M
 @pytest.mark.asyncio
 async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_tokens() -> None:
     """Negative control of the exactness above: the cached bytes are really used with parts."""
-    prompt = _conversation(14, 130)
+    prompt = random_tokens(14, 130)
     off = ["--verify-transfer", "off"]
     async with service_pair(
         "tiny-mamba2", 1, 1, extra_prefill=[*CHUNKS, *off], extra_decode=[*off, "--prefix-cache-blocks", "64"]
     ) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
-        turn = [*prompt, *first.token_ids, *_conversation(15, 60)]  # the next turn: in parts after the prefix
+        turn = [*prompt, *first.token_ids, *random_tokens(15, 60)]  # the next turn: in parts after the prefix
         healthy = await pair.generate(turn, 8, request_id="healthy")
         cache = pair.decode.servicer.generation.prefix
         entry = next(iter(cache._entries.values()))  # TEST-ONLY: shift K of the first cached block in place
