@@ -114,6 +114,24 @@ async def test_bad_job_fails_in_band_and_session_lives(start_prefill: Any, start
     assert (await session.next("manifest")).request_id == "good"
 
 
+async def test_a_job_with_a_bad_sampling_value_fails_naming_the_field(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    session = RawSession(channel_to(prefill.port), decode.host.message)
+    await session.open()
+    bad = pb.JobSampling(temperature=1.0, top_p=0.0)
+    await session.send(job=pb.PrefillJob(request_id="bad", prompt_token_ids=[1, 2], sampling=bad))
+    failure = await session.next("failure")
+    assert failure.request_id == "bad" and failure.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert failure.message.startswith("job.sampling.top_p"), failure.message
+    # Negative control: the same job with a valid top_p runs.
+    good = pb.JobSampling(temperature=1.0, top_p=1.0)
+    await session.send(job=pb.PrefillJob(request_id="bad", prompt_token_ids=[1, 2], sampling=good))
+    assert (await session.next("manifest")).request_id == "bad"  # the failed id was not left in flight
+
+
 SlowStamp = stamp.SlowStamp
 
 
