@@ -34,8 +34,8 @@ from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_
 from shared.cache.manifest import Manifest, ManifestPart
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
-from shared.engine.sampling import GREEDY, SamplingParams
-from shared.errors import Aborted, DeadlineExceeded, InvalidArgument
+from shared.engine.sampling import GREEDY, SamplingParams, leaves_a_token
+from shared.errors import Aborted, DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -89,6 +89,21 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         )
 
 
+def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
+    """The ids min_tokens masks are tokens of the vocabulary, and leave one to draw."""
+    field = "job.sampling.stop_token_ids"
+    outside = sorted(t for t in sampling.stop_token_ids if t >= vocab_size)
+    if outside:
+        raise InvalidArgument(f"token ids must be < {vocab_size} (the vocabulary), got {outside[:4]}", field=field)
+    if not leaves_a_token(sampling, vocab_size):
+        raise InvalidArgument(
+            f"they cover the whole vocabulary ({vocab_size} ids): no token is left to draw before min_tokens "
+            f"({sampling.min_tokens})",
+            field=field,
+            issues=[FieldIssue("job.sampling.min_tokens", f"{sampling.min_tokens}, but the masked ids cover the vocabulary")],
+        )
+
+
 def check_cached_tokens(cached: int, computed: int) -> None:
     """Decode can hold at most the K/V prefill computes."""
     if cached > computed:
@@ -136,6 +151,7 @@ class JobRunner:
         tracing.mark(Step.JOB_STARTED)
         prompt, deadline = job.prompt, job.deadline
         validate_prompt(self.host, job.request_id, prompt)
+        check_sampling(job.sampling, self.host.spec.vocab_size)
         engine = self.host.engine
         computed = engine.num_prefill_tokens(len(prompt))
         check_cached_tokens(job.cached_tokens, computed)
