@@ -607,6 +607,7 @@ class Generation:
                 digests_verified=self.host.verify_transfer and read,
                 digest_check_duration=duration(digest_check_seconds),
                 prefill_digest_duration=nanoseconds(manifest.digest_ns),
+                prefill_engine_duration=nanoseconds(manifest.engine_ns),
                 seed=req.sampling.seed,
                 prefix_cached_tokens=transfer.manifest.skipped_tokens if read else 0,
             )

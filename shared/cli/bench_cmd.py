@@ -265,14 +265,14 @@ WORKLOADS = ("concurrency", "long-prompt", "multi-turn")
 def _engine_and_model(args: argparse.Namespace) -> None:
     """Fill in the workload's engine (concurrency: reference; the long ones: hf, whose prefill of
     a 32k prompt takes seconds, not minutes) and model (reference: tiny-mamba2; hf: the tiny
-    checkpoint of --hf-family, made on first use)."""
+    checkpoint of --hf-family and --hf-size, made on first use)."""
     if args.engine is None:
         args.engine = "reference" if args.workload == "concurrency" else "hf"
     if args.model is None:
         if args.engine == "hf":
             from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
-            args.model = cached_checkpoint(args.hf_family)
+            args.model = cached_checkpoint(args.hf_family, size=args.hf_size)
         else:
             args.model = "tiny-mamba2"
 
@@ -490,6 +490,14 @@ def register(subparsers: Any) -> None:
         choices=("reference", "synthetic", "hf"),
     )
     _add(e, "hf-family", "nemotron_h", "with --engine hf and no --model: the family of the tiny checkpoint", metavar="FAMILY")
+    _add(
+        e,
+        "hf-size",
+        "tiny",
+        "with --engine hf and no --model: tiny (the tests' checkpoint) or small (nemotron_h only, about 60x the "
+        "compute per token: a 2k-token prefill then costs what a real one does relative to the network hops)",
+        choices=("tiny", "small"),
+    )
     _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
     _add(
         e,

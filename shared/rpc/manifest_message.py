@@ -58,6 +58,7 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     msg.lease_duration.FromNanoseconds(m.lease_ns)
     msg.prefill_duration.FromNanoseconds(m.prefill_ns)
     msg.digest_duration.FromNanoseconds(m.digest_ns)
+    msg.engine_duration.FromNanoseconds(m.engine_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
     if m.part is not None:
@@ -177,4 +178,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         first_token=first_token,
         part=_part(msg, source),
         skipped_tokens=msg.skipped_prompt_tokens,
+        engine_ns=msg.engine_duration.ToNanoseconds(),
     )
