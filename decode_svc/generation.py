@@ -18,7 +18,10 @@ job. Decode's prefix cache (--prefix-cache-blocks, decode_svc/prefix_cache.py): 
 lead the request's, the job says how many prompt tokens they hold, and every READ (each part's,
 or the one manifest's) moves only K/V after them. Which blocks the READs write is settled at the
 first manifest, part or whole (`_reuse`): if prefill skipped nothing, fresh blocks replace the
-hit's before any READ, so no READ ever writes blocks the cache shares.
+hit's before any READ, so no READ ever writes blocks the cache shares. State checkpoints
+(--prefix-cache-states, decode_svc/state_checkpoints.py): a request whose computed prompt is
+exactly one a finished request READ restores that state into its own blocks and decodes with no
+job and no READ (`_decode_restored`); a checkpoint is taken after each READ's digest check.
 
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
