@@ -617,9 +617,8 @@ class Generation:
         key = self.states.wanted(chain, req.prompt, computed)
         if key is None or chain is None:
             return
-        saved = skipped_bytes(link, computed) - skipped_bytes(link, manifest.skipped_tokens)
-        saved += stats.conv_bytes + stats.ssm_bytes
-        checkpoint = await compute.run(lambda: self.states.take(key, chain, local, computed, saved))
+        state_bytes = stats.conv_bytes + stats.ssm_bytes
+        checkpoint = await compute.run(lambda: self.states.take(key, chain, link, local, computed, state_bytes))
         self.states.insert(checkpoint)
 
     async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks
+from decode_svc.peer_link import PeerLink
+from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks, skipped_bytes
 from shared.cache.digest import SectionDigest, compare_digests, state_digests
 from shared.engine.protocol import RequestBlocks
 from shared.runtime.engine_host import EngineHost
@@ -131,16 +132,22 @@ class StateCheckpoints:
         key = state_key(chain, prompt, computed)
         return None if key in self._entries else key
 
-    def take(self, key: bytes, chain: Chain, blocks: RequestBlocks, computed: int, saved_bytes: int) -> Checkpoint:
-        """On the compute thread: copy the request's state (just READ and checked) out."""
-        lead = cacheable_blocks(computed, self.host.layout.block_size, chain.unit)
+    def take(
+        self, key: bytes, chain: Chain, link: PeerLink, blocks: RequestBlocks, computed: int, state_bytes: int
+    ) -> Checkpoint:
+        """On the compute thread: copy the request's state (just READ and checked, its conv and
+        SSM `state_bytes` READ from `link`) out."""
+        size = self.host.layout.block_size
+        lead = cacheable_blocks(computed, size, chain.unit)
+        # What a later READ would move that the prefix cache's lead does not already save.
+        saved = skipped_bytes(link, computed) - skipped_bytes(link, lead * size) + state_bytes
         idx = self._own_ids(blocks, lead, computed)
         pages = []
         for view in self.host.views:
             cache = view.cache
             where = torch.from_numpy(idx).to(cache.blocks(0).device)
             pages.append([cache.blocks(r).index_select(0, where) for r in range(cache.num_regions)])
-        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved_bytes)
+        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved)
 
     def insert(self, checkpoint: Checkpoint) -> bool:
         """Keep `checkpoint`, evicting the least recently used unpinned ones past the bound;

@@ -30,7 +30,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 from shared.rpc import fault_hooks
-from tests.integration.exactness.multi_turn import ANSWER, random_tokens
+from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
 from tests.integration.services.colocated import colocated_port
 
@@ -85,11 +85,17 @@ async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkey
         block = pair.decode.host.layout.block_size
         # 70: the computed tokens end inside a block (its copy is the checkpoint's); block + 1:
         # they end on a block boundary (every attention block comes from the prefix cache).
+        unit, saved = fa_unit_tokens(pair), 0
         for n, seed in ((70, 1), (block + 1, 2)):
             prompt = random_tokens(seed, n)
             first = await pair.generate(prompt, ANSWER, request_id=f"first-{n}")
             _exact(model, prompt, first)
             _assert_read(first)
+            # A hit saves what a READ after the prefix cache's full blocks would move: the K/V
+            # units from the last full block on, and the conv and SSM state.
+            t = first.summary.transfer
+            unit_bytes = t.attention_bytes // -(-(n - 1) // unit)
+            saved += 2 * (unit_bytes * (-(-(n - 1) // unit) - (n - 1) // block * block // unit) + t.conv_bytes + t.ssm_bytes)
             for again in range(2):
                 got = await pair.generate(prompt, ANSWER, request_id=f"again-{n}-{again}")
                 assert got.token_ids == first.token_ids
@@ -97,7 +103,7 @@ async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkey
         assert jobs == ["first-70", f"first-{block + 1}"]
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 4
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2
-        assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") > 0
+        assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
         generation = pair.decode.servicer.generation
         assert len(generation.states) == 2
         assert pair.decode.host.allocator.num_used == generation.prefix.num_blocks  # requests' own blocks all freed
