@@ -327,7 +327,7 @@ class Generation:
         parts = PartReads()
         target = ReadTarget(local)
         try:
-            if state is not None and picked is not None and await self._restore(compute, req, state, local):
+            if state is not None and picked is not None and await self.states.restored(compute.run, state, local):
                 async for restored in self._decode_restored(req, state, picked, local, compute, hit):
                     yield restored
                 return
@@ -529,7 +529,11 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
-        await self._take_checkpoint(compute, req, hit, local, transfer)
+        # A state checkpoint of what was just READ and checked, before a decode step changes it.
+        state_bytes = transfer.stats.conv_bytes + transfer.stats.ssm_bytes
+        await self.states.keep(
+            compute.run, hit.chain or chain_of(link, self.host), link, req.prompt, local, num_computed, state_bytes
+        )
         async for chunk in self._steps(req, num_computed, local, compute, out, first_token):
             yield chunk
         await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
@@ -567,15 +571,6 @@ class Generation:
             ids, out.finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             yield out.chunk(ids)
 
-    async def _restore(self, compute: ComputeGuard, req: RequestContext, state: Checkpoint, local: RequestBlocks) -> bool:
-        """A state checkpoint into the request's own blocks; False (and the checkpoint discarded)
-        when the copy lacks its digests: the request then takes the ordinary prefill job and READ."""
-        if await compute.run(lambda: self.states.restore(state, local)):
-            return True
-        self.states.discard(state)
-        log.warning("request %s: a state checkpoint differs from its digests; discarded, prefilling", req.request_id)
-        return False
-
     async def _decode_restored(
         self, req: RequestContext, state: Checkpoint, link: PeerLink, local: RequestBlocks, compute: ComputeGuard, hit: Hit
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -606,20 +601,6 @@ class Generation:
             digest_check_seconds=digest_check_seconds,
             cached_tokens=state.computed,
         )
-
-    async def _take_checkpoint(
-        self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks, transfer: Transfer
-    ) -> None:
-        """The state just READ and checked, copied out before a decode step changes it."""
-        link, manifest, stats = transfer.link, transfer.manifest, transfer.stats
-        assert manifest is not None
-        chain, computed = hit.chain or chain_of(link, self.host), manifest.num_computed_tokens
-        key = self.states.wanted(chain, req.prompt, computed)
-        if key is None or chain is None:
-            return
-        state_bytes = stats.conv_bytes + stats.ssm_bytes
-        checkpoint = await compute.run(lambda: self.states.take(key, chain, link, local, computed, state_bytes))
-        self.states.insert(checkpoint)
 
     async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:
         """The prefix cache's blocks must still have the digests they had when they entered

@@ -27,9 +27,11 @@ Single-threaded: used from the event loop; `take` and `restore` run on the compu
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +42,15 @@ from shared.cache.digest import SectionDigest, compare_digests, state_digests
 from shared.engine.protocol import RequestBlocks
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Runs a call on the compute thread (`ComputeGuard.run`)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 def state_key(chain: Chain, prompt: Sequence[int], computed: int) -> bytes:
@@ -119,6 +130,15 @@ class StateCheckpoints:
         got = self._digests(blocks, checkpoint.lead, checkpoint.computed)
         return not compare_digests(self.host.layout, checkpoint.digests, got)
 
+    async def restored(self, run: Compute, checkpoint: Checkpoint, blocks: RequestBlocks) -> bool:
+        """`restore` on the compute thread (`run`); False (and the checkpoint discarded) when the
+        copy lacks its digests: the request then takes the ordinary prefill job and READ."""
+        if await run(lambda: self.restore(checkpoint, blocks)):
+            return True
+        self.discard(checkpoint)
+        log.warning("request %s: a state checkpoint differs from its digests; discarded, prefilling", blocks.request_id)
+        return False
+
     def discard(self, checkpoint: Checkpoint) -> None:
         """Drop a checkpoint found corrupt (the requests restoring it have their copies)."""
         if self._entries.get(checkpoint.key) is checkpoint:
@@ -148,6 +168,24 @@ class StateCheckpoints:
             where = torch.from_numpy(idx).to(cache.blocks(0).device)
             pages.append([cache.blocks(r).index_select(0, where) for r in range(cache.num_regions)])
         return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved)
+
+    async def keep(
+        self,
+        run: Compute,
+        chain: Chain | None,
+        link: PeerLink,
+        prompt: Sequence[int],
+        blocks: RequestBlocks,
+        computed: int,
+        state_bytes: int,
+    ) -> None:
+        """A checkpoint of the request's state, just READ from `link` and checked, unless one is
+        held already (`take` on the compute thread, `run`)."""
+        key = self.wanted(chain, prompt, computed)
+        if key is None or chain is None:
+            return
+        known = chain
+        self.insert(await run(lambda: self.take(key, known, link, blocks, computed, state_bytes)))
 
     def insert(self, checkpoint: Checkpoint) -> bool:
         """Keep `checkpoint`, evicting the least recently used unpinned ones past the bound;
