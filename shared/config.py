@@ -456,8 +456,8 @@ FLAGS: tuple[Flag, ...] = (
         "decode: keep the conv / SSM state (and the attention blocks the prefix cache does not share) of up to this "
         "many finished requests' computed prompts; a request whose computed prompt is exactly one of them (a retry, "
         "a regenerate, another sample of one prompt) then needs no prefill job and no READ. Needs "
-        "--prefix-cache-blocks (the leading attention blocks come from it) and the n-1 boundary; evicted least "
-        "recently used; 0: off",
+        "--prefix-cache-blocks (the leading attention blocks come from it) and the n-1 boundary; the copies take "
+        "memory beside the cache, on its device (one request's state each); evicted least recently used; 0: off",
         0,
         roles=("decode",),
         metavar="N",
