@@ -12,6 +12,7 @@ import pytest
 from shared.bench.client import Timed
 from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
 from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
+from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.proto_time import duration
 
@@ -145,3 +146,18 @@ def test_multi_turn_with_the_prefix_cache_and_parts_reads_parts_after_the_prefix
         assert cur["prefix_cached_tokens"] == prev["transferred_tokens"] // 32 * 32 > 0
     assert all(t["reads"] > 1 for t in rows)  # in parts (one rank pair), after the prefix from turn 2 on
     assert "Pipelined transfer (--prefill-chunk-tokens 20)" in format_multi_turn(r)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_repeat_reads_nothing_again_with_state_checkpoints_only() -> None:
+    cfg = RepeatConfig(model="tiny-mamba2", prompts=1, repeats=2, prompt_tokens=40, max_tokens=4, warmup=0)
+    r = asyncio.run(run_repeat(cfg, command="test", show_progress=False))
+    first, again = r["repeats"]
+    assert all(row["errors"] == [] and row["tokens_match"] == "1/1" for row in (first, again))
+    assert first["bytes"]["states"]["total"] == first["bytes"]["disaggregated"]["total"] > 0  # both READ it all
+    assert first["states_state_reused"] == "0/1" and again["states_state_reused"] == "1/1"
+    assert again["bytes"]["states"]["total"] == 0  # restored: nothing READ
+    assert again["bytes"]["disaggregated"]["ssm"] > 0  # without checkpoints: the state READ again
+    assert again["disaggregated_state_reused"] == "0/1"
+    assert "restored" in format_repeat(r)
