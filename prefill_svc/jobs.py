@@ -223,17 +223,29 @@ class JobRunner:
         run = engine.start_prefill(job.prompt, blocks, job.sampling)
         pin: Pin | None = None
         digest_seconds = engine_seconds = 0.0
-        for index, span in enumerate(spans):
+
+        def chunk(index: int) -> asyncio.Future[tuple[int | None, list[SectionDigest], float, float]]:
+            """Span `index`'s chunks and digests, queued on the compute thread now; the pin (from
+            the first part on) frees the blocks only once it is done."""
             if pin is not None and self.pins.lookup(job.owner, job.request_id) is not pin:
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
-            last = index == len(spans) - 1
-            work = functools.partial(self._compute_span, job, run, blocks, start, span, last)
-            compute = asyncio.ensure_future(self.host.run_compute(work))
+            work = functools.partial(self._compute_span, job, run, blocks, start, spans[index], index == len(spans) - 1)
+            future = self.host.submit_compute(work)
             if pin is not None:
-                pin.writer = compute  # type: ignore[assignment]
+                pin.writer = future  # type: ignore[assignment]
+            return future
+
+        # A TEST-ONLY hold between parts keeps the next chunk from starting until it is over;
+        # otherwise the next chunk is queued before the part leaves, so the compute thread does
+        # not wait for the event loop between chunks.
+        held = self.after_part is not None or fault_hooks.pauses_at("between_parts", job.request_id)
+        compute = chunk(0)
+        for index, span in enumerate(spans):
+            last = index == len(spans) - 1
             try:
                 first_token, digests, took, computing = await asyncio.shield(compute)
+                tracing.mark(Step.COMPUTED)
             except asyncio.CancelledError:
                 if pin is None:  # the engine may still be writing these blocks: free them once it is done
                     compute.add_done_callback(lambda _: self.host.free(tid))
@@ -276,10 +288,14 @@ class JobRunner:
             if last:
                 tracing.mark(Step.MANIFEST_BUILT)
                 return part
+            if not held:
+                compute = chunk(index + 1)
             on_part(part)
             await fault_hooks.pause("between_parts", job.request_id)
             if self.after_part is not None:
                 await self.after_part(job.request_id, index)
+            if held:
+                compute = chunk(index + 1)
         raise AssertionError("unreachable: the last span returns")
 
     def _compute_span(

@@ -101,6 +101,11 @@ def warn_if_active() -> None:
         )
 
 
+def pauses_at(step: str, request_id: str) -> bool:
+    """Whether a test asked for a pause at `step` for this request."""
+    return any(p.step == step and request_id.startswith(p.request_prefix) for p in _PAUSES)
+
+
 async def pause(step: str, request_id: str) -> None:
     """Sleep if a test asked for a pause at `step` for this request (cancellable, like any await)."""
     for p in _PAUSES:

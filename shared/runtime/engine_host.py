@@ -340,6 +340,16 @@ class EngineHost:
         tracing.mark(Step.COMPUTED)
         return result
 
+    def submit_compute(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queue model code on the compute thread now (`run_compute` queues it only once the
+        awaiting task first runs) and return its future."""
+
+        def call() -> T:
+            tracing.mark(Step.COMPUTE)
+            return fn()
+
+        return asyncio.get_running_loop().run_in_executor(self.compute, call)
+
     async def aclose(self) -> None:
         await self.poller.aclose()
         for agent in self.agents:

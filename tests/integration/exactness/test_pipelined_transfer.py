@@ -255,3 +255,38 @@ async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
         healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
     assert freed == (0, 0, 0) and ended.get("released") == 1, (freed, ended)
     assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)
+
+
+@pytest.mark.asyncio
+async def test_the_next_chunk_is_queued_before_a_part_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute thread must not wait for the event loop between chunks: chunk k+1 is queued
+    before part k is turned into its message. The message of part 0 waits (blocking the loop, at
+    most 10 s) for chunk 1 to start on the compute thread; queued only after the part left, it
+    never would, and the request would then equal colocated all the same (a pure ordering test)."""
+    import threading
+
+    import prefill_svc.session as session
+    from prefill_svc.jobs import JobRunner
+
+    started_after_first = threading.Event()
+    compute_span = JobRunner._compute_span
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        if start > 0:
+            started_after_first.set()
+        return compute_span(self, job, run, blocks, start, *rest)
+
+    seen: list[bool] = []
+    to_message = session.manifest_message
+
+    def message_of(m: Manifest) -> Any:
+        if m.part is not None and m.part.index == 0:
+            seen.append(started_after_first.wait(10))
+        return to_message(m)
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(session, "manifest_message", message_of)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        got = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert seen == [True]
+    assert tuple(got.token_ids) == expected("tiny-mamba2", 120)
