@@ -20,6 +20,7 @@ from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest
 from shared.cache.manifest import IntArray, Manifest, ManifestPart
 from shared.errors import FailedPrecondition, Internal
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.proto_time import set_nanoseconds, to_nanoseconds
 
 SECTION_ENUM: dict[Section, pb.StateSection.ValueType] = {
     "fa": pb.STATE_SECTION_FA,
@@ -55,9 +56,9 @@ def manifest_message(m: Manifest) -> pb.Manifest:
         skipped_prompt_tokens=m.skipped_tokens,
     )
     msg.lease_expire_time.FromNanoseconds(m.lease_expire_time_ns)
-    msg.lease_duration.FromNanoseconds(m.lease_ns)
-    msg.prefill_duration.FromNanoseconds(m.prefill_ns)
-    msg.digest_duration.FromNanoseconds(m.digest_ns)
+    set_nanoseconds(msg.lease_duration, m.lease_ns)
+    set_nanoseconds(msg.prefill_duration, m.prefill_ns)
+    set_nanoseconds(msg.digest_duration, m.digest_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
     if m.part is not None:
@@ -168,12 +169,12 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         block_ids=blocks,
         num_computed_tokens=msg.num_computed_tokens,
         prompt_token_count=msg.prompt_token_count,
-        lease_ns=msg.lease_duration.ToNanoseconds(),
+        lease_ns=to_nanoseconds(msg.lease_duration),
         lease_expire_time_ns=msg.lease_expire_time.ToNanoseconds(),
-        prefill_ns=msg.prefill_duration.ToNanoseconds(),
+        prefill_ns=to_nanoseconds(msg.prefill_duration),
         digests=_digests(msg, source),
         digest_algorithm=msg.digest_algorithm,
-        digest_ns=msg.digest_duration.ToNanoseconds(),
+        digest_ns=to_nanoseconds(msg.digest_duration),
         first_token=first_token,
         part=_part(msg, source),
         skipped_tokens=msg.skipped_prompt_tokens,
