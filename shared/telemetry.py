@@ -162,8 +162,9 @@ class Telemetry:
         self.prefix_cache_saved_bytes = Counter(
             "hybrid_pd_prefix_cache_saved_bytes", "K/V bytes not READ because the prefix cache held them", registry=decode
         )
+        # Each request counts its bytes per section: the children are resolved once, not by labels() each time.
+        self.transferred_bytes_of = {section: self.transferred_bytes.labels(section=section) for section in SECTIONS}
         for section in SECTIONS:
-            self.transferred_bytes.labels(section=section)
             self.digest_mismatches.labels(section=section)
         for status in STATUSES:
             self.requests.labels(status=status)
