@@ -12,6 +12,7 @@ mismatch). Nothing of a refused manifest is read.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,9 +78,16 @@ def _block_ids(msg: pb.Manifest, source: ManifestSource) -> tuple[IntArray, ...]
         raise _bad(
             f"prefill {peer} sent a manifest with {len(msg.groups)} groups; its layout has {source.num_groups}", "manifest.groups"
         )
-    # fromiter reads the repeated field without building a Python list first.
-    blocks = tuple(np.fromiter(g.block_ids, dtype=np.int64, count=len(g.block_ids)) for g in msg.groups)
-    everything = np.sort(np.concatenate(blocks)) if blocks else np.zeros(0, dtype=np.int64)
+    # One fromiter over every group's repeated field (no Python list, no concatenation); each
+    # group's ids are then a run of that one array.
+    fields = [g.block_ids for g in msg.groups]
+    counts = [len(ids) for ids in fields]
+    flat = np.fromiter(itertools.chain.from_iterable(fields), dtype=np.int64, count=sum(counts))
+    blocks, start = [], 0
+    for n in counts:
+        blocks.append(flat[start : start + n])
+        start += n
+    everything = np.sort(flat)
     if everything.size and int(everything[-1]) >= source.num_logical_blocks:
         raise _bad(
             f"prefill {peer} sent block id {int(everything[-1])} >= its {source.num_logical_blocks} blocks",
@@ -87,7 +95,7 @@ def _block_ids(msg: pb.Manifest, source: ManifestSource) -> tuple[IntArray, ...]
         )
     if everything.size > 1 and bool((everything[1:] == everything[:-1]).any()):  # sorted: duplicates are neighbours
         raise _bad(f"prefill {peer} sent a manifest with duplicated block ids", "manifest.groups.block_ids")
-    return blocks
+    return tuple(blocks)
 
 
 def _digests(msg: pb.Manifest, source: ManifestSource) -> tuple[SectionDigest, ...]:
