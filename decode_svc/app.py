@@ -55,6 +55,7 @@ class DecodeApp:
             metrics=self.metrics,
             learned=self.learned,
             prefix_cache_blocks=settings.prefix_cache_blocks,
+            prefix_cache_states=settings.prefix_cache_states,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)

@@ -18,7 +18,10 @@ job. Decode's prefix cache (--prefix-cache-blocks, decode_svc/prefix_cache.py): 
 lead the request's, the job says how many prompt tokens they hold, and every READ (each part's,
 or the one manifest's) moves only K/V after them. Which blocks the READs write is settled at the
 first manifest, part or whole (`_reuse`): if prefill skipped nothing, fresh blocks replace the
-hit's before any READ, so no READ ever writes blocks the cache shares.
+hit's before any READ, so no READ ever writes blocks the cache shares. State checkpoints
+(--prefix-cache-states, decode_svc/state_checkpoints.py): a request whose computed prompt is
+exactly one a finished request READ restores that state into its own blocks and decodes with no
+job and no READ (`_decode_restored`); a checkpoint is taken after each READ's digest check.
 
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
@@ -63,6 +66,7 @@ from decode_svc.prefix_cache import Hit, PrefixCache, chain_of, skipped_bytes
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request_options import decode_options, finish_reason_message
 from decode_svc.session_client import SessionClient
+from decode_svc.state_checkpoints import Checkpoint, StateCheckpoints
 from shared.cache.digest import SECTIONS, Section, compare_digests, state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
@@ -127,7 +131,7 @@ class Transfer:
     """What the request's READ brought: from whom, the manifest it followed, and its cost."""
 
     link: PeerLink
-    manifest: Manifest
+    manifest: Manifest | None  # None: a state checkpoint, no job and no READ
     stats: ReadStats
     prefill_seconds: float  # job sent -> manifest received
 
@@ -192,6 +196,7 @@ class ClientStream:
         self._telemetry = telemetry
         self.generated = 0
         self.first_token_at: float | None = None
+        self.finish: FinishReason | None = None  # set by the step that ends the request
 
     def chunk(self, ids: list[int]) -> pb.GenerateResponse:
         self.generated += len(ids)
@@ -260,6 +265,7 @@ class Generation:
         telemetry: Telemetry | None = None,
         learned: LearnedPeers | None = None,
         prefix_cache_blocks: int = 0,
+        prefix_cache_states: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -270,6 +276,7 @@ class Generation:
         self.telemetry = telemetry
         self._active: set[str] = set()
         self.prefix = PrefixCache(host, prefix_cache_blocks, telemetry)
+        self.states = StateCheckpoints(host, prefix_cache_states, telemetry)
 
     @property
     def in_flight(self) -> int:
@@ -295,15 +302,19 @@ class Generation:
             assert peer.link is not None
             check_fits_prefill(self.host, peer.link, req)
             computed = self.host.engine.num_prefill_tokens(len(req.prompt))
-            hit = self.prefix.lookup(chain_of(peer.link, self.host), req.prompt, computed)
+            chain, picked = chain_of(peer.link, self.host), peer.link  # a checkpoint's chain and link
+            hit = self.prefix.lookup(chain, req.prompt, computed)
+            state = self.states.lookup(chain, req.prompt, computed, hit)
             try:
                 leading = hit.leading(self.prefix.kinds) if hit.entries else None
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
             except BaseException:
                 hit.release()
+                if state is not None:
+                    self.states.release(state)
                 raise
         else:
-            hit = Hit()
+            hit, state, picked = Hit(), None, None
             try:
                 peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
@@ -316,6 +327,10 @@ class Generation:
         parts = PartReads()
         target = ReadTarget(local)
         try:
+            if state is not None and picked is not None and await self.states.restored(compute.run, state, local):
+                async for restored in self._decode_restored(req, state, picked, local, compute, hit):
+                    yield restored
+                return
             if not peer.ready and remote is not None:
                 raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
             if not peer.ready:  # lost while this request waited for blocks
@@ -387,6 +402,8 @@ class Generation:
                 yield response
         finally:
             compute.free_when_idle(key, reads, hit)
+            if state is not None:
+                self.states.release(state)
 
     async def _submit(
         self,
@@ -500,8 +517,8 @@ class Generation:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Decode steps from the READ state (after `first_token`, already sent, at the full-N
         boundary), streamed to the client, then the summary."""
-        loop = asyncio.get_running_loop()
-        link, manifest, deadline = transfer.link, transfer.manifest, req.deadline
+        link, manifest = transfer.link, transfer.manifest
+        assert manifest is not None
         await fault_hooks.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
         digest_check_seconds = 0.0
@@ -512,28 +529,78 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
+        # A state checkpoint of what was just READ and checked, before a decode step changes it.
+        state_bytes = transfer.stats.conv_bytes + transfer.stats.ssm_bytes
+        await self.states.keep(
+            compute.run, hit.chain or chain_of(link, self.host), link, req.prompt, local, num_computed, state_bytes
+        )
+        async for chunk in self._steps(req, num_computed, local, compute, out, first_token):
+            yield chunk
+        await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
+        tail = out.tail()
+        if tail is not None:
+            yield tail
+        assert out.finish is not None
+        yield self._summary(req, out, out.finish, transfer, transferred=num_computed, digest_check_seconds=digest_check_seconds)
+
+    async def _steps(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode steps from the state in `local` until the request finishes (`out.finish`)."""
+        loop = asyncio.get_running_loop()
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
-        sampling, stop = req.sampling, req.stop
+        sampling, stop, deadline = req.sampling, req.stop, req.deadline
         decode = await compute.run(
             lambda: self.host.engine.start_decode(
                 req.prompt, num_computed, local, blocks.ensure, sampling=sampling, first_token=first_token
             )
         )
-        finish: FinishReason | None = None
-        while finish is None:
+        while out.finish is None:
             generated = out.generated
             if loop.time() > deadline:
                 raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
             n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
-            ids, finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
+            ids, out.finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
             yield out.chunk(ids)
-        await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
+
+    async def _decode_restored(
+        self, req: RequestContext, state: Checkpoint, link: PeerLink, local: RequestBlocks, compute: ComputeGuard, hit: Hit
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode from a restored state checkpoint, as after a READ: no prefill job, nothing READ."""
+        await fault_hooks.pause("after_read", req.request_id)
+        checking = time.monotonic()
+        if self.host.verify_transfer:
+            await self._verify_cached(compute, req, hit, local)
+        if self.check_state:
+            await self._check(compute, req.prompt, state.computed, local)
+        digest_check_seconds = time.monotonic() - checking
+        if self.telemetry is not None:
+            self.telemetry.prefix_state_saved_bytes.inc(state.saved_bytes)
+        out = ClientStream(tokenizer.for_engine(self.host.engine).stream(), req.started, self.telemetry)
+        async for chunk in self._steps(req, state.computed, local, compute, out, None):
+            yield chunk
+        await self._keep_prefix(compute, req, hit, local, link, state.computed, hit.tokens)
         tail = out.tail()
         if tail is not None:
             yield tail
-        yield self._summary(req, out, finish, transfer, transferred=num_computed, digest_check_seconds=digest_check_seconds)
+        assert out.finish is not None
+        yield self._summary(
+            req,
+            out,
+            out.finish,
+            Transfer(link, None, ReadStats(), 0.0),
+            transferred=0,
+            digest_check_seconds=digest_check_seconds,
+            cached_tokens=state.computed,
+        )
 
     async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:
         """The prefix cache's blocks must still have the digests they had when they entered
@@ -579,9 +646,14 @@ class Generation:
         transferred: int,
         digest_check_seconds: float = 0.0,
         read: bool = True,
+        cached_tokens: int | None = None,
     ) -> pb.GenerateResponse:
-        """`read`: False when the request ended before any state was READ (or checked)."""
+        """`read`: False when the request ended before any state was READ (or checked).
+        `cached_tokens`: prompt tokens from decode's caches (None: what the manifest skipped)."""
         link, manifest, stats, started = transfer.link, transfer.manifest, transfer.stats, req.started
+        restored = manifest is None  # a state checkpoint: no job, no READ
+        if cached_tokens is None:
+            cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
         return pb.GenerateResponse(
             summary=pb.GenerateSummary(
                 request_id=req.request_id,
@@ -604,11 +676,13 @@ class Generation:
                 time_to_first_token=duration((out.first_token_at or time.monotonic()) - started),
                 total_duration=duration(time.monotonic() - started),
                 state_verified=self.check_state and read,
-                digests_verified=self.host.verify_transfer and read,
+                digests_verified=self.host.verify_transfer and read,  # a restored checkpoint: its own digests
                 digest_check_duration=duration(digest_check_seconds),
-                prefill_digest_duration=nanoseconds(manifest.digest_ns),
+                prefill_digest_duration=nanoseconds(manifest.digest_ns if manifest is not None else 0),
+                prefill_engine_duration=nanoseconds(manifest.engine_ns if manifest is not None else 0),
                 seed=req.sampling.seed,
-                prefix_cached_tokens=transfer.manifest.skipped_tokens if read else 0,
+                prefix_cached_tokens=cached_tokens,
+                prefix_state_reused=restored,
             )
         )
 

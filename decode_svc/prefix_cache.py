@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decode_svc.peer_link import PeerLink
-from shared.cache.digest import SectionDigest, compare_digests, state_digests
+from shared.cache.digest import SectionDigest, block_digests, compare_digests
 from shared.engine.protocol import RequestBlocks
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
@@ -267,12 +267,7 @@ class PrefixCache:
         """On the compute thread: the FA digests of each given full block of the request's prompt."""
         if not self.host.verify_transfer:
             return [() for _ in indices]
-        layout, views, size = self.host.layout, self.host.views, self.block_size
-        out = []
-        for i in indices:
-            ids = [b[i : i + 1] if kind == "attention" else b for b, kind in zip(blocks.block_ids, self.kinds)]
-            out.append(tuple(state_digests(layout, views, ids, size, sections=("fa",))))
-        return out
+        return block_digests(self.host.layout, self.host.views, blocks.block_ids, indices)
 
     def verify(self, hit: Hit, blocks: RequestBlocks) -> list[int]:
         """On the compute thread: indices of the hit's blocks whose bytes differ from their digests."""

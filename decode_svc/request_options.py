@@ -11,9 +11,9 @@ import secrets
 from dataclasses import dataclass
 
 from shared.engine.protocol import Engine
-from shared.engine.sampling import GREEDY, SamplingError, SamplingParams, with_min_tokens
+from shared.engine.sampling import GREEDY, SamplingError, SamplingParams, leaves_a_token, with_min_tokens
 from shared.engine.stopping import StopRule
-from shared.errors import InvalidArgument
+from shared.errors import FieldIssue, InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 
 
@@ -59,8 +59,16 @@ def decode_options(request: pb.GenerateRequest, engine: Engine) -> DecodeOptions
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
     )
-    # The sampler masks exactly the ids the rule stops at, until min_tokens.
-    sampling = with_min_tokens(sampling_of(request, engine), request.min_tokens, stop.stop_token_ids)
+    # The sampler masks exactly the ids the rule stops at (those it can draw), until min_tokens.
+    masked = frozenset(t for t in stop.stop_token_ids if t < vocab)
+    sampling = with_min_tokens(sampling_of(request, engine), request.min_tokens, masked)
+    if not leaves_a_token(sampling, vocab):
+        raise InvalidArgument(
+            f"with the EOS ids (unless ignore_eos) they cover the whole vocabulary ({vocab} ids): no token is "
+            f"left to draw before min_tokens ({request.min_tokens}); send fewer stop ids or a smaller min_tokens",
+            field="stop_token_ids",
+            issues=[FieldIssue("min_tokens", f"{request.min_tokens}, but the stop ids leave no token to draw")],
+        )
     return DecodeOptions(sampling, stop)
 
 

@@ -56,6 +56,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         metrics: ServiceMetrics | None = None,
         learned: LearnedPeers | None = None,
         prefix_cache_blocks: int = 0,
+        prefix_cache_states: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -70,6 +71,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             telemetry=self.metrics.telemetry,
             learned=learned,
             prefix_cache_blocks=prefix_cache_blocks,
+            prefix_cache_states=prefix_cache_states,
         )
 
     async def Generate(

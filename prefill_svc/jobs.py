@@ -34,8 +34,8 @@ from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_
 from shared.cache.manifest import Manifest, ManifestPart
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
-from shared.engine.sampling import GREEDY, SamplingParams
-from shared.errors import Aborted, DeadlineExceeded, InvalidArgument
+from shared.engine.sampling import GREEDY, SamplingParams, leaves_a_token
+from shared.errors import Aborted, DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -89,6 +89,21 @@ def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) ->
         )
 
 
+def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
+    """The ids min_tokens masks are tokens of the vocabulary, and leave one to draw."""
+    field = "job.sampling.stop_token_ids"
+    outside = sorted(t for t in sampling.stop_token_ids if t >= vocab_size)
+    if outside:
+        raise InvalidArgument(f"token ids must be < {vocab_size} (the vocabulary), got {outside[:4]}", field=field)
+    if not leaves_a_token(sampling, vocab_size):
+        raise InvalidArgument(
+            f"they cover the whole vocabulary ({vocab_size} ids): no token is left to draw before min_tokens "
+            f"({sampling.min_tokens})",
+            field=field,
+            issues=[FieldIssue("job.sampling.min_tokens", f"{sampling.min_tokens}, but the masked ids cover the vocabulary")],
+        )
+
+
 def check_cached_tokens(cached: int, computed: int) -> None:
     """Decode can hold at most the K/V prefill computes."""
     if cached > computed:
@@ -137,6 +152,7 @@ class JobRunner:
         tracing.mark(Step.JOB_STARTED)
         prompt, deadline = job.prompt, job.deadline
         validate_prompt(self.host, job.request_id, prompt)
+        check_sampling(job.sampling, self.host.spec.vocab_size)
         engine = self.host.engine
         computed = engine.num_prefill_tokens(len(prompt))
         check_cached_tokens(job.cached_tokens, computed)
@@ -149,7 +165,7 @@ class JobRunner:
             return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part)
         compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(job, blocks, computed)))
         try:
-            first_token, digests, digest_seconds = await asyncio.shield(compute)
+            first_token, digests, digest_seconds, engine_seconds = await asyncio.shield(compute)
         except asyncio.CancelledError:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
@@ -188,6 +204,7 @@ class JobRunner:
             digest_ns=int(digest_seconds * 1e9),
             first_token=first_token,
             skipped_tokens=job.cached_tokens,
+            engine_ns=int(engine_seconds * 1e9),
         )
 
     async def _run_parts(
@@ -206,7 +223,7 @@ class JobRunner:
         assert isinstance(engine, ChunkedPrefill)
         run = engine.start_prefill(job.prompt, blocks, job.sampling)
         pin: Pin | None = None
-        digest_seconds = 0.0
+        digest_seconds = engine_seconds = 0.0
         for index, span in enumerate(spans):
             if pin is not None and self.pins.lookup(job.owner, job.request_id) is not pin:
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
@@ -217,7 +234,7 @@ class JobRunner:
             if pin is not None:
                 pin.writer = compute  # type: ignore[assignment]
             try:
-                first_token, digests, took = await asyncio.shield(compute)
+                first_token, digests, took, computing = await asyncio.shield(compute)
             except asyncio.CancelledError:
                 if pin is None:  # the engine may still be writing these blocks: free them once it is done
                     compute.add_done_callback(lambda _: self.host.free(tid))
@@ -227,6 +244,7 @@ class JobRunner:
                     self.host.free(tid)
                 raise
             digest_seconds += took
+            engine_seconds += computing
             if deadline_passed(job.deadline, loop.time()):
                 if pin is None:
                     self.host.free(tid)
@@ -254,6 +272,7 @@ class JobRunner:
                 first_token=first_token,
                 part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
                 skipped_tokens=job.cached_tokens,
+                engine_ns=int(engine_seconds * 1e9),
             )
             if last:
                 tracing.mark(Step.MANIFEST_BUILT)
@@ -266,14 +285,17 @@ class JobRunner:
 
     def _compute_span(
         self, job: Job, run: PrefillRun, blocks: RequestBlocks, start: int, span: PartSpan, last: bool
-    ) -> tuple[int | None, list[SectionDigest], float]:
+    ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the chunks up to the span's end, then the digests of what the
-        part makes final (its tokens' K/V; the last part also conv and SSM)."""
+        part makes final (its tokens' K/V; the last part also conv and SSM). Returns the first
+        token (or None), the digests, and the seconds the digests and the engine took."""
         first_token = None
+        computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end)
+        computing = time.monotonic() - computing
         if not self.host.verify_transfer:
-            return first_token, [], 0.0
+            return first_token, [], 0.0, computing
         began = time.monotonic()
         sections: tuple[Section, ...] = ("fa", "conv", "ssm") if last else ("fa",)
         digests = state_digests(
@@ -283,21 +305,24 @@ class JobRunner:
         section = fault_hooks.corruption_for(job.request_id)
         if section is not None and (last or section == "fa"):
             _flip_one_byte(self.host, blocks, section, span.tokens_from)
-        return first_token, digests, took
+        return first_token, digests, took, computing
 
-    def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float]:
+    def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the engine writes the state (and at the full-N boundary samples
-        the first token), then its digests are taken (returned with the seconds they took)."""
+        the first token), then its digests are taken (returned with the seconds they and the
+        engine took)."""
+        computing = time.monotonic()
         first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
+        computing = time.monotonic() - computing
         if not self.host.verify_transfer:
-            return first_token, [], 0.0
+            return first_token, [], 0.0, computing
         started = time.monotonic()
         digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed, tokens_from=job.cached_tokens)
         took = time.monotonic() - started
         section = fault_hooks.corruption_for(job.request_id)
         if section is not None:  # fa: in the first token decode READs (the cached K/V is not)
             _flip_one_byte(self.host, blocks, section, min(job.cached_tokens, max(0, computed - 1)))
-        return first_token, digests, took
+        return first_token, digests, took, computing
 
 
 def offers_chunks(engine: object, chunk_tokens: int) -> bool:

@@ -291,7 +291,12 @@ class PrefillSession:
         log_context.bind_request(rid, self.owner)  # this job's own task: every line of it names the request
         loop = asyncio.get_running_loop()
         started = loop.time()
-        job = job_from_message(message, owner=self.owner, readers_per_rank=self.readers, now=started)
+        try:
+            job = job_from_message(message, owner=self.owner, readers_per_rank=self.readers, now=started)
+        except ServiceError as e:  # a bad value in the message (sampling): answered like any failed job
+            self._jobs.pop(rid, None)
+            self._out.put_nowait(_failure(rid, e))
+            return
         deadline = job.deadline
         credit_taken = False
         status = "INTERNAL"

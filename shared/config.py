@@ -85,6 +85,7 @@ class ServiceSettings:
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
     prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
+    prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
 
     @property
     def listen_address(self) -> str:
@@ -450,6 +451,18 @@ FLAGS: tuple[Flag, ...] = (
         metavar="BLOCKS",
     ),
     Flag(
+        "prefix-cache-states",
+        non_negative_int,
+        "decode: keep the conv / SSM state (and the attention blocks the prefix cache does not share) of up to this "
+        "many finished requests' computed prompts; a request whose computed prompt is exactly one of them (a retry, "
+        "a regenerate, another sample of one prompt) then needs no prefill job and no READ. Needs "
+        "--prefix-cache-blocks (the leading attention blocks come from it) and the n-1 boundary; the copies take "
+        "memory beside the cache, on its device (one request's state each); evicted least recently used; 0: off",
+        0,
+        roles=("decode",),
+        metavar="N",
+    ),
+    Flag(
         "discovery-seconds",
         non_negative_float,
         "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
@@ -657,6 +670,24 @@ def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", 
     return "full" if value == "full" else "n-1"
 
 
+def _prefix_cache_states(values: dict[str, object], engine: EngineKind) -> int:
+    """--prefix-cache-states, refused without the prefix cache it builds on or at the full-N boundary."""
+    states = _own(values, "prefix_cache_states", int)
+    if not states:
+        return 0
+    if not _own(values, "prefix_cache_blocks", int):
+        raise SettingsError(
+            "--prefix-cache-states needs --prefix-cache-blocks > 0: a checkpoint's leading attention blocks come "
+            "from the prefix cache"
+        )
+    if _boundary(values["boundary"], "flag", engine) == "full":
+        raise SettingsError(
+            "--prefix-cache-states needs --boundary n-1: at the full boundary prefill samples the first token, "
+            "and the engine exposes no logits to sample it again with another seed"
+        )
+    return states
+
+
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
@@ -707,6 +738,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
         prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
+        prefix_cache_states=_prefix_cache_states(values, engine),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,

@@ -162,6 +162,24 @@ class Telemetry:
         self.prefix_cache_saved_bytes = Counter(
             "hybrid_pd_prefix_cache_saved_bytes", "K/V bytes not READ because the prefix cache held them", registry=decode
         )
+        self.prefix_state_hits = Counter(
+            "hybrid_pd_prefix_state_hits",
+            "Requests whose computed prompt had a state checkpoint: no prefill job, no READ",
+            registry=decode,
+        )
+        self.prefix_state_misses = Counter(
+            "hybrid_pd_prefix_state_misses", "Requests with state checkpoints on that found none to use", registry=decode
+        )
+        self.prefix_state_evictions = Counter(
+            "hybrid_pd_prefix_state_evictions",
+            "State checkpoints given up (least recently used, or found corrupt)",
+            registry=decode,
+        )
+        self.prefix_state_saved_bytes = Counter(
+            "hybrid_pd_prefix_state_saved_bytes",
+            "Conv, SSM and attention bytes not READ because a state checkpoint held them",
+            registry=decode,
+        )
         # Each request counts its bytes per section: the children are resolved once, not by labels() each time.
         self.transferred_bytes_of = {section: self.transferred_bytes.labels(section=section) for section in SECTIONS}
         for section in SECTIONS:

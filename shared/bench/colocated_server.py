@@ -52,6 +52,14 @@ T = TypeVar("T")
 MAX_TOKENS_PER_CHUNK = 16  # as the decode service
 
 
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """`fn(*args)` and the seconds it took (on the compute thread: the engine's own time, as the
+    prefill service reports it in the manifest)."""
+    began = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - began
+
+
 class ColocatedServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, layout: EngineLayout, engine: Engine, num_blocks: int) -> None:
         self.layout = layout
@@ -85,7 +93,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         blocks = self._allocate(key, len(prompt) + request.max_tokens)
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
-            first = await self._run(lambda: self.engine.prefill(prompt, blocks, options.sampling))
+            first, engine_seconds = await self._run(lambda: _timed(self.engine.prefill, prompt, blocks, options.sampling))
             prefill_seconds = time.monotonic() - started
             generated = 0
             first_token_at: float | None = None
@@ -115,6 +123,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
                     finish_reason=finish_reason_message(finish),
                     seed=options.sampling.seed,
                     prefill_duration=duration(prefill_seconds),
+                    prefill_engine_duration=duration(engine_seconds),
                     time_to_first_token=duration((first_token_at or time.monotonic()) - started),
                     total_duration=duration(time.monotonic() - started),
                 )

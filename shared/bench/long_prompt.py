@@ -7,6 +7,9 @@ alternating which setup goes first, so drift on a shared machine hits both alike
   spread of the prefill compute itself;
 - the same difference after taking each setup's server-reported prefill time out of its TTFT
   (`-prefill`), which leaves the compute spread out: transfer, control plane, first step;
+- and after taking out the prefill engine's own model calls (`-engine`, the manifest's engine
+  time, the colocated server's own): everything disaggregation adds, prefill's side included
+  (the job's hop, queueing, digests, the pin, the manifest's hop), without the compute's spread;
 - decode's READ time (first READ posted -> last done), its share of TTFT, and the bytes moved
   by section (attention K/V, conv, SSM), as the decode service reports them;
 - whether both setups generated the same tokens.
@@ -16,7 +19,7 @@ chunks of N, and a third setup runs in the same loop, `unpipelined`: a second de
 the same prefill that takes one manifest after the whole prompt (--manifest-parts off), while
 `disaggregated` READs each part as prefill computes on. Per length, the exposed transfer time
 of both, and the share pipelining hides: 1 - exposed(pipelined) / exposed(unpipelined), from
-the medians, on the paired TTFT difference and on the `-prefill` one.
+the medians, on the paired TTFT difference and on the `-prefill` and `-engine` ones.
 
 An engine that really computes is needed (prefill time must grow with the prompt): the hf
 engine on a tiny checkpoint (the default: prefill of a 32k prompt takes ~15 s on two cores) or
@@ -125,6 +128,12 @@ def _minus_prefill(t: Timed) -> float:
     return t.ttft - seconds(t.summary.prefill_duration) if t.summary is not None else math.nan
 
 
+def _minus_engine(t: Timed) -> float:
+    """TTFT minus the prefill engine's own time (NaN where the server reports none)."""
+    engine = seconds(t.summary.prefill_engine_duration) if t.summary is not None else 0.0
+    return t.ttft - engine if engine > 0 else math.nan
+
+
 def _finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if not math.isnan(v)]
 
@@ -146,6 +155,7 @@ def length_row(n: int, samples: Sequence[Sample], setups: Sequence[str] = SETUPS
     first = summaries[0] if summaries else None
     exposed = [a.ttft - b.ttft for a, b in zip(d, c)]
     exposed_minus_prefill = [_minus_prefill(a) - _minus_prefill(b) for a, b in zip(d, c)]
+    exposed_minus_engine = [_minus_engine(a) - _minus_engine(b) for a, b in zip(d, c)]
     read = [seconds(s.read_duration) for s in summaries]
     d_ttft = Summary.of([t.ttft for t in d]).median
     return {
@@ -161,6 +171,7 @@ def length_row(n: int, samples: Sequence[Sample], setups: Sequence[str] = SETUPS
         # Paired per prompt: disaggregated minus colocated.
         "exposed_transfer_ms": ms_summary(exposed),
         "exposed_minus_prefill_ms": ms_summary(exposed_minus_prefill),
+        "exposed_minus_engine_ms": ms_summary(_finite(exposed_minus_engine)),
         "read_ms": ms_summary(read),
         "read_share_of_ttft": Summary.of([r / t.ttft for r, t in zip(read, d) if t.ttft > 0]).as_dict(6),
         # The digests of the state (--verify-transfer digest, the default): prefill takes them
@@ -177,7 +188,11 @@ def length_row(n: int, samples: Sequence[Sample], setups: Sequence[str] = SETUPS
         "reads": first.transfer.read_count if first else None,
         "descriptors": first.transfer.descriptor_count if first else None,
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(samples)}",
-    } | (_unpipelined(ok, d, c, exposed, exposed_minus_prefill, len(samples)) if "unpipelined" in setups else {})
+    } | (
+        _unpipelined(ok, d, c, exposed, exposed_minus_prefill, exposed_minus_engine, len(samples))
+        if "unpipelined" in setups
+        else {}
+    )
 
 
 def _state_exposed(t: Timed) -> float:
@@ -192,18 +207,21 @@ def _unpipelined(
     c: Sequence[Timed],
     exposed: Sequence[float],
     exposed_minus_prefill: Sequence[float],
+    exposed_minus_engine: Sequence[float],
     count: int,
 ) -> dict[str, Any]:
     """The unpipelined setup's figures, and the share of its exposed time pipelining hides."""
     u = [s.results["unpipelined"] for s in ok]
     u_exposed = [a.ttft - b.ttft for a, b in zip(u, c)]
     u_minus_prefill = [_minus_prefill(a) - _minus_prefill(b) for a, b in zip(u, c)]
+    u_minus_engine = [_minus_engine(a) - _minus_engine(b) for a, b in zip(u, c)]
     u_summaries = [t.summary for t in u if t.summary is not None]
     d_summaries = [t.summary for t in d if t.summary is not None]
     return {
         "unpipelined_ttft_ms": ms_summary([t.ttft for t in u]),
         "unpipelined_exposed_transfer_ms": ms_summary(u_exposed),
         "unpipelined_exposed_minus_prefill_ms": ms_summary(u_minus_prefill),
+        "unpipelined_exposed_minus_engine_ms": ms_summary(_finite(u_minus_engine)),
         "unpipelined_read_ms": ms_summary([seconds(s.read_duration) for s in u_summaries]),
         "unpipelined_digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in u_summaries]),
         "reads_pipelined": d_summaries[0].transfer.read_count if d_summaries else None,
@@ -216,6 +234,9 @@ def _unpipelined(
         "hidden_share": json_number(_hidden(Summary.of(exposed), Summary.of(u_exposed))),
         "hidden_share_minus_prefill": json_number(
             _hidden(Summary.of(_finite(exposed_minus_prefill)), Summary.of(_finite(u_minus_prefill)))
+        ),
+        "hidden_share_minus_engine": json_number(
+            _hidden(Summary.of(_finite(exposed_minus_engine)), Summary.of(_finite(u_minus_engine)))
         ),
         "unpipelined_tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(u, c))}/{count}",
     }
@@ -237,7 +258,7 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         f"bench e2e --workload long-prompt: {c['model']} ({c['engine']} engine), prefill TP {c['prefill_tp']} -> "
         f"decode TP {c['decode_tp']}, {c['requests_per_length']} prompts per length, {c['max_tokens']} new tokens each",
         "",
-        f"{'prompt':>7} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'exposed ms':>11} {'-prefill':>9} "
+        f"{'prompt':>7} {'TTFT d ms':>10} {'TTFT c ms':>10} {'d/c':>6} {'exposed ms':>11} {'-prefill':>9} {'-engine':>8} "
         f"{'READ ms':>8} {'READ/TTFT':>10} {'digest ms':>9} {'FA MB':>8} {'conv MB':>8} {'SSM MB':>8} {'same':>5}",
     ]
     for r in result["lengths"]:
@@ -247,6 +268,7 @@ def format_long_prompt(result: dict[str, Any]) -> str:
             f"{r['prompt_tokens']:>7} {fixed(r['ttft_ms']['disaggregated']['median'], 1):>10} "
             f"{fixed(r['ttft_ms']['colocated']['median'], 1):>10} {fixed(r['ttft_ratio'], 3):>6} "
             f"{fixed(r['exposed_transfer_ms']['median'], 1):>11} {fixed(r['exposed_minus_prefill_ms']['median'], 1):>9} "
+            f"{fixed(r.get('exposed_minus_engine_ms', {}).get('median'), 1):>8} "
             f"{fixed(r['read_ms']['median'], 2):>8} {fixed(None if share is None else 100 * share, 3) + ' %':>10} "
             f"{fixed(r['digest_check_ms']['median'], 2):>9} "
             f"{megabytes(b['attention']):>8} {megabytes(b['conv']):>8} {megabytes(b['ssm']):>8} {r['tokens_match']:>5}"
@@ -258,7 +280,8 @@ def format_long_prompt(result: dict[str, Any]) -> str:
         "",
         "exposed: TTFT disaggregated - colocated, paired per prompt (median); it carries the run-to-run spread of",
         "the prefill compute too. -prefill: the same difference with each side's server-reported prefill time",
-        "taken out of its TTFT (transfer, control plane, first decode step). READ: decode's first READ posted ->",
+        "taken out of its TTFT (transfer, control plane, first decode step). -engine: with the prefill engine's own",
+        "model calls taken out instead (all disaggregation adds, prefill's side too). READ: decode's first READ posted ->",
         "last READ done. digest: decode checking the state's digests before its first step (prefill's own digest",
         "time is inside its prefill time).",
     ]
@@ -272,8 +295,8 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
         f"pipelined transfer, prefill chunks of {c['prefill_chunk_tokens']} tokens (disaggregated: manifest parts READ while "
         "prefill computes; unpipelined: one manifest at the end, same prefill):",
         f"{'prompt':>7} {'parts':>5} {'exposed pipe':>12} {'exposed unpipe':>14} {'hidden':>7} "
-        f"{'-prefill pipe':>13} {'-prefill unpipe':>15} {'hidden':>7} {'state pipe':>10} {'state unpipe':>12} {'hidden':>7} "
-        f"{'same':>5}",
+        f"{'-prefill pipe':>13} {'-prefill unpipe':>15} {'hidden':>7} {'-engine pipe':>12} {'-engine unpipe':>14} "
+        f"{'hidden':>7} {'state pipe':>10} {'state unpipe':>12} {'hidden':>7} {'same':>5}",
     ]
     for r in result["lengths"]:
         share, share_mp = r.get("hidden_share"), r.get("hidden_share_minus_prefill")
@@ -283,6 +306,9 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
             f"{_percent(share):>7} "
             f"{fixed(r['exposed_minus_prefill_ms']['median'], 1):>13} {fixed(r['unpipelined_exposed_minus_prefill_ms']['median'], 1):>15} "
             f"{_percent(share_mp):>7} "
+            f"{fixed(r.get('exposed_minus_engine_ms', {}).get('median'), 1):>12} "
+            f"{fixed(r.get('unpipelined_exposed_minus_engine_ms', {}).get('median'), 1):>14} "
+            f"{_percent(r.get('hidden_share_minus_engine')):>7} "
             f"{fixed(r['state_exposed_ms']['median'], 2):>10} {fixed(r['unpipelined_state_exposed_ms']['median'], 2):>12} "
             f"{_percent(r.get('hidden_share_state')):>7} {r['unpipelined_tokens_match']:>5}"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.cache.host_memory import host_buffer
+from shared.cache.regions import region_tensor
 
 DEVICES = ("cpu", "cuda")
 
@@ -18,11 +18,9 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def region_buffer(nbytes: int, device: str, rank: int, *, huge_pages: bool = True) -> torch.Tensor:
-    """A zero-filled uint8 tensor of `nbytes` for rank `rank`, every page touched now."""
-    place = rank_device(device, rank)
-    if place.type == "cpu":
-        return host_buffer(nbytes, huge_pages=huge_pages)
-    return torch.zeros(nbytes, dtype=torch.uint8, device=place)
+    """A zero-filled uint8 tensor of `nbytes` for rank `rank`, every page touched now: the
+    services' cache regions (`shared.cache.regions.region_tensor`)."""
+    return region_tensor(nbytes, rank_device(device, rank), huge_pages=huge_pages)
 
 
 def cuda_ready(ranks: int) -> str | None:

@@ -10,6 +10,8 @@ With `prefill_chunk_tokens` (pipelined transfer) the prefill and the colocated s
 chunks of that size (the same compute, and with the hf engine the same bits), the decode
 service takes manifest parts, and a third setup, `unpipelined`, is a second decode service on
 the same prefill with --manifest-parts off: one manifest after the whole prompt, as before.
+With `prefix_cache_states` another one, `states`, is a decode service on the same prefill with
+decode's state checkpoints on (--prefix-cache-states, over the same --prefix-cache-blocks).
 """
 
 from __future__ import annotations
@@ -86,10 +88,13 @@ class Running:
     pair: LocalPair
     colocated: Colocated
     unpipelined: ServiceProcess | None = None  # decode with --manifest-parts off, on the same prefill
+    states: ServiceProcess | None = None  # decode with --prefix-cache-states, on the same prefill
 
     @property
     def addresses(self) -> dict[str, str]:
         more = {} if self.unpipelined is None else {"unpipelined": self.unpipelined.address}
+        if self.states is not None:
+            more["states"] = self.states.address
         return {"disaggregated": self.pair.decode.address, **more, "colocated": self.colocated.address}
 
     @property
@@ -119,12 +124,14 @@ async def start_setups(
     prefill_chunk_tokens: int = 0,
     prefix_cache_blocks: int = 0,
     unpipelined: bool = True,
+    prefix_cache_states: int = 0,
 ) -> AsyncIterator[Running]:
     """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
     `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on the disaggregated
     decode for its prefix cache; stop them on exit. `boundary`: both setups' --boundary (None:
     the engine's default). With `prefill_chunk_tokens`, `unpipelined` adds a decode service with
-    --manifest-parts off on the same prefill (long-prompt's comparison)."""
+    --manifest-parts off on the same prefill (long-prompt's comparison); `prefix_cache_states`
+    one with that many state checkpoints (repeat's comparison)."""
     prefill = build_engine_layout(spec, prefill_tp, kernel_block_size=kernel_block_size)
     decode = build_engine_layout(spec, decode_tp, kernel_block_size=kernel_block_size)
     p_blocks = concurrent * blocks_needed(prefill, prefill_tokens(spec, prompt_tokens)) + 1
@@ -142,7 +149,24 @@ async def start_setups(
     )
     colocated: Colocated | None = None
     parts_off: ServiceProcess | None = None
+    states: ServiceProcess | None = None
     try:
+        if prefix_cache_states:
+            states = start_service(
+                "decode",
+                [
+                    *cached,
+                    "--engine-id",
+                    f"{name}-decode-states",
+                    "--prefix-cache-blocks",
+                    str(prefix_cache_blocks),
+                    "--prefix-cache-states",
+                    str(prefix_cache_states),
+                    "--prefill",
+                    pair.prefill.address,
+                ],
+            )
+            await wait_serving(states.address, DECODE_SERVICE)
         if prefill_chunk_tokens and unpipelined:
             parts_off = start_service(
                 "decode",
@@ -158,10 +182,12 @@ async def start_setups(
             )
             await wait_serving(parts_off.address, DECODE_SERVICE)
         colocated = Colocated([*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *chunks])
-        yield Running(pair, colocated, parts_off)
+        yield Running(pair, colocated, parts_off, states)
     finally:
         if colocated is not None:
             colocated.stop()
+        if states is not None:
+            states.stop()
         if parts_off is not None:
             parts_off.stop()
         pair.stop()

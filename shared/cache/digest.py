@@ -192,6 +192,43 @@ def state_digests(
     return out
 
 
+def block_digests(
+    layout: EngineLayout, ranks: Sequence[RankViews], block_ids: Sequence[npt.ArrayLike], indices: Sequence[int]
+) -> list[tuple[SectionDigest, ...]]:
+    """The FA digests of whole blocks `indices` of a request (`block_ids`, one array per group),
+    each exactly `state_digests(..., sections=("fa",))` of that block alone as a one-block
+    request, every rank its own bytes: the same bytes in the same order, but in one pass over
+    all the blocks (one host copy per layer of a device cache, not one per block)."""
+    indices = list(indices)
+    if not indices:
+        return []
+    per_block = layout.physical_per_logical  # kernel blocks (spans) of one whole block
+    heads = [kv_head_index(layout.spec, layout.tp, r) for r in range(layout.tp)]
+    out: list[list[SectionDigest]] = [[] for _ in indices]
+    for p in range(layout.tp):
+        head_runs = _own_runs(heads, p)
+        for g, group in enumerate(layout.groups):
+            if group.kind != "attention":
+                continue
+            ids = np.asarray(block_ids[g], dtype=np.int64).reshape(-1)[indices]
+            spans = token_spans(layout, ids, 0, ids.size * layout.block_size)
+            hashers = [xxhash.xxh3_128() for _ in indices]
+            for region in range(len(group.layers)):
+                layer = {r.rank: _FaSlabs(ranks[r.rank].fa[region], spans) for r in head_runs}
+                for kv in (0, 1):
+                    for r in head_runs:
+                        data = layer[r.rank].data
+                        for head in range(r.local, r.local + r.length):
+                            starts, stops = layer[r.rank].slabs(kv, head)
+                            for k, h in enumerate(hashers):
+                                mine = slice(k * per_block, (k + 1) * per_block)  # block k's kernel blocks
+                                for start, stop in zip(starts[mine], stops[mine]):
+                                    h.update(data[start:stop])
+            for k, h in enumerate(hashers):
+                out[k].append(SectionDigest(p, "fa", g, h.digest()))
+    return [tuple(d) for d in out]
+
+
 def _fa_digest(ranks: Sequence[RankViews], spans: Sequence[_TokenSpan], head_runs: Sequence[_Run], num_layers: int) -> bytes:
     """One attention group's K/V for one source rank: layer by layer, K then V, head by head, the
     head's tokens in order, each kernel block's rows hashed where they lie."""

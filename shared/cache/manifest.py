@@ -57,6 +57,8 @@ class Manifest:
     skipped_tokens: int = 0
     # One part of the state (pipelined transfer); None: the whole state in this one manifest.
     part: ManifestPart | None = None
+    # The engine's own model calls for the prompt (part of prefill_ns; parts: the sum so far).
+    engine_ns: int = 0
 
     @property
     def last(self) -> bool:
@@ -85,7 +87,7 @@ class Manifest:
             np.array_equal(a, b) for a, b in zip(self.block_ids, other.block_ids)
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
-        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns")
+        more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "engine_ns")
         parts = ("first_token", "part", "skipped_tokens")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
 

@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from shared.transport.agent import RankAgent
 
 
+def region_tensor(nbytes: int, device: torch.device, *, huge_pages: bool = True) -> torch.Tensor:
+    """A zero-filled uint8 tensor of `nbytes` on `device`, every page touched now (a READ must
+    not pay for page faults); on the host, on huge pages (host_memory.py)."""
+    # Zero-filling touches every page: copying into never-touched pages ran ~5x slower.
+    if device.type == "cpu":
+        return host_buffer(nbytes, huge_pages=huge_pages)
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
 class RankCache:
     """`num_regions` regions of `num_blocks * page_bytes` bytes on `device` (cpu or cuda:N)."""
 
@@ -36,14 +45,7 @@ class RankCache:
         self.num_blocks = num_blocks
         self.page_bytes = page_bytes
         self.device = torch.device(device)
-        # Zero-filling touches every page now: copying into never-touched pages ran ~5x
-        # slower, and a READ must not pay for page faults. On the host, huge pages (host_memory.py).
-        self.regions: list[torch.Tensor] = [
-            host_buffer(num_blocks * page_bytes, huge_pages=huge_pages)
-            if self.device.type == "cpu"
-            else torch.empty(num_blocks * page_bytes, dtype=torch.uint8, device=self.device).zero_()
-            for _ in range(num_regions)
-        ]
+        self.regions = [region_tensor(num_blocks * page_bytes, self.device, huge_pages=huge_pages) for _ in range(num_regions)]
         self.place = MemoryPlace.of_tensors(self.regions)
 
     @property

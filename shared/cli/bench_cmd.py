@@ -270,20 +270,24 @@ MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
     "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens",
 )  # fmt: skip
-WORKLOADS = ("concurrency", "long-prompt", "multi-turn")
+REPEAT_FLAGS = (
+    "workload", "model", "engine", "prompts", "repeats", "prompt-tokens", "max-tokens", "warmup", "prefill-tp", "decode-tp",
+    "prefill-chunk-tokens",
+)  # fmt: skip
+WORKLOADS = ("concurrency", "long-prompt", "multi-turn", "repeat")
 
 
 def _engine_and_model(args: argparse.Namespace) -> None:
     """Fill in the workload's engine (concurrency: reference; the long ones: hf, whose prefill of
     a 32k prompt takes seconds, not minutes) and model (reference: tiny-mamba2; hf: the tiny
-    checkpoint of --hf-family, made on first use)."""
+    checkpoint of --hf-family and --hf-size, made on first use)."""
     if args.engine is None:
-        args.engine = "reference" if args.workload == "concurrency" else "hf"
+        args.engine = "reference" if args.workload in ("concurrency", "repeat") else "hf"
     if args.model is None:
         if args.engine == "hf":
             from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
-            args.model = cached_checkpoint(args.hf_family)
+            args.model = cached_checkpoint(args.hf_family, size=args.hf_size)
         else:
             args.model = "tiny-mamba2"
 
@@ -294,6 +298,8 @@ def _e2e(args: argparse.Namespace) -> int:
         return _long_prompt(args)
     if args.workload == "multi-turn":
         return _multi_turn(args)
+    if args.workload == "repeat":
+        return _repeat(args)
     from shared.bench.e2e import E2EConfig, e2e_charts, format_e2e, run_e2e
     from shared.bench.plotting import sibling
 
@@ -366,6 +372,27 @@ def _multi_turn(args: argparse.Namespace) -> int:
     result = _run_async(run_multi_turn(cfg, command=command, show_progress=not args.no_progress))
     _no_chart(args)
     return _finish(args, result, format_multi_turn(result), None)
+
+
+def _repeat(args: argparse.Namespace) -> int:
+    from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
+
+    cfg = RepeatConfig(
+        model=args.model,
+        engine=args.engine,
+        prompts=args.prompts,
+        repeats=args.repeats,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        warmup=args.warmup,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+    )
+    command = _command("e2e", args, REPEAT_FLAGS)
+    result = _run_async(run_repeat(cfg, command=command, show_progress=not args.no_progress))
+    _no_chart(args)
+    return _finish(args, result, format_repeat(result), None)
 
 
 # ---- descids ----
@@ -479,15 +506,18 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser(
         "e2e",
         help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
-        description="\n\n".join(_doc(m) for m in ("shared.bench.e2e", "shared.bench.long_prompt", "shared.bench.multi_turn")),
+        description="\n\n".join(
+            _doc(m) for m in ("shared.bench.e2e", "shared.bench.long_prompt", "shared.bench.multi_turn", "shared.bench.repeat")
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(
         e,
         "workload",
         "concurrency",
-        "concurrency (levels of concurrent requests), long-prompt (TTFT and bytes per prompt length) or "
-        "multi-turn (conversations, each turn extending the previous one)",
+        "concurrency (levels of concurrent requests), long-prompt (TTFT and bytes per prompt length), "
+        "multi-turn (conversations, each turn extending the previous one) or repeat (the same prompts again, with and "
+        "without decode's state checkpoints)",
         choices=WORKLOADS,
     )
     _add(
@@ -507,6 +537,14 @@ def register(subparsers: Any) -> None:
         choices=("reference", "synthetic", "hf"),
     )
     _add(e, "hf-family", "nemotron_h", "with --engine hf and no --model: the family of the tiny checkpoint", metavar="FAMILY")
+    _add(
+        e,
+        "hf-size",
+        "tiny",
+        "with --engine hf and no --model: tiny (the tests' checkpoint) or small (nemotron_h only, about 60x the "
+        "compute per token: a 2k-token prefill then costs what a real one does relative to the network hops)",
+        choices=("tiny", "small"),
+    )
     _add(e, "concurrency", "1,2,4,8", "concurrency levels, e.g. 1,2,4,8,16,32,64", type=_levels, metavar="LIST")
     _add(
         e,
@@ -559,6 +597,8 @@ def register(subparsers: Any) -> None:
         metavar="N",
     )
     _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
+    _add(e, "prompts", 3, "repeat: distinct prompts, each sent --repeats times", type=_positive, metavar="N")
+    _add(e, "repeats", 3, "repeat: times each prompt is sent, in a row", type=_positive, metavar="K")
     _add(e, "conversations", 2, "multi-turn: conversations, each on both setups", type=_positive, metavar="N")
     _add(e, "first-turn-tokens", 2048, "multi-turn: the first turn's prompt length", type=_positive, metavar="N")
     _add(

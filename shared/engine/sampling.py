@@ -68,6 +68,12 @@ def with_min_tokens(params: SamplingParams, min_tokens: int, stop_token_ids: fro
     return replace(params, min_tokens=min_tokens, stop_token_ids=frozenset(int(t) for t in stop_token_ids))
 
 
+def leaves_a_token(params: SamplingParams, vocab_size: int) -> bool:
+    """False when min_tokens masks every id of the vocabulary: all logits would be -inf and the
+    draw undefined, so such a request is refused before it runs."""
+    return params.min_tokens == 0 or len({t for t in params.stop_token_ids if t < vocab_size}) < vocab_size
+
+
 def masked(logits: Tensor, params: SamplingParams, index: int) -> Tensor:
     """`logits` [vocab] (fp32, CPU, a copy when changed) with the stop ids at -inf while output
     index `index` is below min_tokens; `logits` itself otherwise."""

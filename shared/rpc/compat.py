@@ -88,6 +88,11 @@ def malformed_issues(msg: pb.EngineLayout, expected_role: int) -> list[FieldIssu
     )
     need(msg.num_regions >= 1, "num_regions", "must be >= 1")
     need(msg.boundary != pb.BOUNDARY_UNSPECIFIED, "boundary", "must be set (n-1 or full)")
+    need(
+        msg.prefill_chunk_tokens == 0 or msg.role == pb.ENGINE_ROLE_PREFILL,
+        "prefill_chunk_tokens",
+        f"a prefill engine's flag: a decode engine sends 0, got {msg.prefill_chunk_tokens}",
+    )
     need(len(msg.groups) >= 1, "groups", "must list the KV-cache groups")
     for g, group in enumerate(msg.groups):
         need(group.kind != pb.GROUP_KIND_UNSPECIFIED, f"groups[{g}].kind", "must be set")

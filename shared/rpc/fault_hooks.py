@@ -9,7 +9,8 @@ starts with `victim-`. Steps:
 - `between_parts` (prefill, pipelined transfer): a manifest part has just left, the next chunk
   has not started;
 - `before_read` (decode): the manifest is in hand, local blocks allocated, no READ posted;
-- `after_read` (decode): the state is read, decoding has not started.
+- `after_read` (decode): the state is read (or restored from a state checkpoint), decoding has
+  not started.
 Each pause logs `TEST PAUSE <step> <request id> <seconds>s` at WARNING (stderr), so a test that
 watches the output knows when to strike.
 

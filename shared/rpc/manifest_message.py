@@ -60,6 +60,7 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     set_nanoseconds(msg.lease_duration, m.lease_ns)
     set_nanoseconds(msg.prefill_duration, m.prefill_ns)
     set_nanoseconds(msg.digest_duration, m.digest_ns)
+    set_nanoseconds(msg.engine_duration, m.engine_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
     if m.part is not None:
@@ -186,4 +187,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         first_token=first_token,
         part=_part(msg, source),
         skipped_tokens=msg.skipped_prompt_tokens,
+        engine_ns=to_nanoseconds(msg.engine_duration),
     )

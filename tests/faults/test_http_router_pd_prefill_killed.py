@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.faults.harness import Service, Spec, peer_status, start_many
-from tests.faults.test_http_router_prefill_killed import MAX_TOKENS, REFERENCE, expected, http_base
+from tests.faults.router_requests import REFERENCE, expected, http_base, one
 from tests.integration.http.test_http_vllm_router import needs_router, router, wait_routing
 
 pytestmark = [pytest.mark.faults, pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -34,23 +34,6 @@ DECODE = (*REFERENCE, "--http-port", "0")  # no --prefill: P/D decode legs only
 HOLD_BEFORE_READ = "before_read:3"  # TEST-ONLY: every decode leg waits 3 s between its claim and its READ
 # The router checks every worker's /health each second and drops one at its first failure.
 ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
-
-
-async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, Any]:
-    """("ok", text), or ("failed", the error) for an error the server sent (status or SSE event)."""
-    prompt = f"request {i} " * 3
-    try:
-        if i % 2:
-            stream = await client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=MAX_TOKENS, stream=True)
-            text = "".join([c.choices[0].text async for c in stream if c.choices])
-        else:
-            out = await client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=MAX_TOKENS)
-            text = out.choices[0].text
-    except (openai.APIConnectionError, openai.APITimeoutError):
-        raise  # a dropped connection or a hang is not a clean failure
-    except openai.APIError as e:
-        return "failed", e
-    return "ok", text
 
 
 def clean_failure(error: openai.APIError, victim_http: str) -> str:
@@ -125,11 +108,11 @@ async def test_prefill_killed_under_the_router_in_pd_mode() -> None:
 
         for i, (how, answer) in enumerate(results):
             if how == "ok":
-                assert answer == expected(f"request {i} " * 3), i
+                assert answer == expected(i), i
         legs = [clean_failure(answer, victim_http) for how, answer in results if how == "failed"]
         assert any(leg.startswith("decode leg") for leg in legs), legs  # the claimed requests failed
         assert 0 < len(legs) < 32, legs
-        assert after == [("ok", expected(f"request {100 + i} " * 3)) for i in range(8)]
+        assert after == [("ok", expected(100 + i)) for i in range(8)]
         # Every answer a client got OK was a decode engine's OK.
         ok = sum([(await d.metrics()).get("hybrid_pd_requests_total{status=OK}", 0) for d in decodes])
         assert ok == sum(how == "ok" for how, _ in [*results, *after])

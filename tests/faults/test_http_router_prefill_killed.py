@@ -9,48 +9,17 @@ surviving prefill; every block is freed on every surviving process."""
 from __future__ import annotations
 
 import asyncio
-import re
 
 import openai
 import pytest
 
-from shared.engine.reference.colocated import colocated_generate
-from shared.layout.presets import get_preset
-from tests.faults.harness import Service, Spec, start_many
+from tests.faults.harness import Spec, start_many
+from tests.faults.router_requests import REFERENCE, expected, http_base, one
 from tests.integration.http.test_http_vllm_router import needs_router, router, wait_routing
 
 pytestmark = [pytest.mark.faults, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
-REFERENCE = ("--engine", "reference", "--num-blocks", "128")
 PREFILL = (*REFERENCE, "--heartbeat-seconds", "0.5")  # decode uses the interval prefill announces
-HTTP_PORT = re.compile(r"HTTP port=(\d+)")
-MAX_TOKENS = 48
-
-
-def http_base(service: Service) -> str:
-    port = next(int(m.group(1)) for m in map(HTTP_PORT.search, service.output) if m)
-    return f"http://127.0.0.1:{port}"
-
-
-def expected(prompt: str) -> str:
-    return bytes(colocated_generate(get_preset("tiny-mamba2"), list(prompt.encode()), MAX_TOKENS)).decode(
-        "utf-8", errors="replace"
-    )
-
-
-async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
-    """("ok", text) or ("failed", why)."""
-    prompt = f"request {i} " * 3
-    try:
-        if i % 2:
-            stream = await client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=MAX_TOKENS, stream=True)
-            text = "".join([c.choices[0].text async for c in stream if c.choices])
-        else:
-            out = await client.completions.create(model="tiny-mamba2", prompt=prompt, max_tokens=MAX_TOKENS)
-            text = out.choices[0].text
-    except openai.APIError as e:
-        return "failed", f"{type(e).__name__}: {e}"
-    return "ok", text
 
 
 @needs_router
@@ -73,7 +42,7 @@ async def test_prefill_killed_under_the_router() -> None:
                 after = await asyncio.gather(*(one(client, 100 + i) for i in range(8)))
         for i, (how, text) in enumerate(results):
             if how == "ok":
-                assert text == expected(f"request {i} " * 3), i
+                assert text == expected(i), i
         assert sum(how == "ok" for how, _ in results) > 0
         # The kill hit jobs held before their manifest: decode sent them to the surviving prefill
         # (a request failed otherwise, the router, which retries 5xx answers, sent again); every

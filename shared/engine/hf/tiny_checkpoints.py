@@ -8,7 +8,9 @@ Nothing is downloaded. Dims are small but keep every TP size in {1, 2, 4} valid 
 replicated at TP 4), the weights are larger than transformers' default init and the SSM decays
 slow, so that tokens depend visibly on the state (negative controls can then fail).
 
-Used by the tests (once per session) and by demos.
+Used by the tests (once per session) and by demos. `size="small"` (nemotron_h only) makes a
+checkpoint about 60 times heavier per token, for benchmarks: with the tiny one a 2k-token prefill
+costs so little that the few milliseconds of two extra network hops dominate any ratio.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_5_moe_text",
 )
 
+SIZES: tuple[str, ...] = ("tiny", "small")
+SMALL_FAMILIES: tuple[str, ...] = ("nemotron_h",)
 VOCAB_SIZE = 320  # 4 special tokens, the 256 bytes (any text encodes), merges
 EOS_TOKEN = "</s>"
 BOS_TOKEN = "<s>"
@@ -98,7 +102,39 @@ def _transformers() -> Any:
     return transformers
 
 
-def _config(family: str) -> Any:
+def _small_config(family: str) -> Any:
+    """Benchmark-sized: 8 layers of width 512, attention heads of 64, Mamba2 heads of 64 with a
+    state of 64 (about 10M parameters): still random weights, still made offline."""
+    if family not in SMALL_FAMILIES:
+        raise ValueError(f"size 'small' is made for {', '.join(SMALL_FAMILIES)} only, not {family!r}")
+    return _transformers().NemotronHConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=512,
+        intermediate_size=1024,
+        initializer_range=0.02,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        layers_block_type=["mamba", "attention", "mlp", "mamba"] * 2,
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        n_groups=1,
+        ssm_state_size=64,
+        conv_kernel=4,
+        chunk_size=128,
+    )
+
+
+def _config(family: str, size: str = "tiny") -> Any:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if size == "small":
+        return _small_config(family)
     tf = _transformers()
     ids: dict[str, Any] = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
     builders: dict[str, Callable[[], Any]] = {
@@ -210,11 +246,11 @@ def build_tokenizer(directory: str) -> None:
     fast.save_pretrained(directory)
 
 
-def build_checkpoint(family: str, directory: str, *, seed: int = 0) -> str:
-    """Write a tiny random checkpoint of `family` into `directory` (created); returns it."""
+def build_checkpoint(family: str, directory: str, *, seed: int = 0, size: str = "tiny") -> str:
+    """Write a random checkpoint of `family` and `size` into `directory` (created); returns it."""
     tf = _transformers()
+    config = _config(family, size)
     os.makedirs(directory, exist_ok=True)
-    config = _config(family)
     torch.manual_seed(seed)
     # The multimodal wrappers are saved as published (model_type qwen3_5 / qwen3_5_moe, language
     # model under text_config, vision tower included): the engine must load the text part of them.
@@ -237,21 +273,23 @@ def cache_root() -> str:
     return os.path.join(xdg, "hybrid-pd")
 
 
-def cached_checkpoint(family: str, *, seed: int = 0, root: str | None = None) -> str:
-    """The tiny checkpoint of `family`, made on first use and kept (keyed by `CHECKPOINT_FORMAT`
+def cached_checkpoint(family: str, *, seed: int = 0, root: str | None = None, size: str = "tiny") -> str:
+    """The checkpoint of `family` and `size`, made on first use and kept (keyed by `CHECKPOINT_FORMAT`
     and by the transformers version, whose save format may change). Built aside and renamed into
     place, so a run that is interrupted never leaves a half-written checkpoint behind."""
     import tempfile
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    _config(family, size)  # refuses a size the family is not made in, before anything is written
     base = os.path.join(root or cache_root(), "tiny-checkpoints")
-    directory = os.path.join(base, f"{family}-seed{seed}-v{CHECKPOINT_FORMAT}-transformers{_transformers().__version__}")
+    sized = "" if size == "tiny" else f"-{size}"
+    directory = os.path.join(base, f"{family}{sized}-seed{seed}-v{CHECKPOINT_FORMAT}-transformers{_transformers().__version__}")
     if os.path.isfile(os.path.join(directory, "config.json")):
         return directory
     os.makedirs(base, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{family}-", dir=base)
-    build_checkpoint(family, staging, seed=seed)
+    build_checkpoint(family, staging, seed=seed, size=size)
     try:
         os.rename(staging, directory)
     except OSError:  # another run put it there first

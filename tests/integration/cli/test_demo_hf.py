@@ -38,3 +38,18 @@ def test_demo_runs_an_hf_family_exactly(tmp_path: Path) -> None:
     assert rows["hf"]["model"] == "hf:jamba" and rows["hf"]["exact"] == 3 and rows["hf"]["bytes"]["ssm"] > 0
     assert rows["reference"]["exact"] == 3
     assert (tmp_path / "tiny-checkpoints").is_dir()  # made where the cache variable points
+
+
+def test_the_small_checkpoint_is_a_real_bigger_model_of_its_own(tmp_path: Path) -> None:
+    from shared.engine.hf.model_spec import hf_model_spec
+
+    tiny = hf_model_spec(cached_checkpoint("nemotron_h", root=str(tmp_path)))
+    small_dir = cached_checkpoint("nemotron_h", root=str(tmp_path), size="small")
+    small = hf_model_spec(small_dir)
+    assert "small" in os.path.basename(small_dir)  # cached apart from the tiny one
+    assert small.hidden_size > 4 * tiny.hidden_size and small.num_layers > tiny.num_layers
+    with pytest.raises(ValueError, match=r"small.*nemotron_h only"):
+        cached_checkpoint("jamba", root=str(tmp_path), size="small")
+    with pytest.raises(ValueError, match="unknown size"):
+        cached_checkpoint("nemotron_h", root=str(tmp_path), size="huge")
+    assert sorted(p.name for p in (tmp_path / "tiny-checkpoints").iterdir() if "jamba" in p.name) == []  # nothing written

@@ -88,6 +88,18 @@ async def test_min_tokens_keeps_a_stop_token_id_from_ending_early(http_pair: Htt
     await http_pair.blocks_freed()
 
 
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [({"stop_token_ids": [256]}, "the vocabulary"), ({"stop_token_ids": list(range(256)), "min_tokens": 1}, "whole vocabulary")],
+)
+async def test_bad_stop_token_ids_are_a_400_naming_the_field(http_pair: HttpPair, extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await asyncio.to_thread(_complete, http_pair, max_tokens=2, extra_body=extra)
+    body: Any = err.value.body
+    assert body["param"] == "stop_token_ids" and says in body["message"], body
+    await http_pair.blocks_freed()
+
+
 async def test_min_tokens_keeps_a_stop_sequence_from_ending_early(http_pair: HttpPair) -> None:
     ids = await _grpc_ids(http_pair, max_tokens=24)
     # An ASCII byte (one character) that comes back: its first occurrence is before min_tokens, a later one after.

@@ -76,21 +76,6 @@ async def hf_pair(
         await asyncio.wait_for(prefill.stop(), 30)
 
 
-async def generate_ids(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], dpb.GenerateSummary]:
-    ids: list[int] = []
-    summary = dpb.GenerateSummary()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = dpb_grpc.DecodeServiceStub(channel).Generate(
-            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60
-        )
-        async for reply in call:
-            if reply.HasField("chunk"):
-                ids.extend(reply.chunk.token_ids)
-            else:
-                summary = reply.summary
-    return ids, summary
-
-
 async def generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
     ids: list[int] = []
     summary = dpb.GenerateSummary()
@@ -101,3 +86,7 @@ async def generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.Genera
             else:
                 summary = reply.summary
     return ids, summary
+
+
+async def generate_ids(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], dpb.GenerateSummary]:
+    return await generate_with(port, prompt_token_ids=prompt, max_tokens=max_tokens)

@@ -72,6 +72,21 @@ async def test_malformed_layout_is_invalid_argument(start_prefill: Any, start_de
     assert isinstance(missing, RpcFailure) and missing.status == "INVALID_ARGUMENT"
 
 
+async def test_a_decode_layout_announcing_prefill_chunks_is_refused(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    layout = lpb.EngineLayout()
+    layout.CopyFrom(decode.host.message)
+    control = await handshake(channel_to(prefill.port), layout)
+    assert layout.prefill_chunk_tokens == 0 and isinstance(control, pb.HandshakeResponse)
+    layout.prefill_chunk_tokens = 32  # only a prefill engine chunks its prefill
+    answer = await handshake(channel_to(prefill.port), layout)
+    assert isinstance(answer, RpcFailure)
+    assert answer.status == "INVALID_ARGUMENT" and answer.fields == ("layout.prefill_chunk_tokens",), answer.message
+
+
 @pytest.mark.parametrize(
     ("flags", "fields"),
     [

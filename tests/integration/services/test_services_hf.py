@@ -53,6 +53,9 @@ async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
             assert ids == want, prompt
             assert summary.state_verified
             assert summary.prompt_token_count == len(prompt)
+            # prefill's engine time came through the manifest: part of the time prefill took
+            engine = summary.prefill_engine_duration.ToNanoseconds()
+            assert 0 < engine < summary.prefill_duration.ToNanoseconds()
 
 
 async def test_different_weights_are_refused_naming_the_fingerprint(hf_checkpoint: Callable[[str], str], tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
 
 from decode_svc.app import DecodeApp
 from prefill_svc.app import PrefillApp
@@ -36,21 +35,13 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.tracing import Step, tracing_into
 from shared.transport.agent import RankAgent
 from tests.integration.services.hf_services import generate_with, hf_pair
-from tests.unit.engine_hf.helpers import checkpoint
+from tests.unit.engine_hf.helpers import checkpoint, transformers_generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 N_MINUS_1 = ("--boundary", "n-1")
 HOLD_SECONDS = 3.0  # the TEST-ONLY READ hold; well inside the READ timeout (10 s)
 MAX_TOKENS = 8
-
-
-def transformers_generate(directory: str, dtype: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy generate(), which stops at generation_config's EOS as decode does."""
-    model = checkpoint(directory, dtype).model
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -88,8 +79,9 @@ async def test_full_n_tokens_equal_transformers_generate(
     async with hf_pair(directory, directory, p_tp, d_tp, decode_flags=flags, prefill_flags=flags) as (prefill, decode):
         assert prefill.host.message.boundary == decode.host.message.boundary  # full: the default for hf
         block = decode.host.layout.block_size
+        ckpt = await asyncio.to_thread(checkpoint, directory, dtype)  # loaded off the event loop
         for prompt in ([42], [(7 * i) % 200 + 4 for i in range(block)], [(5 * i) % 150 + 4 for i in range(block + 1)]):
-            want = await asyncio.to_thread(transformers_generate, directory, dtype, prompt, MAX_TOKENS)
+            want, _ = await asyncio.to_thread(transformers_generate, ckpt.model, prompt, MAX_TOKENS)
             ids, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=MAX_TOKENS)
             assert ids == want, (family, dtype, prompt)
             assert summary.num_transferred_tokens == len(prompt)  # the state after all N tokens

@@ -38,6 +38,8 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
         want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
         assert ids == want, len(prompt)
         assert summary.digests_verified
+        # every part's chunks counted: the engine time of the whole prompt, within prefill's time
+        assert 0 < summary.prefill_engine_duration.ToNanoseconds() < summary.prefill_duration.ToNanoseconds()
     assert got[0][1].transfer.read_count == pairs  # one chunk: one manifest
     assert got[-1][1].transfer.read_count > pairs  # the longest prompt came in parts
 

@@ -114,6 +114,49 @@ async def test_bad_job_fails_in_band_and_session_lives(start_prefill: Any, start
     assert (await session.next("manifest")).request_id == "good"
 
 
+async def test_a_job_with_a_bad_sampling_value_fails_naming_the_field(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    session = RawSession(channel_to(prefill.port), decode.host.message)
+    await session.open()
+    bad = pb.JobSampling(temperature=1.0, top_p=0.0)
+    await session.send(job=pb.PrefillJob(request_id="bad", prompt_token_ids=[1, 2], sampling=bad))
+    failure = await session.next("failure")
+    assert failure.request_id == "bad" and failure.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert failure.message.startswith("job.sampling.top_p"), failure.message
+    # Negative control: the same job with a valid top_p runs.
+    good = pb.JobSampling(temperature=1.0, top_p=1.0)
+    await session.send(job=pb.PrefillJob(request_id="bad", prompt_token_ids=[1, 2], sampling=good))
+    assert (await session.next("manifest")).request_id == "bad"  # the failed id was not left in flight
+
+
+async def test_a_job_whose_masked_ids_are_bad_fails_naming_the_field(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port, ready=False)
+    session = RawSession(channel_to(prefill.port), decode.host.message)
+    await session.open()
+    vocab = prefill.host.spec.vocab_size
+    cases = {
+        "outside": ([3, vocab], "the vocabulary"),
+        "all": (range(vocab), "no token is left"),
+    }
+    for name, (ids, says) in cases.items():
+        sampling = pb.JobSampling(top_p=1.0, min_tokens=1, stop_token_ids=ids)
+        await session.send(job=pb.PrefillJob(request_id=name, prompt_token_ids=[1, 2], sampling=sampling))
+        failure = await session.next("failure")
+        assert failure.request_id == name and failure.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert failure.message.startswith("job.sampling.stop_token_ids") and says in failure.message, failure.message
+    assert prefill.host.allocator.num_used == 0
+    # Negative control: one id left unmasked is a valid job.
+    ok = pb.JobSampling(top_p=1.0, min_tokens=1, stop_token_ids=range(vocab - 1))
+    await session.send(job=pb.PrefillJob(request_id="ok", prompt_token_ids=[1, 2], sampling=ok))
+    assert (await session.next("manifest")).request_id == "ok"
+
+
 SlowStamp = stamp.SlowStamp
 
 

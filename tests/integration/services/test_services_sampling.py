@@ -119,6 +119,42 @@ async def test_min_tokens_above_max_tokens_names_the_field(start_prefill: Any, s
     assert decode.host.allocator.num_used == 0
 
 
+async def test_stop_ids_outside_the_vocabulary_name_the_field(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    vocab = decode.host.spec.vocab_size
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=4, stop_token_ids=[3, vocab])
+    failure = describe(err.value)
+    assert failure.status == "INVALID_ARGUMENT" and failure.fields == ("stop_token_ids",), failure.message
+    assert f"< {vocab} (the vocabulary), got [{vocab}]" in failure.message
+    assert decode.host.allocator.num_used == 0
+
+
+async def test_stop_ids_that_mask_the_whole_vocabulary_before_min_tokens_are_refused(
+    start_prefill: Any, start_decode: Any, channel_to: Any
+) -> None:
+    decode = await _reference_pair(start_prefill, start_decode)
+    channel = channel_to(decode.port)
+    vocab = decode.host.spec.vocab_size
+    for sampling in (None, dpb.SamplingParams(seed=7, **SEEDED)):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _generate(
+                channel, prompt_token_ids=PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=range(vocab), sampling=sampling
+            )
+        failure = describe(err.value)
+        assert failure.status == "INVALID_ARGUMENT" and failure.fields == ("stop_token_ids", "min_tokens"), failure.message
+        assert "whole vocabulary" in failure.message
+        # Negative controls: one id left is the only one drawn before min_tokens; without min_tokens
+        # the same ids are fine (the first token ends the generation).
+        ids, summary = await _generate(
+            channel, prompt_token_ids=PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=range(1, vocab), sampling=sampling
+        )
+        assert ids[:2] == [0, 0] and summary.generated_token_count >= 2, ids
+        ids, summary = await _generate(channel, prompt_token_ids=PROMPT, max_tokens=4, stop_token_ids=range(vocab))
+        assert len(ids) == 1 and summary.finish_reason == dpb.FINISH_REASON_STOP
+    assert decode.host.allocator.num_used == 0
+
+
 @pytest.mark.parametrize(
     ("sampling", "field"),
     [

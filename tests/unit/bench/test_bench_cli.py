@@ -64,6 +64,7 @@ def test_huge_pages_take_the_services_spellings(monkeypatch: pytest.MonkeyPatch)
         ["e2e", "--prompt-lengths", "8k"],
         ["e2e", "--workload", "chat"],
         ["e2e", "--turns", "0"],
+        ["e2e", "--hf-size", "huge"],
         ["transfer", "--requests", "0"],
         ["transfer", "--huge-pages", "maybe"],
         ["control", "--breakdown", "--separate-processes"],  # the breakdown needs both in one process

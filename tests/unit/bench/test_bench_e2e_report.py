@@ -76,3 +76,38 @@ def test_levels_are_cut_into_alternating_parts() -> None:
     level = LevelResult("colocated", 1, [timed(0.0, 0.1, 0.3, [1, 2, 3])], 1.0, 0.5)
     level.add(LevelResult("colocated", 1, [timed(0.0, 0.1, 0.3, [4, 5, 6])], 2.0, None))
     assert len(level.timings) == 2 and level.wall == 3.0 and level.cpu_seconds is None
+
+
+def _with_engine(t: Timed, engine_s: float) -> Timed:
+    from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+
+    summary = pb.GenerateSummary()
+    summary.prefill_engine_duration.FromNanoseconds(round(engine_s * 1e9))
+    t.summary = summary
+    return t
+
+
+def test_the_compute_matched_ratio_cancels_the_engines_spread() -> None:
+    # Disaggregated adds 2 ms to its engine time, colocated 1 ms; but disaggregated's engine ran
+    # 30 ms slower (another tenant's load): the plain ratio says 1.31, the matched one 1.01.
+    disagg = [_with_engine(timed(0.0, 0.132, 0.2, [1, 2]), 0.130)]
+    coloc = [_with_engine(timed(0.0, 0.101, 0.2, [1, 2]), 0.100)]
+    levels = [LevelResult("disaggregated", 1, disagg, 1.0, 1.0), LevelResult("colocated", 1, coloc, 1.0, 1.0)]
+    r = build_e2e_result(E2EConfig(engine="hf", concurrency=(1,)), levels, CROSSOVER, "")
+    d, c = r["levels"]
+    assert d["engine_prefill_ms"]["median"] == pytest.approx(130.0) and d["ttft_minus_engine_ms"]["median"] == pytest.approx(2.0)
+    assert c["ttft_minus_engine_ms"]["median"] == pytest.approx(1.0)
+    cmp = r["comparisons"][0]
+    assert cmp["ttft_ratio"] == pytest.approx(132 / 101, abs=1e-3)
+    assert cmp["ttft_ratio_compute_matched"] == pytest.approx(102 / 101, abs=1e-3)
+    assert cmp["engine_prefill_ratio"] == pytest.approx(1.3)
+    assert r["target"]["met"] is False and r["target"]["compute_matched_met"] is True
+    assert "compute-matched 1.010 (met)" in format_e2e(r)
+
+
+def test_without_engine_times_there_is_no_matched_ratio() -> None:
+    disagg = LevelResult("disaggregated", 1, [timed(0.0, 0.2, 0.4, [1, 2])], 1.0, 1.0)
+    coloc = LevelResult("colocated", 1, [timed(0.0, 0.2, 0.4, [1, 2])], 1.0, 1.0)
+    r = build_e2e_result(E2EConfig(concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    assert r["comparisons"][0]["ttft_ratio_compute_matched"] is None and r["target"]["compute_matched_met"] is False
+    assert "compute-matched - (missed)" in format_e2e(r)

@@ -12,12 +12,14 @@ import pytest
 from shared.bench.client import Timed
 from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
 from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
+from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.proto_time import duration
 
 
-def summary(prompt: int, attention: int, *, prefill: float, read: float = 0.0) -> pb.GenerateSummary:
+def summary(prompt: int, attention: int, *, prefill: float, read: float = 0.0, engine: float = 0.0) -> pb.GenerateSummary:
     return pb.GenerateSummary(
+        prefill_engine_duration=duration(engine),
         prompt_token_count=prompt,
         num_transferred_tokens=prompt - 1,
         transfer=pb.TransferStats(attention_bytes=attention, conv_bytes=10, ssm_bytes=100, total_bytes=attention + 110),
@@ -68,6 +70,25 @@ def test_long_prompt_report_sets_pipelined_against_unpipelined() -> None:
     assert row["hidden_share_state"] == pytest.approx(0.8)
     assert row["unpipelined_tokens_match"] == "1/1"
     assert "80.0 %" in format_long_prompt(build_long_prompt_result(cfg, samples, "test"))
+    assert row["exposed_minus_engine_ms"]["count"] == 0  # no engine times reported: no figure, not a zero
+
+
+@pytest.mark.timeout(30)
+def test_long_prompt_minus_engine_takes_the_compute_spread_out_of_the_hidden_share() -> None:
+    # The engines' times differ by prompt (another tenant's load): on TTFT alone the pipelined request
+    # looks no better than the unpipelined one; minus each side's engine time, 4 ms against 20 ms.
+    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=1, prefill_chunk_tokens=16)
+    samples = [
+        Sample(64, {"disaggregated": timed(1.204, [1, 2], summary(64, 4096, prefill=1.2, engine=1.2)),
+                    "unpipelined": timed(1.02, [1, 2], summary(64, 4096, prefill=1.0, engine=1.0)),
+                    "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=1.0, engine=1.0))}),
+    ]  # fmt: skip
+    row = build_long_prompt_result(cfg, samples, "test")["lengths"][0]
+    assert row["exposed_transfer_ms"]["median"] == pytest.approx(204.0)
+    assert row["hidden_share"] < 0  # the spread alone: pipelining "lost"
+    assert row["exposed_minus_engine_ms"]["median"] == pytest.approx(4.0)
+    assert row["unpipelined_exposed_minus_engine_ms"]["median"] == pytest.approx(20.0)
+    assert row["hidden_share_minus_engine"] == pytest.approx(0.8)
 
 
 @pytest.mark.timeout(30)
@@ -145,3 +166,18 @@ def test_multi_turn_with_the_prefix_cache_and_parts_reads_parts_after_the_prefix
         assert cur["prefix_cached_tokens"] == prev["transferred_tokens"] // 32 * 32 > 0
     assert all(t["reads"] > 1 for t in rows)  # in parts (one rank pair), after the prefix from turn 2 on
     assert "Pipelined transfer (--prefill-chunk-tokens 20)" in format_multi_turn(r)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_repeat_reads_nothing_again_with_state_checkpoints_only() -> None:
+    cfg = RepeatConfig(model="tiny-mamba2", prompts=1, repeats=2, prompt_tokens=40, max_tokens=4, warmup=0)
+    r = asyncio.run(run_repeat(cfg, command="test", show_progress=False))
+    first, again = r["repeats"]
+    assert all(row["errors"] == [] and row["tokens_match"] == "1/1" for row in (first, again))
+    assert first["bytes"]["states"]["total"] == first["bytes"]["disaggregated"]["total"] > 0  # both READ it all
+    assert first["states_state_reused"] == "0/1" and again["states_state_reused"] == "1/1"
+    assert again["bytes"]["states"]["total"] == 0  # restored: nothing READ
+    assert again["bytes"]["disaggregated"]["ssm"] > 0  # without checkpoints: the state READ again
+    assert again["disaggregated_state_reused"] == "0/1"
+    assert "restored" in format_repeat(r)

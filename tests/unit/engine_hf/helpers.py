@@ -6,8 +6,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from shared.cache.model_views import RankViews
@@ -34,6 +36,15 @@ def checkpoint(directory: str, dtype: str = "fp32") -> HfCheckpoint:
 @lru_cache(maxsize=32)
 def spec_of(directory: str, dtype: str = "fp32") -> ModelSpec:
     return hf_model_spec(directory, dtype=dtype)
+
+
+def transformers_generate(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[Tensor]]:
+    """transformers' own greedy generate(do_sample=False), which stops at generation_config's
+    EOS as decode does: the generated tokens and each step's logits."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
 def engine(

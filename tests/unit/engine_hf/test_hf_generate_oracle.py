@@ -9,24 +9,16 @@ logits stay within 1e-4 (about 1e-5 seen); in bf16 nothing is claimed (tokens ma
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.tiny_checkpoints import FAMILIES
-from tests.unit.engine_hf.helpers import checkpoint, disaggregated, engine
+from tests.unit.engine_hf.helpers import checkpoint, disaggregated, engine, transformers_generate
 
 PROMPTS = ([11, 4, 29, 77, 5, 16, 140, 9, 63, 22, 31, 8, 57, 19, 101, 44], [42])
 MAX_TOKENS = 8
-
-
-def _generate(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
-    )
-    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
 def _upto_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
@@ -43,7 +35,7 @@ def test_full_n_is_generate_bit_for_bit(family: str, dtype: str, hf_checkpoint: 
     ckpt = checkpoint(directory, dtype)
     prefill, decode = engine(directory, 2, dtype=dtype), engine(directory, 4, dtype=dtype)
     for prompt in PROMPTS:
-        want_tokens, want_logits = _generate(ckpt.model, prompt, MAX_TOKENS)
+        want_tokens, want_logits = transformers_generate(ckpt.model, prompt, MAX_TOKENS)
         run = disaggregated(prefill, decode, prompt, MAX_TOKENS)
         got = _upto_eos(run.tokens, ckpt.eos_token_ids)
         assert got == want_tokens, (family, dtype, prompt)
@@ -59,7 +51,7 @@ def test_n_minus_1_is_close_to_generate_in_fp32(family: str, hf_checkpoint: Call
     directory = hf_checkpoint(family)
     ckpt = checkpoint(directory)
     prompt = PROMPTS[0]
-    want_tokens, want_logits = _generate(ckpt.model, prompt, MAX_TOKENS)
+    want_tokens, want_logits = transformers_generate(ckpt.model, prompt, MAX_TOKENS)
     run = disaggregated(engine(directory, 1, boundary="n-1"), engine(directory, 2, boundary="n-1"), prompt, MAX_TOKENS)
     got = _upto_eos(run.tokens, ckpt.eos_token_ids)
     assert got == want_tokens

@@ -37,6 +37,7 @@ def manifest() -> Manifest:
         digest_ns=987,
         first_token=299,
         skipped_tokens=32,
+        engine_ns=11_000_321,
     )
 
 

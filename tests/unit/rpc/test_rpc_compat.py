@@ -100,3 +100,15 @@ def test_malformed_messages() -> None:
     with pytest.raises(InvalidArgument) as err:
         check(message("prefill", 1), msg)
     assert "layout.ranks[0].agent_name" in err.value.fields
+
+
+def test_only_a_prefill_layout_may_announce_prefill_chunks() -> None:
+    prefill, decode = message("prefill", 1), message("decode", 1)
+    prefill.prefill_chunk_tokens = 64
+    check(prefill, decode)  # control: a prefill engine announces its chunks
+    check(prefill, decode, local_role="decode")
+    decode.prefill_chunk_tokens = 64
+    with pytest.raises(InvalidArgument) as err:
+        check(prefill, decode)
+    assert err.value.fields == ("layout.prefill_chunk_tokens",)
+    assert "got 64" in err.value.message

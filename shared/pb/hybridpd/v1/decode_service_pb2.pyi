@@ -284,6 +284,8 @@ class GenerateSummary(_message.Message):
     PREFILL_DIGEST_DURATION_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     PREFIX_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    PREFIX_STATE_REUSED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -307,6 +309,11 @@ class GenerateSummary(_message.Message):
     """Leading prompt tokens whose K/V came from decode's prefix cache (--prefix-cache-blocks), not
     from prefill: `transfer` moved none of their attention state. 0: none.
     """
+    prefix_state_reused: _builtins.bool
+    """The whole computed prompt's state came from decode's state checkpoints (--prefix-cache-states):
+    no prefill job ran and nothing was READ (`transfer` is empty; prefix_cached_tokens counts the
+    computed prompt tokens).
+    """
     @_builtins.property
     def transfer(self) -> Global___TransferStats: ...
     @_builtins.property
@@ -327,6 +334,12 @@ class GenerateSummary(_message.Message):
     def digest_check_duration(self) -> _duration_pb2.Duration: ...
     @_builtins.property
     def prefill_digest_duration(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def prefill_engine_duration(self) -> _duration_pb2.Duration:
+        """The prefill engine's own time computing the prompt (the manifest's engine_duration; the
+        colocated baseline's model calls): TTFT minus it is what disaggregation adds. Zero: not reported.
+        """
+
     def __init__(
         self,
         *,
@@ -348,10 +361,12 @@ class GenerateSummary(_message.Message):
         prefill_digest_duration: _duration_pb2.Duration | None = ...,
         seed: _builtins.int = ...,
         prefix_cached_tokens: _builtins.int = ...,
+        prefill_engine_duration: _duration_pb2.Duration | None = ...,
+        prefix_state_reused: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

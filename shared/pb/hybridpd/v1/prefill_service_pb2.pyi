@@ -578,6 +578,7 @@ class Manifest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     SKIPPED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -634,6 +635,13 @@ class Manifest(_message.Message):
         (absent: the whole state, as before). See ManifestPart.
         """
 
+    @_builtins.property
+    def engine_duration(self) -> _duration_pb2.Duration:
+        """The engine's own time computing the prompt: its model calls on the compute thread, without
+        queueing, digests or the control plane (part of prefill_duration; with parts, the sum so far).
+        Zero from a prefill that does not report it.
+        """
+
     def __init__(
         self,
         *,
@@ -651,10 +659,11 @@ class Manifest(_message.Message):
         first_token_id: _builtins.int | None = ...,
         part: Global___ManifestPart | None = ...,
         skipped_prompt_tokens: _builtins.int = ...,
+        engine_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015

@@ -1,0 +1,206 @@
+"""Decode's state checkpoints: the conv / SSM state of finished requests' computed prompts, so a
+request whose computed prefix is exactly one already READ needs no prefill job and no READ.
+
+Prefill computes every prompt from token 0 and is deterministic: the same computed tokens on an
+engine of the same chain (`prefix_cache.Chain`: model, prefill TP, engine kind, chunk size) give
+the same bytes. So the state a request READ is what prefill would send again for a request with
+the same computed tokens (a retry, a regenerate, several samples of one prompt). A checkpoint
+holds a copy of what the prefix cache does not: the Mamba groups' blocks, and the attention
+blocks after the cache's `lead` full blocks (the block the computed tokens end inside, and for a
+chunked hf prefill those of its last chunk, which the cache never shares). It is usable only
+with the cache's chain covering exactly those `lead` blocks, which is why it needs
+--prefix-cache-blocks.
+
+A checkpoint is taken right after a request's READ and its digest check (before its first
+decode step updates the SSM state in place); with digests on it carries the digests of those
+bytes, and a request restoring it recomputes them from its own blocks: a mismatch discards the
+checkpoint and the request takes the ordinary prefill job and READ. The n-1 boundary only: at
+the full-N boundary prefill samples the first token, and the engines expose no logits to
+resample it with another seed (the settings refuse the combination).
+
+Bounded by count (--prefix-cache-states), evicted least recently used; one that a request is
+restoring is pinned and never evicted, and an entry is never overwritten (a key already held is
+not taken again). The copies are tensors on the cache's device, apart from the block pool.
+Single-threaded: used from the event loop; `take` and `restore` run on the compute thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from decode_svc.peer_link import PeerLink
+from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks, skipped_bytes
+from shared.cache.digest import SectionDigest, compare_digests, state_digests
+from shared.engine.protocol import RequestBlocks
+from shared.runtime.engine_host import EngineHost
+from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Runs a call on the compute thread (`ComputeGuard.run`)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+def state_key(chain: Chain, prompt: Sequence[int], computed: int) -> bytes:
+    """Names the computation: the chain's root and exactly the computed tokens."""
+    h = hashlib.blake2b(chain.root, digest_size=16)
+    h.update(computed.to_bytes(8, "little"))
+    h.update(np.asarray(prompt[:computed], dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Checkpoint:
+    key: bytes
+    computed: int  # prompt tokens whose state it holds
+    lead: int  # leading full attention blocks the prefix cache supplies
+    pages: list[list[torch.Tensor]]  # per rank, per region: [blocks, page bytes] of the blocks it holds
+    digests: tuple[SectionDigest, ...]  # of those bytes as they entered (empty: digests off)
+    saved_bytes: int  # what a READ of them would move (attention after `lead` blocks, conv, SSM)
+    users: int = 0  # requests restoring it now: never evicted while > 0
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pages[0][0].shape[0]) if self.pages and self.pages[0] else 0
+
+
+class StateCheckpoints:
+    def __init__(self, host: EngineHost, capacity: int, telemetry: Telemetry | None = None) -> None:
+        self.host = host
+        self.capacity = capacity
+        self.telemetry = telemetry
+        self.enabled = capacity > 0 and host.engine.boundary == "n-1"
+        self._entries: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _own_ids(self, blocks: RequestBlocks, lead: int, computed: int) -> np.ndarray:
+        """The request's blocks a checkpoint holds: attention blocks after `lead` up to the one
+        the computed tokens end in, then every Mamba group's blocks (group order)."""
+        end = -(-computed // self.host.layout.block_size)
+        parts = [
+            np.asarray(ids[lead:end] if g.kind == "attention" else ids, dtype=np.int64)
+            for ids, g in zip(blocks.block_ids, self.host.layout.groups)
+        ]
+        return np.concatenate(parts)
+
+    def _digests(self, blocks: RequestBlocks, lead: int, computed: int) -> tuple[SectionDigest, ...]:
+        if not self.host.verify_transfer:
+            return ()
+        layout = self.host.layout
+        return tuple(state_digests(layout, self.host.views, blocks.block_ids, computed, tokens_from=lead * layout.block_size))
+
+    def lookup(self, chain: Chain | None, prompt: Sequence[int], computed: int, hit: Hit) -> Checkpoint | None:
+        """The checkpoint of exactly these computed tokens whose attention lead `hit` covers, pinned."""
+        if not self.enabled or chain is None:
+            return None
+        found = self._entries.get(state_key(chain, prompt, computed))
+        if found is not None and len(hit.entries) != found.lead:
+            found = None
+        if found is not None:
+            found.users += 1
+            self._entries.move_to_end(found.key)
+        if self.telemetry is not None:
+            (self.telemetry.prefix_state_hits if found is not None else self.telemetry.prefix_state_misses).inc()
+        return found
+
+    def release(self, checkpoint: Checkpoint) -> None:
+        checkpoint.users -= 1
+
+    def restore(self, checkpoint: Checkpoint, blocks: RequestBlocks) -> bool:
+        """On the compute thread: copy the checkpoint into the request's own blocks; whether
+        they then have its digests (always True with digests off)."""
+        idx = self._own_ids(blocks, checkpoint.lead, checkpoint.computed)
+        for view, saved in zip(self.host.views, checkpoint.pages):
+            for region, pages in enumerate(saved):
+                view.cache.blocks(region).index_copy_(0, torch.from_numpy(idx).to(pages.device), pages)
+        got = self._digests(blocks, checkpoint.lead, checkpoint.computed)
+        return not compare_digests(self.host.layout, checkpoint.digests, got)
+
+    async def restored(self, run: Compute, checkpoint: Checkpoint, blocks: RequestBlocks) -> bool:
+        """`restore` on the compute thread (`run`); False (and the checkpoint discarded) when the
+        copy lacks its digests: the request then takes the ordinary prefill job and READ."""
+        if await run(lambda: self.restore(checkpoint, blocks)):
+            return True
+        self.discard(checkpoint)
+        log.warning("request %s: a state checkpoint differs from its digests; discarded, prefilling", blocks.request_id)
+        return False
+
+    def discard(self, checkpoint: Checkpoint) -> None:
+        """Drop a checkpoint found corrupt (the requests restoring it have their copies)."""
+        if self._entries.get(checkpoint.key) is checkpoint:
+            del self._entries[checkpoint.key]
+            self._count_eviction()
+
+    def wanted(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> bytes | None:
+        """The key to take a checkpoint under, if it is not held yet."""
+        if not self.enabled or chain is None:
+            return None
+        key = state_key(chain, prompt, computed)
+        return None if key in self._entries else key
+
+    def take(
+        self, key: bytes, chain: Chain, link: PeerLink, blocks: RequestBlocks, computed: int, state_bytes: int
+    ) -> Checkpoint:
+        """On the compute thread: copy the request's state (just READ and checked, its conv and
+        SSM `state_bytes` READ from `link`) out."""
+        size = self.host.layout.block_size
+        lead = cacheable_blocks(computed, size, chain.unit)
+        # What a later READ would move that the prefix cache's lead does not already save.
+        saved = skipped_bytes(link, computed) - skipped_bytes(link, lead * size) + state_bytes
+        idx = self._own_ids(blocks, lead, computed)
+        pages = []
+        for view in self.host.views:
+            cache = view.cache
+            where = torch.from_numpy(idx).to(cache.blocks(0).device)
+            pages.append([cache.blocks(r).index_select(0, where) for r in range(cache.num_regions)])
+        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved)
+
+    async def keep(
+        self,
+        run: Compute,
+        chain: Chain | None,
+        link: PeerLink,
+        prompt: Sequence[int],
+        blocks: RequestBlocks,
+        computed: int,
+        state_bytes: int,
+    ) -> None:
+        """A checkpoint of the request's state, just READ from `link` and checked, unless one is
+        held already (`take` on the compute thread, `run`)."""
+        key = self.wanted(chain, prompt, computed)
+        if key is None or chain is None:
+            return
+        known = chain
+        self.insert(await run(lambda: self.take(key, known, link, blocks, computed, state_bytes)))
+
+    def insert(self, checkpoint: Checkpoint) -> bool:
+        """Keep `checkpoint`, evicting the least recently used unpinned ones past the bound;
+        False when its key is held already or every held one is in use."""
+        if checkpoint.key in self._entries:
+            return False
+        while len(self._entries) >= self.capacity:
+            victim = next((c for c in self._entries.values() if c.users == 0), None)
+            if victim is None:
+                return False
+            del self._entries[victim.key]
+            self._count_eviction()
+        self._entries[checkpoint.key] = checkpoint
+        return True
+
+    def _count_eviction(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.prefix_state_evictions.inc()

@@ -1,0 +1,288 @@
+"""Decode's state checkpoints (--prefix-cache-states): a prompt whose computed tokens are exactly
+those of a finished request needs no prefill job and READs nothing; its conv / SSM state (and
+the attention blocks the prefix cache does not share) come from the checkpoint. Every response
+equals the colocated run bit for bit, with every digest and --check-state on.
+
+Negative controls: a checkpoint's SSM bytes shifted in place are refused with digests on (the
+request falls back to prefill and a READ, still exact), and change the tokens with digests off,
+so the restored bytes are what decode computes from. A prompt one token shorter or longer than
+a cached one finds no checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from prefill_svc import session as session_module
+from prefill_svc.jobs import Job
+from shared.bench.colocated_server import colocated_servicer
+from shared.cache.model_views import torch_dtype
+from shared.config import parse_settings
+from shared.engine.reference.colocated import colocated_generate
+from shared.layout.presets import TINY_PRESETS
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
+from shared.rpc import fault_hooks
+from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
+from tests.integration.exactness.pair import Generated, RunningPair, service_pair
+from tests.integration.services.colocated import colocated_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _states(n: int = 4, check: bool = True) -> list[str]:
+    return ["--prefix-cache-blocks", "64", "--prefix-cache-states", str(n), *(["--check-state"] if check else [])]
+
+
+def _metric(pair: RunningPair, name: str) -> float:
+    for line in pair.decode.metrics.telemetry.exposition().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+def _count_jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids of the jobs prefill receives (a spy on the real parser)."""
+    jobs: list[str] = []
+    real = session_module.job_from_message
+
+    def counting(job: prefill_pb.PrefillJob, **kw: Any) -> Job:
+        jobs.append(job.request_id)
+        return real(job, **kw)
+
+    monkeypatch.setattr(session_module, "job_from_message", counting)
+    return jobs
+
+
+def _assert_restored(g: Generated, computed: int) -> None:
+    s = g.summary
+    assert s.prefix_state_reused and s.prefix_cached_tokens == computed
+    assert s.num_transferred_tokens == 0 and s.transfer.total_bytes == 0 and s.transfer.read_count == 0
+    assert s.digests_verified and s.state_verified
+
+
+def _assert_read(g: Generated) -> None:
+    s = g.summary
+    assert not s.prefix_state_reused and s.transfer.ssm_bytes > 0 and s.transfer.read_count > 0
+
+
+def _exact(model: str, prompt: Sequence[int], got: Generated) -> None:
+    assert got.token_ids == colocated_generate(TINY_PRESETS[model], prompt, ANSWER)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model", ["tiny-mamba2", "tiny-gdn"])
+async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    async with service_pair(model, 1, 1, extra_decode=_states()) as pair:
+        block = pair.decode.host.layout.block_size
+        # 70: the computed tokens end inside a block (its copy is the checkpoint's); block + 1:
+        # they end on a block boundary (every attention block comes from the prefix cache).
+        unit, saved = fa_unit_tokens(pair), 0
+        for n, seed in ((70, 1), (block + 1, 2)):
+            prompt = random_tokens(seed, n)
+            first = await pair.generate(prompt, ANSWER, request_id=f"first-{n}")
+            _exact(model, prompt, first)
+            _assert_read(first)
+            # A hit saves what a READ after the prefix cache's full blocks would move: the K/V
+            # units from the last full block on, and the conv and SSM state.
+            t = first.summary.transfer
+            unit_bytes = t.attention_bytes // -(-(n - 1) // unit)
+            saved += 2 * (unit_bytes * (-(-(n - 1) // unit) - (n - 1) // block * block // unit) + t.conv_bytes + t.ssm_bytes)
+            for again in range(2):
+                got = await pair.generate(prompt, ANSWER, request_id=f"again-{n}-{again}")
+                assert got.token_ids == first.token_ids
+                _assert_restored(got, n - 1)
+        assert jobs == ["first-70", f"first-{block + 1}"]
+        assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 4
+        assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2
+        assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
+        generation = pair.decode.servicer.generation
+        assert len(generation.states) == 2
+        assert pair.decode.host.allocator.num_used == generation.prefix.num_blocks  # requests' own blocks all freed
+
+
+async def _sampled(pair: RunningPair | pb_grpc.DecodeServiceStub, prompt: list[int], seed: int, rid: str = "") -> Generated:
+    stub = pair.stub if isinstance(pair, RunningPair) else pair
+    sampling = pb.SamplingParams(seed=seed, temperature=1.3, top_p=0.95, top_k=50) if seed else None
+    request = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=12, request_id=rid, sampling=sampling)
+    tokens: list[int] = []
+    summary = pb.GenerateSummary()
+    async for reply in stub.Generate(request, timeout=120):
+        if reply.HasField("chunk"):
+            tokens.extend(reply.chunk.token_ids)
+        else:
+            summary = reply.summary
+    return Generated(tokens, summary)
+
+
+@pytest.mark.asyncio
+async def test_samples_with_different_seeds_reuse_one_checkpoint_and_equal_colocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    prompt = random_tokens(3, 75)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+        runs = [await _sampled(pair, prompt, seed, f"s{seed}") for seed in (0, 7, 8, 0)]
+    assert jobs == ["s0"]
+    for g in runs[1:]:
+        _assert_restored(g, len(prompt) - 1)
+    async with colocated_port(colocated_servicer("reference", "tiny-mamba2", 1, 64)) as port:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            want = [await _sampled(pb_grpc.DecodeServiceStub(channel), prompt, seed) for seed in (0, 7, 8)]
+        finally:
+            await channel.close()
+    assert [g.token_ids for g in runs] == [w.token_ids for w in (*want, want[0])]
+    assert len({tuple(w.token_ids) for w in want}) == 3  # the seeds really decide the tokens
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+async def test_other_tp_and_block_sizes_on_the_two_sides(p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    prompt = random_tokens(4, 90)
+    prefill = ["--block-size", "64", "--kernel-block-size", "32"]
+    decode = [*_states(), "--block-size", "32", "--kernel-block-size", "16"]
+    async with service_pair("tiny-mamba2", p_tp, d_tp, extra_prefill=prefill, extra_decode=decode) as pair:
+        assert pair.decode.host.layout.block_size != pair.prefill.host.layout.block_size
+        first = await pair.generate(prompt, ANSWER, request_id="first")
+        again = await pair.generate(prompt, ANSWER, request_id="again")
+    _exact("tiny-mamba2", prompt, first)
+    _assert_read(first)
+    assert again.token_ids == first.token_ids
+    _assert_restored(again, len(prompt) - 1)
+    assert jobs == ["first"]
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    prompt = random_tokens(5, 70)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+        await pair.generate(prompt, ANSWER, request_id="cached")
+        for name, other in (("shorter", prompt[:-1]), ("longer", [*prompt, 17])):
+            got = await pair.generate(other, ANSWER, request_id=name)
+            _exact("tiny-mamba2", other, got)
+            _assert_read(got)
+            assert got.summary.prefix_cached_tokens > 0  # the attention prefix was still reused
+        assert jobs == ["cached", "shorter", "longer"]
+        assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 0
+
+
+def _shift_checkpoint_ssm(pair: RunningPair) -> None:
+    """TEST-ONLY: shift the SSM state held in the least recently used checkpoint (a fault no real
+    part makes on purpose). Its rows: per group in order, the attention blocks after its lead,
+    or the Mamba group's block."""
+    host = pair.decode.host
+    checkpoint = next(iter(pair.decode.servicer.generation.states._entries.values()))
+    shapes, dtype, layout = host.layout.shapes, torch_dtype(host.spec.ssm_dtype), host.layout
+    tail = -(-checkpoint.computed // layout.block_size) - checkpoint.lead
+    row, shifted = 0, 0
+    for group in layout.groups:
+        if group.kind == "attention":
+            row += tail
+            continue
+        for rank in checkpoint.pages:
+            for region in range(len(group.layers)):
+                rank[region][row, shapes.ssm_offset : shapes.ssm_offset + shapes.ssm_bytes].view(dtype).add_(3.0)
+                shifted += 1
+        row += 1
+    assert row == checkpoint.num_blocks and shifted
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_checkpoint_is_refused_and_the_request_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    prompt = random_tokens(6, 70)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+        healthy = await pair.generate(prompt, ANSWER, request_id="healthy")
+        _shift_checkpoint_ssm(pair)
+        fallback = await pair.generate(prompt, ANSWER, request_id="fallback")
+        assert fallback.token_ids == healthy.token_ids
+        _assert_read(fallback)
+        assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
+        again = await pair.generate(prompt, ANSWER, request_id="again")  # the fallback's own checkpoint
+        assert again.token_ids == healthy.token_ids
+        _assert_restored(again, len(prompt) - 1)
+    assert jobs == ["healthy", "fallback"]
+
+
+@pytest.mark.asyncio
+async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens() -> None:
+    """The negative control of the exactness above: the restored bytes are really used."""
+    prompt = random_tokens(7, 70)
+    off = ["--verify-transfer", "off"]
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=off, extra_decode=[*off, *_states(check=False)]) as pair:
+        healthy = await pair.generate(prompt, 8)
+        _shift_checkpoint_ssm(pair)
+        changed = await pair.generate(prompt, 8)
+    assert changed.summary.prefix_state_reused
+    assert changed.token_ids != healthy.token_ids
+
+
+@pytest.mark.asyncio
+async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = _count_jobs(monkeypatch)
+    a, b = random_tokens(8, 70), random_tokens(9, 70)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
+        for i, prompt in enumerate((a, b, a, b)):
+            got = await pair.generate(prompt, ANSWER, request_id=f"r{i}")
+            _exact("tiny-mamba2", prompt, got)
+            _assert_read(got)
+        assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 4
+        assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 0
+        assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 3
+        assert len(pair.decode.servicer.generation.states) == 1
+    assert len(jobs) == 4
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request holds the only checkpoint (paused after its restore) while another request's
+    checkpoint wants its place: the held one stays, byte for byte, and the newcomer is not kept."""
+    a, b = random_tokens(10, 70), random_tokens(11, 70)
+    go = asyncio.Event()
+    real_pause = fault_hooks.pause
+
+    async def pause(step: str, request_id: str) -> None:  # TEST-ONLY: hold one request after its restore
+        if step == "after_read" and request_id == "holder":
+            await go.wait()
+        await real_pause(step, request_id)
+
+    monkeypatch.setattr(fault_hooks, "pause", pause)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
+        states = pair.decode.servicer.generation.states
+        first = await pair.generate(a, ANSWER, request_id="first")
+        held = next(iter(states._entries.values()))
+        before = [[p.clone() for p in rank] for rank in held.pages]
+        holder = asyncio.ensure_future(pair.generate(a, ANSWER, request_id="holder"))
+        while held.users == 0:
+            await asyncio.sleep(0.01)
+        other = await pair.generate(b, ANSWER, request_id="other")  # its checkpoint finds no room
+        _exact("tiny-mamba2", b, other)
+        assert list(states._entries.values()) == [held]
+        assert all(torch.equal(x, y) for rank, was in zip(held.pages, before) for x, y in zip(rank, was))
+        assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 0
+        go.set()
+        reused = await holder
+        assert reused.token_ids == first.token_ids
+        _assert_restored(reused, len(a) - 1)
+        await pair.generate(b, ANSWER, request_id="other-again")  # now it evicts the unused one
+        assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
+
+
+def test_states_without_the_prefix_cache_or_at_the_full_boundary_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "tiny-mamba2", "--prefill", "127.0.0.1:1"]
+    hf_full = ["--engine", "hf", "--prefix-cache-blocks", "8", "--boundary", "full"]
+    for flags, named in (([], "--prefix-cache-blocks > 0"), (hf_full, "--boundary n-1")):
+        with pytest.raises(SystemExit):
+            parse_settings("decode", [*base, *flags, "--prefix-cache-states", "2"], environ={})
+        assert named in capsys.readouterr().err
+    ok = parse_settings("decode", [*base, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"], environ={})
+    assert ok.prefix_cache_states == 2
