@@ -690,9 +690,10 @@ class Generation:
         if self.telemetry is None or not stats.read_count:
             return
         t = self.telemetry
-        t.transferred_bytes.labels(section="fa").inc(stats.attention_bytes)
-        t.transferred_bytes.labels(section="conv").inc(stats.conv_bytes)
-        t.transferred_bytes.labels(section="ssm").inc(stats.ssm_bytes)
+        moved = t.transferred_bytes_of
+        moved["fa"].inc(stats.attention_bytes)
+        moved["conv"].inc(stats.conv_bytes)
+        moved["ssm"].inc(stats.ssm_bytes)
         t.transfer_seconds.observe(stats.seconds)
         for posting in stats.post_seconds:
             t.post_seconds.observe(posting)

@@ -130,7 +130,8 @@ class JobRunner:
     def spans_for(self, job: Job, computed: int, on_part: PartSink | None) -> list[PartSpan]:
         """The job's parts; one span (no parts) unless the job, the engine and the flag allow them."""
         engine, layout = self.host.engine, self.host.layout
-        if on_part is None or not job.accepts_parts or not offers_chunks(engine, self.chunk_tokens):
+        # The flag first: with it off (the default) no job pays for a runtime Protocol isinstance, a slow one.
+        if on_part is None or not job.accepts_parts or self.chunk_tokens <= 0 or not offers_chunks(engine, self.chunk_tokens):
             return [PartSpan(computed, job.cached_tokens, computed)]
         block_tokens = layout.block_size if layout.attention_group_ids else 0
         return part_spans(computed, self.chunk_tokens, block_tokens, tokens_from=job.cached_tokens)

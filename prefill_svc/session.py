@@ -268,15 +268,14 @@ class PrefillSession:
         if rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
             self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
             return
-        task = self._jobs[rid] = asyncio.ensure_future(self._run_job(job))
+        # Tracing off: the job's own coroutine, no wrapper to resume at every await (as spans.traced does).
+        task = self._jobs[rid] = asyncio.ensure_future(self._job(job, None) if not spans.enabled() else self._traced_job(job))
         owner = self.owner
         self.load.job_started(owner)
         # A callback, not the job's `finally`: a job cancelled before it first ran is counted out too.
         task.add_done_callback(lambda _: self.load.job_ended(owner))
 
-    async def _run_job(self, message: pb.PrefillJob) -> None:
-        if not spans.enabled():
-            return await self._job(message, None)
+    async def _traced_job(self, message: pb.PrefillJob) -> None:
         # A child of decode's request span when the job carries its trace context.
         attributes: dict[str, AttributeValue] = {
             "hybrid_pd.request_id": message.request_id,

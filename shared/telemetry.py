@@ -180,8 +180,9 @@ class Telemetry:
             "Conv, SSM and attention bytes not READ because a state checkpoint held them",
             registry=decode,
         )
+        # Each request counts its bytes per section: the children are resolved once, not by labels() each time.
+        self.transferred_bytes_of = {section: self.transferred_bytes.labels(section=section) for section in SECTIONS}
         for section in SECTIONS:
-            self.transferred_bytes.labels(section=section)
             self.digest_mismatches.labels(section=section)
         for status in STATUSES:
             self.requests.labels(status=status)

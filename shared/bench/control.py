@@ -17,6 +17,13 @@ driven through the decode service's own pieces:
 Also the whole Generate RPC (max_tokens 1) through the decode service's gRPC API, as a client
 sees it (its critical path does not wait for prefill's free).
 
+Beside each phase's wall clock, the event loop's CPU time over it (`time.thread_time` on the
+loop's thread; p10 and median): the Python work the phase costs, which load on other cores
+disturbs less than its wall clock. In this process both services and the client share that loop.
+`--calls` adds two passes under a call counter on the loop thread (sys.setprofile; it slows every
+call, so nothing else is timed there): the exact Python and C calls per step, per request and
+per Generate RPC.
+
 With `--separate-processes` the prefill service runs in a process of its own
 (control_prefill.py), as in a deployment: the two services no longer share a GIL. `notified`
 is then read from prefill's clock (the same monotonic clock in every process): from the moment
@@ -47,7 +54,15 @@ from prefill_svc.app import PrefillApp
 from shared import tracing
 from shared.bench.client import generate
 from shared.bench.control_prefill import PrefillProcess
-from shared.bench.control_trace import NOTIFICATION_WAIT_STEP, StepTrace, thread_hop_seconds, traced
+from shared.bench.control_trace import (
+    NOTIFICATION_WAIT_STEP,
+    CallCounter,
+    StepTrace,
+    call_summary,
+    cpu_summary_us,
+    thread_hop_seconds,
+    traced,
+)
 from shared.bench.echo import echo_round_trips
 from shared.bench.no_compute import NoComputeEngine
 from shared.bench.pairs import pair_lists, request_reads
@@ -79,10 +94,13 @@ class ControlConfig:
     warmup: int = 20
     breakdown: bool = False  # one more pass of `requests`, timed step by step (control_trace.py)
     separate_processes: bool = False  # prefill in a process of its own (control_prefill.py)
+    calls: bool = False  # two more passes counting the loop thread's calls per step, request and Generate
 
     def __post_init__(self) -> None:
         if self.breakdown and self.separate_processes:
             raise ValueError("--breakdown times both services step by step in this process: drop --separate-processes")
+        if self.calls and self.separate_processes:
+            raise ValueError("--calls counts both services' calls on one event loop: drop --separate-processes")
 
 
 async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
@@ -115,6 +133,10 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         owner = "" if prefill_app is None else _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
         prompt = list(range(1, cfg.prompt_tokens + 1))
         samples: dict[str, list[float]] = {p: [] for p in (*PHASES, *BASELINES)}
+        loop_cpu: dict[str, list[float]] = {p: [] for p in PHASES if p != "ids"}  # ids: timed apart
+        counter = CallCounter()
+        counted = StepTrace(counter=counter)  # the --calls pass
+        calls: dict[str, list[tuple[int, int]]] = {"request": [], "generate_rpc": []}
         trace = StepTrace()
         hops: list[float] = []  # bare thread hops, measured with --breakdown
         raw_target = RawTarget(cfg.prefill_tp, prefill_layout.num_regions, prefill_layout.region_bytes(NUM_BLOCKS))
@@ -154,26 +176,27 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
 
             return ended
 
-        async def one_request(rid: str) -> tuple[dict[str, float], ReadStats]:
-            """One request through decode's pieces: seconds per phase."""
-            t0 = time.perf_counter()
+        async def one_request(rid: str) -> tuple[dict[str, float], dict[str, float], ReadStats]:
+            """One request through decode's pieces: seconds per phase, wall clock and loop CPU."""
+            c0, t0 = time.thread_time(), time.perf_counter()
             manifest = await session.submit(rid, prompt, 30.0)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             pin_ended = pin_end(rid)
-            a0 = time.perf_counter()
+            ca0, a0 = time.thread_time(), time.perf_counter()
             local = host.allocate(rid, len(prompt) + 1)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             tracing.mark(Step.READ_START)  # no-ops outside the traced pass
             reads = ReadFence()
             stats = await read_request(host, link, manifest, local, timeout=30.0, fence=reads)
             tracing.mark(Step.READ_END)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
             session.done_reading(rid)
             # Prefill, in its own process, may free the blocks before decode's loop saw DONE.
             notified = max(0.0, await pin_ended() - t3)
-            f0 = time.perf_counter()
+            cn = time.thread_time()
+            cf0, f0 = time.thread_time(), time.perf_counter()
             reads.when_released(lambda: host.free(rid))
-            f1 = time.perf_counter()
+            f1, cf1 = time.perf_counter(), time.thread_time()
             remote = manifest.block_ids
             i0 = time.perf_counter()
             for pair in link.pairs:
@@ -188,17 +211,27 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                 "free": f1 - f0,
                 "total": (t1 - t0) + (t2 - a0) + (t3 - t2) + notified + (f1 - f0),
             }
-            return phases, stats
+            cpu = {
+                "manifest": c1 - c0,
+                "allocate": c2 - ca0,
+                "read": c3 - c2,
+                "notified": cn - c3,
+                "free": cf1 - cf0,
+                "total": (c1 - c0) + (c2 - ca0) + (c3 - c2) + (cn - c3) + (cf1 - cf0),
+            }
+            return phases, cpu, stats
 
-        rounds = 2 * total_rounds + (cfg.requests if cfg.breakdown else 0)
+        rounds = 2 * total_rounds + (cfg.requests if cfg.breakdown else 0) + (2 * cfg.requests if cfg.calls else 0)
         with Progress("bench control", rounds, enabled=show_progress) as progress:
             for i in range(total_rounds):
-                phases, stats = await one_request(f"bench-control-{i}")
+                phases, cpu, stats = await one_request(f"bench-control-{i}")
                 raw_read = raw_reader.run(raw_reads, f"bench-control-raw-{i}".encode())
                 if i >= cfg.warmup:
                     samples["raw_read"].append(raw_read)
                     for name, value in phases.items():
                         samples[name].append(value)
+                    for name, value in cpu.items():
+                        loop_cpu[name].append(value)
                 progress.advance()
             if cfg.breakdown:
                 # A separate pass: each mark costs a few microseconds the phases above must not carry.
@@ -209,15 +242,39 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                         trace.end()
                         progress.advance()
                 hops = await thread_hop_seconds(cfg.requests)
+            if cfg.calls:
+                with counter.counting(), traced(counted):
+                    for i in range(cfg.requests):
+                        counted.begin()
+                        before = (counter.python, counter.c)
+                        await one_request(f"bench-control-counted-{i}")
+                        calls["request"].append((counter.python - before[0], counter.c - before[1]))
+                        counted.end()
+                        progress.advance()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{decode_app.port}") as channel:
                 stub = pb_grpc.DecodeServiceStub(channel)
-                for i in range(total_rounds):
-                    timed = await generate(stub, prompt, 1, request_id=f"bench-control-rpc-{i}")
+
+                async def one_rpc(rid: str) -> tuple[float, float]:
+                    c0 = time.thread_time()
+                    timed = await generate(stub, prompt, 1, request_id=rid)
+                    c1 = time.thread_time()
                     if timed.error:
                         raise RuntimeError(f"Generate failed: {timed.error}")
+                    return timed.done - timed.sent, c1 - c0
+
+                for i in range(total_rounds):
+                    wall, cpu_s = await one_rpc(f"bench-control-rpc-{i}")
                     if i >= cfg.warmup:
-                        samples["generate_rpc"].append(timed.done - timed.sent)
+                        samples["generate_rpc"].append(wall)
+                        loop_cpu["generate_rpc"].append(cpu_s)
                     progress.advance()
+                if cfg.calls:
+                    with counter.counting():
+                        for i in range(cfg.requests):
+                            before = (counter.python, counter.c)
+                            await one_rpc(f"bench-control-rpc-counted-{i}")
+                            calls["generate_rpc"].append((counter.python - before[0], counter.c - before[1]))
+                            progress.advance()
             samples["echo"] = (await echo_round_trips(total_rounds))[cfg.warmup :]
         leftover = await _blocks_left(prefill_app, prefill_proc), host.allocator.num_used
     finally:
@@ -246,8 +303,10 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             "engine": "no-compute",
             "in_process": not cfg.separate_processes,
             "breakdown": cfg.breakdown,
+            "calls": cfg.calls,
         },
         "ms": ms,
+        "loop_cpu_us": {name: cpu_summary_us(values) for name, values in loop_cpu.items()},
         "median_ms": total_median,
         "p99_ms": ms["total"]["p99"],
         "ratios": {
@@ -263,6 +322,12 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
     }
     if cfg.breakdown:
         result["breakdown"] = _breakdown(trace, ms, Summary.of(hops).scaled(1e3).median)
+    if cfg.calls:
+        result["calls"] = {
+            "steps": counted.call_summaries(),
+            "request": call_summary(calls["request"]),
+            "generate_rpc": call_summary(calls["generate_rpc"]),
+        }
     return result
 
 
@@ -309,16 +374,22 @@ def format_control(result: dict[str, Any]) -> str:
         f"prompt {c['prompt_tokens']} tokens, {c['requests']} requests (+{c['warmup']} warm-up), "
         + ("services in this process" if c["in_process"] else "prefill in a process of its own"),
         "",
-        f"{'phase':<14} {'median ms':>10} {'p99 ms':>9} {'min ms':>9}",
+        f"{'phase':<14} {'median ms':>10} {'p99 ms':>9} {'min ms':>9}   {'loop CPU p10 us':>15} {'median us':>10}",
     ]
     for name in (*PHASES, *BASELINES):
         if name == "echo":
             lines.append("baselines (same run):")
         s = result["ms"][name]
+        cpu = result["loop_cpu_us"].get(name)
         label = f"  {name}" if name in ("ids", *BASELINES) else name
-        lines.append(f"{label:<14} {_f(s['median']):>10} {_f(s['p99']):>9} {_f(s['min']):>9}")
+        line = f"{label:<14} {_f(s['median']):>10} {_f(s['p99']):>9} {_f(s['min']):>9}"
+        if cpu is not None:
+            line += f"   {_us(cpu['p10']):>15} {_us(cpu['median']):>10}"
+        lines.append(line)
     if "breakdown" in result:
         lines += ["", *_format_breakdown(result["breakdown"])]
+    if "calls" in result:
+        lines += ["", *_format_calls(result["calls"])]
     verdict = "met" if result["met"] else "missed"
     r = result["ratios"]
     lines += [
@@ -332,9 +403,12 @@ def format_control(result: dict[str, Any]) -> str:
 
 
 def _format_breakdown(b: dict[str, Any]) -> list[str]:
-    lines = [f"{'step (separate traced pass)':<56} {'median ms':>10} {'p99 ms':>9}"]
+    lines = [f"{'step (separate traced pass)':<56} {'median ms':>10} {'p99 ms':>9}   {'loop CPU p10 us':>15} {'median us':>10}"]
     for step in b["steps"]:
-        lines.append(f"{step['step']:<56} {_f(step['median']):>10} {_f(step['p99']):>9}")
+        cpu = step["loop_cpu_us"]  # "-": a mark of the step lies off the event loop
+        lines.append(
+            f"{step['step']:<56} {_f(step['median']):>10} {_f(step['p99']):>9}   {_us(cpu['p10']):>15} {_us(cpu['median']):>10}"
+        )
     f = b["floors"]
     lines += [
         "",
@@ -345,5 +419,23 @@ def _format_breakdown(b: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _format_calls(c: dict[str, Any]) -> list[str]:
+    lines = [f"{'calls on the event loop (counted pass)':<56} {'Python':>10} {'C':>9}   (mean per request)"]
+    for step in c["steps"]:
+        if step["count"]:  # steps with a mark off the loop have no count
+            lines.append(f"{step['step']:<56} {_n(step['python_mean']):>10} {_n(step['c_mean']):>9}")
+    for name, label in (("request", "whole request (the phases above)"), ("generate_rpc", "Generate RPC (client included)")):
+        lines.append(f"{label:<56} {_n(c[name]['python_mean']):>10} {_n(c[name]['c_mean']):>9}")
+    return lines
+
+
 def _f(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _n(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -5,6 +5,13 @@ for one extra pass of requests StepTrace is installed as the sink and stamps eac
 are the time between two named marks of the same request. The pass is separate from the
 untraced one whose phases `bench control` reports, because each stamp costs a few microseconds.
 
+A mark made on the event loop's thread also reads that thread's CPU time (`time.thread_time`):
+a step whose marks all lie on the loop gets its loop CPU, the work the loop did between them
+whichever service did it (in this process both services share one loop). With a CallCounter
+counting the loop thread's function calls (`--calls`, one more pass: counting slows every call),
+such a step also gets its exact number of Python and C calls. The counts include the marks' own
+few calls, the same at every commit.
+
 The floors measured beside it (in control.py, from the same run) are what no implementation of
 this design can avoid on this machine: a Session stream round trip (echo), a hop from the event loop to a
 worker thread and back (the compute thread; a READ this small is posted on the event loop
@@ -16,15 +23,19 @@ READ's notification waits for the next pump; taken from the traced pass).
 from __future__ import annotations
 
 import asyncio
+import statistics
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import Any, NamedTuple
 
 from shared import tracing
-from shared.bench.stats import Summary
+from shared.bench.stats import Summary, json_number, percentile
 from shared.tracing import Step
 
 NOTIFICATION_WAIT_STEP = "prefill: READ done -> pump fetched the notification"
@@ -50,12 +61,45 @@ STEPS: tuple[tuple[str, Step, Step], ...] = (
 )
 
 
+class Mark(NamedTuple):
+    wall: float  # time.perf_counter()
+    loop_cpu: float | None  # the loop thread's time.thread_time(); None when marked on another thread
+    calls: tuple[int, int] | None  # (Python, C) calls counted on the loop thread so far; None without a counter
+
+
+class CallCounter:
+    """Counts the function calls of the thread that runs `counting()` (sys.setprofile is per thread)."""
+
+    def __init__(self) -> None:
+        self.python = 0  # Python frames started or resumed (a coroutine's resumption counts, as in cProfile)
+        self.c = 0  # calls of C functions (builtins, extension methods)
+
+    def _event(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            self.python += 1
+        elif event == "c_call":
+            self.c += 1
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        previous = sys.getprofile()
+        sys.setprofile(self._event)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+
+
 @dataclass
 class StepTrace:
-    """Timestamps per request: `begin(request)` starts a request, `mark(name)` stamps it."""
+    """Marks per request: `begin()` starts a request, `mark(name)` stamps it. `loop_thread` is the
+    event loop's thread (by default the one that makes the trace); `counter`, when given, counts
+    that thread's calls."""
 
-    requests: list[dict[str, list[float]]] = field(default_factory=list)
-    _current: dict[str, list[float]] | None = None
+    loop_thread: int = field(default_factory=threading.get_ident)
+    counter: CallCounter | None = None
+    requests: list[dict[str, list[Mark]]] = field(default_factory=list)
+    _current: dict[str, list[Mark]] | None = None
 
     def begin(self) -> None:
         self._current = {}
@@ -65,8 +109,14 @@ class StepTrace:
         self._current = None
 
     def mark(self, name: str) -> None:
-        if self._current is not None:
-            self._current.setdefault(name, []).append(time.perf_counter())
+        if self._current is None:
+            return
+        if threading.get_ident() != self.loop_thread:
+            self._current.setdefault(name, []).append(Mark(time.perf_counter(), None, None))
+            return
+        counter = self.counter
+        calls = None if counter is None else (counter.python, counter.c)
+        self._current.setdefault(name, []).append(Mark(time.perf_counter(), time.thread_time(), calls))
 
     def step_samples(self) -> dict[str, list[float]]:
         """Seconds per step and request: first `from` mark to the last `to` mark (all ranks)."""
@@ -74,11 +124,66 @@ class StepTrace:
         for marks in self.requests:
             for label, start, stop in STEPS:
                 if start in marks and stop in marks:
-                    out[label].append(max(marks[stop]) - min(marks[start]))
+                    out[label].append(max(m.wall for m in marks[stop]) - min(m.wall for m in marks[start]))
+        return out
+
+    def loop_cpu_samples(self) -> dict[str, list[float]]:
+        """The loop thread's CPU seconds per step and request, for steps whose marks all lie on it."""
+        out: dict[str, list[float]] = {label: [] for label, _, _ in STEPS}
+        for marks in self.requests:
+            for label, first, last in _loop_ends(marks):
+                if first.loop_cpu is not None and last.loop_cpu is not None:
+                    out[label].append(last.loop_cpu - first.loop_cpu)
+        return out
+
+    def call_samples(self) -> dict[str, list[tuple[int, int]]]:
+        """(Python, C) calls on the loop thread per step and request (traced with a counter)."""
+        out: dict[str, list[tuple[int, int]]] = {label: [] for label, _, _ in STEPS}
+        for marks in self.requests:
+            for label, first, last in _loop_ends(marks):
+                if first.calls is not None and last.calls is not None:
+                    out[label].append((last.calls[0] - first.calls[0], last.calls[1] - first.calls[1]))
         return out
 
     def summaries_ms(self) -> list[dict[str, Any]]:
-        return [{"step": label, **Summary.of(samples).scaled(1e3).as_dict()} for label, samples in self.step_samples().items()]
+        """Per step: the wall-clock summary in ms and, for steps on the loop, its loop CPU in µs."""
+        cpu = self.loop_cpu_samples()
+        return [
+            {"step": label, **Summary.of(samples).scaled(1e3).as_dict(), "loop_cpu_us": cpu_summary_us(cpu[label])}
+            for label, samples in self.step_samples().items()
+        ]
+
+    def call_summaries(self) -> list[dict[str, Any]]:
+        return [{"step": label, **call_summary(samples)} for label, samples in self.call_samples().items()]
+
+
+def _loop_ends(marks: dict[str, list[Mark]]) -> Iterator[tuple[str, Mark, Mark]]:
+    """(label, first `from` mark, last `to` mark) of each step marked only on the loop thread."""
+    for label, start, stop in STEPS:
+        starts, stops = marks.get(start), marks.get(stop)
+        if starts and stops and all(m.loop_cpu is not None for m in (*starts, *stops)):
+            yield label, min(starts, key=lambda m: m.wall), max(stops, key=lambda m: m.wall)
+
+
+def cpu_summary_us(seconds: Sequence[float]) -> dict[str, Any]:
+    """p10 and median of CPU seconds, in µs (the p10: the least disturbed by other load)."""
+    return {
+        "count": len(seconds),
+        "p10": json_number(percentile(seconds, 10) * 1e6),
+        "median": json_number(percentile(seconds, 50) * 1e6),
+    }
+
+
+def call_summary(samples: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Mean and median Python and C calls per sample (None when there are none)."""
+    python, c = [p for p, _ in samples], [k for _, k in samples]
+    return {
+        "count": len(samples),
+        "python_mean": round(statistics.fmean(python), 1) if samples else None,
+        "python_median": statistics.median(python) if samples else None,
+        "c_mean": round(statistics.fmean(c), 1) if samples else None,
+        "c_median": statistics.median(c) if samples else None,
+    }
 
 
 @contextmanager

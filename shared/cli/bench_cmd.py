@@ -225,7 +225,17 @@ def _transfer(args: argparse.Namespace) -> int:
 
 # ---- control ----
 
-CONTROL_FLAGS = ("model", "prefill-tp", "decode-tp", "prompt-tokens", "requests", "warmup", "breakdown", "separate-processes")
+CONTROL_FLAGS = (
+    "model",
+    "prefill-tp",
+    "decode-tp",
+    "prompt-tokens",
+    "requests",
+    "warmup",
+    "breakdown",
+    "separate-processes",
+    "calls",
+)
 
 
 def _control(args: argparse.Namespace) -> int:
@@ -240,6 +250,7 @@ def _control(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         breakdown=args.breakdown,
         separate_processes=args.separate_processes,
+        calls=args.calls,
     )
     result = _run_async(run_control(cfg, command=_command("control", args, CONTROL_FLAGS), show_progress=not args.no_progress))
     return _finish(args, result, format_control(result), None)
@@ -482,6 +493,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="run the prefill service in a process of its own, as deployed (default: both in this "
         "process, which lets --breakdown time them step by step)",
+    )
+    c.add_argument(
+        "--calls",
+        action="store_true",
+        help="also count the event loop's Python and C calls per step, per request and per Generate RPC "
+        "(two more passes under sys.setprofile; both services in this process)",
     )
     _common(c, plot=False)
     c.set_defaults(func=_guarded(_control))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 
 Family = Literal["mamba1", "mamba2", "gdn"]
@@ -96,11 +97,12 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
-    @property
+    # Cached (the spec is frozen): every request asks, through num_prefill_tokens, several times.
+    @cached_property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("attention", "parallel"))
 
-    @property
+    @cached_property
     def ssm_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in ("ssm", "parallel"))
 

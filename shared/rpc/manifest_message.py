@@ -12,6 +12,7 @@ mismatch). Nothing of a refused manifest is read.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest
 from shared.cache.manifest import IntArray, Manifest, ManifestPart
 from shared.errors import FailedPrecondition, Internal
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.proto_time import set_nanoseconds, to_nanoseconds
 
 SECTION_ENUM: dict[Section, pb.StateSection.ValueType] = {
     "fa": pb.STATE_SECTION_FA,
@@ -55,10 +57,10 @@ def manifest_message(m: Manifest) -> pb.Manifest:
         skipped_prompt_tokens=m.skipped_tokens,
     )
     msg.lease_expire_time.FromNanoseconds(m.lease_expire_time_ns)
-    msg.lease_duration.FromNanoseconds(m.lease_ns)
-    msg.prefill_duration.FromNanoseconds(m.prefill_ns)
-    msg.digest_duration.FromNanoseconds(m.digest_ns)
-    msg.engine_duration.FromNanoseconds(m.engine_ns)
+    set_nanoseconds(msg.lease_duration, m.lease_ns)
+    set_nanoseconds(msg.prefill_duration, m.prefill_ns)
+    set_nanoseconds(msg.digest_duration, m.digest_ns)
+    set_nanoseconds(msg.engine_duration, m.engine_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
     if m.part is not None:
@@ -77,9 +79,16 @@ def _block_ids(msg: pb.Manifest, source: ManifestSource) -> tuple[IntArray, ...]
         raise _bad(
             f"prefill {peer} sent a manifest with {len(msg.groups)} groups; its layout has {source.num_groups}", "manifest.groups"
         )
-    # fromiter reads the repeated field without building a Python list first.
-    blocks = tuple(np.fromiter(g.block_ids, dtype=np.int64, count=len(g.block_ids)) for g in msg.groups)
-    everything = np.sort(np.concatenate(blocks)) if blocks else np.zeros(0, dtype=np.int64)
+    # One fromiter over every group's repeated field (no Python list, no concatenation); each
+    # group's ids are then a run of that one array.
+    fields = [g.block_ids for g in msg.groups]
+    counts = [len(ids) for ids in fields]
+    flat = np.fromiter(itertools.chain.from_iterable(fields), dtype=np.int64, count=sum(counts))
+    blocks, start = [], 0
+    for n in counts:
+        blocks.append(flat[start : start + n])
+        start += n
+    everything = np.sort(flat)
     if everything.size and int(everything[-1]) >= source.num_logical_blocks:
         raise _bad(
             f"prefill {peer} sent block id {int(everything[-1])} >= its {source.num_logical_blocks} blocks",
@@ -87,7 +96,7 @@ def _block_ids(msg: pb.Manifest, source: ManifestSource) -> tuple[IntArray, ...]
         )
     if everything.size > 1 and bool((everything[1:] == everything[:-1]).any()):  # sorted: duplicates are neighbours
         raise _bad(f"prefill {peer} sent a manifest with duplicated block ids", "manifest.groups.block_ids")
-    return blocks
+    return tuple(blocks)
 
 
 def _digests(msg: pb.Manifest, source: ManifestSource) -> tuple[SectionDigest, ...]:
@@ -169,14 +178,14 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         block_ids=blocks,
         num_computed_tokens=msg.num_computed_tokens,
         prompt_token_count=msg.prompt_token_count,
-        lease_ns=msg.lease_duration.ToNanoseconds(),
+        lease_ns=to_nanoseconds(msg.lease_duration),
         lease_expire_time_ns=msg.lease_expire_time.ToNanoseconds(),
-        prefill_ns=msg.prefill_duration.ToNanoseconds(),
+        prefill_ns=to_nanoseconds(msg.prefill_duration),
         digests=_digests(msg, source),
         digest_algorithm=msg.digest_algorithm,
-        digest_ns=msg.digest_duration.ToNanoseconds(),
+        digest_ns=to_nanoseconds(msg.digest_duration),
         first_token=first_token,
         part=_part(msg, source),
         skipped_tokens=msg.skipped_prompt_tokens,
-        engine_ns=msg.engine_duration.ToNanoseconds(),
+        engine_ns=to_nanoseconds(msg.engine_duration),
     )

@@ -42,7 +42,16 @@ from shared.transport.poller import CompletionPoller
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_NO_BLOCKS = np.empty(0, dtype=np.int64)
+
+
+def _runs(ids: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
+    """`ids` cut into consecutive runs of `counts` (views: no small arrays built per group)."""
+    runs, start = [], 0
+    for n in counts:
+        runs.append(ids[start : start + n])
+        start += n
+    return runs
+
 
 EngineFactory = Callable[[EngineLayout, Sequence[RankCache]], Engine]
 """Builds the model engine over the host's layout and per-rank caches (`--engine`)."""
@@ -233,11 +242,12 @@ class EngineHost:
         `leading`: per group, blocks the request uses first without holding them (decode's
         prefix cache); only the rest are allocated."""
         counts = self.blocks_per_group(num_tokens)
-        given = [np.asarray(b, dtype=np.int64) for b in leading] if leading is not None else [_NO_BLOCKS] * len(counts)
+        if leading is None:  # nothing to join: each group's blocks are a run of the one fresh array
+            return RequestBlocks(key, _runs(self.take(key, sum(counts)), counts))
+        given = [np.asarray(b, dtype=np.int64) for b in leading]
         counts = [max(0, n - len(b)) for n, b in zip(counts, given)]
         ids = self.take(key, sum(counts))
-        bounds = np.cumsum([0, *counts])
-        return RequestBlocks(key, [np.concatenate([given[g], ids[bounds[g] : bounds[g + 1]]]) for g in range(len(counts))])
+        return RequestBlocks(key, [np.concatenate([first, rest]) for first, rest in zip(given, _runs(ids, counts))])
 
     def take(self, key: str, n: int) -> np.ndarray:
         """`n` more blocks for `key`; the prefix cache gives up blocks first if too few are free."""
@@ -259,10 +269,8 @@ class EngineHost:
         if not any(extra):
             return blocks
         ids = self.take(blocks.request_id, sum(extra))
-        bounds = np.cumsum([0, *extra])
         return RequestBlocks(
-            blocks.request_id,
-            [np.concatenate([have, ids[bounds[g] : bounds[g + 1]]]) for g, have in enumerate(blocks.block_ids)],
+            blocks.request_id, [np.concatenate([have, more]) for have, more in zip(blocks.block_ids, _runs(ids, extra))]
         )
 
     def free(self, key: str) -> int:

@@ -8,11 +8,12 @@ descriptor set the services use, or its raw NIXL baseline would not move the sam
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
 from shared import tracing
-from shared.bench.control import PHASES, ControlConfig, run_control
+from shared.bench.control import PHASES, ControlConfig, format_control, run_control
 from shared.bench.control_trace import STEPS
 from shared.bench.transfer import TransferConfig, run_transfer
 
@@ -24,8 +25,12 @@ def test_control_runs_and_frees_everything() -> None:
     result = asyncio.run(run_control(cfg, command="test", show_progress=False))
     for phase in PHASES:
         assert result["ms"][phase]["count"] == 5
+        if phase != "ids":  # timed apart, on the loop's time only
+            assert result["loop_cpu_us"][phase]["count"] == 5
+            assert 0 <= result["loop_cpu_us"][phase]["p10"] <= result["loop_cpu_us"][phase]["median"]
     assert result["blocks_in_use_after"] == {"prefill": 0, "decode": 0}
     assert result["reads_per_request"] == 1 and result["bytes_per_request"] > 0
+    assert "calls" not in result and "loop CPU p10" in format_control(result)
 
 
 @pytest.mark.integration
@@ -55,6 +60,8 @@ def test_control_with_prefill_in_its_own_process_times_its_free_from_there(monke
 def test_control_refuses_a_breakdown_across_processes() -> None:
     with pytest.raises(ValueError, match="--breakdown"):
         ControlConfig(breakdown=True, separate_processes=True)
+    with pytest.raises(ValueError, match="--calls"):
+        ControlConfig(calls=True, separate_processes=True)
 
 
 @pytest.mark.slow
@@ -79,13 +86,28 @@ def test_control_breakdown_times_every_step_and_unwraps_the_services() -> None:
     from shared.layout.read_lists import read_indices
 
     originals = (SessionClient._send, SessionClient._resolve, PrefillSession._start_job, reader._pair_bytes)
-    cfg = ControlConfig(requests=5, warmup=1, breakdown=True)
+    cfg = ControlConfig(requests=5, warmup=1, breakdown=True, calls=True)
     result = asyncio.run(run_control(cfg, command="test", show_progress=False))
     steps = result["breakdown"]["steps"]
     assert len(steps) == len(STEPS)
+    # Marked on other threads: the compute thread's, and the owner thread's notification fetch
+    # (a READ this small is posted inline on the loop, so its post marks lie on the loop).
+    off_loop = {tracing.Step.COMPUTE, tracing.Step.NOTIFICATION_FETCHED}
+    on_loop = {label for label, start, stop in STEPS if not {start, stop} & off_loop}
     for step in steps:
         assert step["count"] == 5, step  # every mark of every request was seen
         assert step["median"] >= 0
+        # The loop's CPU for the steps whose marks all lie on the event loop, and only those.
+        assert step["loop_cpu_us"]["count"] == (5 if step["step"] in on_loop else 0), step
+    # The counted pass: every loop step of every request counted, and the whole request and RPC.
+    counted = {s["step"]: s for s in result["calls"]["steps"]}
+    assert {label for label, s in counted.items() if s["count"] == 5} == on_loop
+    assert all(counted[label]["python_mean"] > 0 for label in on_loop)
+    for whole in ("request", "generate_rpc"):
+        assert result["calls"][whole]["count"] == 5 and result["calls"][whole]["python_mean"] > 0
+    assert sys.getprofile() is None  # the counter is uninstalled again
+    text = format_control(result)
+    assert "calls on the event loop" in text and "Generate RPC" in text
     assert result["breakdown"]["design_floor_ms"] > 0
     assert result["blocks_in_use_after"] == {"prefill": 0, "decode": 0}
     # The instrumentation is gone again: the classes and the module hold their own functions.
