@@ -21,7 +21,10 @@ first manifest, part or whole (`_reuse`): if prefill skipped nothing, fresh bloc
 hit's before any READ, so no READ ever writes blocks the cache shares. State checkpoints
 (--prefix-cache-states, decode_svc/state_checkpoints.py): a request whose computed prompt is
 exactly one a finished request READ restores that state into its own blocks and decodes with no
-job and no READ (`_decode_restored`); a checkpoint is taken after each READ's digest check.
+job and no READ (`_decode_restored`); a checkpoint is taken after each READ's digest check. At
+full-N it holds the first token prefill drew too, found only by a request that draws it alike
+(greedy, or the same seed and sampling): that token goes out first and is fed, as after a
+manifest, and one that ends the request needs no state restored.
 
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
@@ -304,7 +307,7 @@ class Generation:
             computed = self.host.engine.num_prefill_tokens(len(req.prompt))
             chain, picked = chain_of(peer.link, self.host), peer.link  # a checkpoint's chain and link
             hit = self.prefix.lookup(chain, req.prompt, computed)
-            state = self.states.lookup(chain, req.prompt, computed, hit)
+            state = self.states.lookup(chain, req.prompt, computed, hit, req.sampling)
             try:
                 leading = hit.leading(self.prefix.kinds) if hit.entries else None
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
@@ -327,10 +330,16 @@ class Generation:
         parts = PartReads()
         target = ReadTarget(local)
         try:
-            if state is not None and picked is not None and await self.states.restored(compute.run, state, local):
-                async for restored in self._decode_restored(req, state, picked, local, compute, hit):
-                    yield restored
-                return
+            if state is not None and picked is not None:
+                ended = None if state.first_token is None else req.stop.finish(state.first_token, 1)
+                if ended is not None:  # the stored first token ends the request: no state is needed
+                    for only in self._first_token_only(req, state, picked, ended):
+                        yield only
+                    return
+                if await self.states.restored(compute.run, state, local):
+                    async for restored in self._decode_restored(req, state, picked, local, compute, hit):
+                        yield restored
+                    return
             if not peer.ready and remote is not None:
                 raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
             if not peer.ready:  # lost while this request waited for blocks
@@ -529,11 +538,14 @@ class Generation:
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
             await self._check(compute, req.prompt, num_computed, local)
-        # A state checkpoint of what was just READ and checked, before a decode step changes it.
-        state_bytes = transfer.stats.conv_bytes + transfer.stats.ssm_bytes
-        await self.states.keep(
-            compute.run, hit.chain or chain_of(link, self.host), link, req.prompt, local, num_computed, state_bytes
-        )
+        # A state checkpoint of what was just READ and checked, before a decode step changes it;
+        # not of a P/D leg's full-N state: its prefill leg drew the first token with its own body.
+        if req.remote is None or first_token is None:
+            state_bytes = transfer.stats.conv_bytes + transfer.stats.ssm_bytes
+            chain = hit.chain or chain_of(link, self.host)
+            await self.states.keep(
+                compute.run, chain, link, req.prompt, local, num_computed, state_bytes, req.sampling, first_token
+            )
         async for chunk in self._steps(req, num_computed, local, compute, out, first_token):
             yield chunk
         await self._keep_prefix(compute, req, hit, local, link, num_computed, manifest.skipped_tokens)
@@ -574,7 +586,12 @@ class Generation:
     async def _decode_restored(
         self, req: RequestContext, state: Checkpoint, link: PeerLink, local: RequestBlocks, compute: ComputeGuard, hit: Hit
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Decode from a restored state checkpoint, as after a READ: no prefill job, nothing READ."""
+        """Decode from a restored state checkpoint, as after a READ: no prefill job, nothing READ.
+        At full-N its first token goes out first, then decoding continues by feeding it."""
+        out = ClientStream(tokenizer.for_engine(self.host.engine).stream(), req.started, self.telemetry)
+        first = state.first_token
+        if first is not None:
+            yield out.chunk([first])  # before the checks and any decode step, as after a manifest
         await fault_hooks.pause("after_read", req.request_id)
         checking = time.monotonic()
         if self.host.verify_transfer:
@@ -584,8 +601,7 @@ class Generation:
         digest_check_seconds = time.monotonic() - checking
         if self.telemetry is not None:
             self.telemetry.prefix_state_saved_bytes.inc(state.saved_bytes)
-        out = ClientStream(tokenizer.for_engine(self.host.engine).stream(), req.started, self.telemetry)
-        async for chunk in self._steps(req, state.computed, local, compute, out, None):
+        async for chunk in self._steps(req, state.computed, local, compute, out, first):
             yield chunk
         await self._keep_prefix(compute, req, hit, local, link, state.computed, hit.tokens)
         tail = out.tail()
@@ -601,6 +617,22 @@ class Generation:
             digest_check_seconds=digest_check_seconds,
             cached_tokens=state.computed,
         )
+
+    def _first_token_only(
+        self, req: RequestContext, state: Checkpoint, link: PeerLink, ended: FinishReason
+    ) -> list[pb.GenerateResponse]:
+        """A full-N checkpoint whose first token ends the request (a stop token, max_tokens 1):
+        the token and the summary; nothing restored, no job, nothing READ (nor saved: a prefill
+        job would not have READ either)."""
+        assert state.first_token is not None
+        out = ClientStream(tokenizer.for_engine(self.host.engine).stream(), req.started, self.telemetry)
+        responses = [out.chunk([state.first_token])]
+        tail = out.tail()
+        if tail is not None:
+            responses.append(tail)
+        transfer = Transfer(link, None, ReadStats(), 0.0)
+        responses.append(self._summary(req, out, ended, transfer, transferred=0, read=False, cached_tokens=state.computed))
+        return responses
 
     async def _verify_cached(self, compute: ComputeGuard, req: RequestContext, hit: Hit, local: RequestBlocks) -> None:
         """The prefix cache's blocks must still have the digests they had when they entered

@@ -14,9 +14,15 @@ with the cache's chain covering exactly those `lead` blocks, which is why it nee
 A checkpoint is taken right after a request's READ and its digest check (before its first
 decode step updates the SSM state in place); with digests on it carries the digests of those
 bytes, and a request restoring it recomputes them from its own blocks: a mismatch discards the
-checkpoint and the request takes the ordinary prefill job and READ. The n-1 boundary only: at
-the full-N boundary prefill samples the first token, and the engines expose no logits to
-resample it with another seed (the settings refuse the combination).
+checkpoint and the request takes the ordinary prefill job and READ.
+
+At the full-N boundary prefill also sampled the first output token, and decode has no logits to
+sample it again: the checkpoint keeps the token the manifest brought, and its key also names
+what that draw depended on besides the logits (`sampling.first_draw`: greedy, or temperature,
+top_p, top_k and seed; and the ids masked at index 0). So a greedy retry, or a sample with the
+same seed, restores it and streams that token at once; another seed (or none given, so decode
+picked a random one) misses and takes the ordinary path. At n-1 the key is the tokens alone:
+decode samples every output token itself.
 
 Bounded by count (--prefix-cache-states), evicted least recently used; one that a request is
 restoring is pinned and never evicted, and an entry is never overwritten (a key already held is
@@ -40,6 +46,7 @@ from decode_svc.peer_link import PeerLink
 from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks, skipped_bytes
 from shared.cache.digest import SectionDigest, compare_digests, state_digests
 from shared.engine.protocol import RequestBlocks
+from shared.engine.sampling import SamplingParams, first_draw
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
 
@@ -53,11 +60,15 @@ class Compute(Protocol):
     def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
-def state_key(chain: Chain, prompt: Sequence[int], computed: int) -> bytes:
-    """Names the computation: the chain's root and exactly the computed tokens."""
+def state_key(chain: Chain, prompt: Sequence[int], computed: int, draw: SamplingParams | None = None) -> bytes:
+    """Names the computation: the chain's root and exactly the computed tokens; at the full-N
+    boundary also `draw`, the first token's sampling identity (`sampling.first_draw`)."""
     h = hashlib.blake2b(chain.root, digest_size=16)
     h.update(computed.to_bytes(8, "little"))
     h.update(np.asarray(prompt[:computed], dtype=np.int64).tobytes())
+    if draw is not None:
+        fields = (draw.temperature, draw.top_p, draw.top_k, draw.seed, draw.min_tokens, sorted(draw.stop_token_ids))
+        h.update(b"first-draw" + repr(fields).encode())  # repr: floats round-trip exactly
     return h.digest()
 
 
@@ -69,6 +80,7 @@ class Checkpoint:
     pages: list[list[torch.Tensor]]  # per rank, per region: [blocks, page bytes] of the blocks it holds
     digests: tuple[SectionDigest, ...]  # of those bytes as they entered (empty: digests off)
     saved_bytes: int  # what a READ of them would move (attention after `lead` blocks, conv, SSM)
+    first_token: int | None = None  # full-N: the token prefill sampled (None: n-1)
     users: int = 0  # requests restoring it now: never evicted while > 0
 
     @property
@@ -81,7 +93,8 @@ class StateCheckpoints:
         self.host = host
         self.capacity = capacity
         self.telemetry = telemetry
-        self.enabled = capacity > 0 and host.engine.boundary == "n-1"
+        self.enabled = capacity > 0
+        self.full = host.engine.boundary == "full"  # keys name the first token's draw too
         self._entries: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -103,11 +116,17 @@ class StateCheckpoints:
         layout = self.host.layout
         return tuple(state_digests(layout, self.host.views, blocks.block_ids, computed, tokens_from=lead * layout.block_size))
 
-    def lookup(self, chain: Chain | None, prompt: Sequence[int], computed: int, hit: Hit) -> Checkpoint | None:
-        """The checkpoint of exactly these computed tokens whose attention lead `hit` covers, pinned."""
+    def _key(self, chain: Chain, prompt: Sequence[int], computed: int, sampling: SamplingParams) -> bytes:
+        return state_key(chain, prompt, computed, first_draw(sampling) if self.full else None)
+
+    def lookup(
+        self, chain: Chain | None, prompt: Sequence[int], computed: int, hit: Hit, sampling: SamplingParams
+    ) -> Checkpoint | None:
+        """The checkpoint of exactly these computed tokens (at full-N: and a first token drawn as
+        `sampling` draws it) whose attention lead `hit` covers, pinned."""
         if not self.enabled or chain is None:
             return None
-        found = self._entries.get(state_key(chain, prompt, computed))
+        found = self._entries.get(self._key(chain, prompt, computed, sampling))
         if found is not None and len(hit.entries) != found.lead:
             found = None
         if found is not None:
@@ -145,18 +164,25 @@ class StateCheckpoints:
             del self._entries[checkpoint.key]
             self._count_eviction()
 
-    def wanted(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> bytes | None:
+    def wanted(self, chain: Chain | None, prompt: Sequence[int], computed: int, sampling: SamplingParams) -> bytes | None:
         """The key to take a checkpoint under, if it is not held yet."""
         if not self.enabled or chain is None:
             return None
-        key = state_key(chain, prompt, computed)
+        key = self._key(chain, prompt, computed, sampling)
         return None if key in self._entries else key
 
     def take(
-        self, key: bytes, chain: Chain, link: PeerLink, blocks: RequestBlocks, computed: int, state_bytes: int
+        self,
+        key: bytes,
+        chain: Chain,
+        link: PeerLink,
+        blocks: RequestBlocks,
+        computed: int,
+        state_bytes: int,
+        first_token: int | None = None,
     ) -> Checkpoint:
         """On the compute thread: copy the request's state (just READ and checked, its conv and
-        SSM `state_bytes` READ from `link`) out."""
+        SSM `state_bytes` READ from `link`; at full-N after `first_token`) out."""
         size = self.host.layout.block_size
         lead = cacheable_blocks(computed, size, chain.unit)
         # What a later READ would move that the prefix cache's lead does not already save.
@@ -167,7 +193,7 @@ class StateCheckpoints:
             cache = view.cache
             where = torch.from_numpy(idx).to(cache.blocks(0).device)
             pages.append([cache.blocks(r).index_select(0, where) for r in range(cache.num_regions)])
-        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved)
+        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved, first_token)
 
     async def keep(
         self,
@@ -178,14 +204,19 @@ class StateCheckpoints:
         blocks: RequestBlocks,
         computed: int,
         state_bytes: int,
+        sampling: SamplingParams,
+        first_token: int | None,
     ) -> None:
-        """A checkpoint of the request's state, just READ from `link` and checked, unless one is
-        held already (`take` on the compute thread, `run`)."""
-        key = self.wanted(chain, prompt, computed)
+        """A checkpoint of the request's state, just READ from `link` and checked (at full-N with
+        the `first_token` prefill drew with `sampling`), unless one is held already (`take` on
+        the compute thread, `run`)."""
+        if self.full != (first_token is not None):
+            return  # the boundary's first token is missing (or unexpected): nothing to key it by
+        key = self.wanted(chain, prompt, computed, sampling)
         if key is None or chain is None:
             return
         known = chain
-        self.insert(await run(lambda: self.take(key, known, link, blocks, computed, state_bytes)))
+        self.insert(await run(lambda: self.take(key, known, link, blocks, computed, state_bytes, first_token)))
 
     def insert(self, checkpoint: Checkpoint) -> bool:
         """Keep `checkpoint`, evicting the least recently used unpinned ones past the bound;

@@ -455,9 +455,11 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
         "decode: keep the conv / SSM state (and the attention blocks the prefix cache does not share) of up to this "
         "many finished requests' computed prompts; a request whose computed prompt is exactly one of them (a retry, "
-        "a regenerate, another sample of one prompt) then needs no prefill job and no READ. Needs "
-        "--prefix-cache-blocks (the leading attention blocks come from it) and the n-1 boundary; the copies take "
-        "memory beside the cache, on its device (one request's state each); evicted least recently used; 0: off",
+        "a regenerate, another sample of one prompt) then needs no prefill job and no READ. At the full boundary "
+        "(prefill samples the first token) it also needs the same sampling of that token: greedy, or the same "
+        "temperature, top_p, top_k and seed, and min_tokens masking the same ids. Needs --prefix-cache-blocks (the "
+        "leading attention blocks come from it); the copies take memory beside the cache, on its device (one "
+        "request's state each); evicted least recently used; 0: off",
         0,
         roles=("decode",),
         metavar="N",
@@ -670,8 +672,8 @@ def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", 
     return "full" if value == "full" else "n-1"
 
 
-def _prefix_cache_states(values: dict[str, object], engine: EngineKind) -> int:
-    """--prefix-cache-states, refused without the prefix cache it builds on or at the full-N boundary."""
+def _prefix_cache_states(values: dict[str, object]) -> int:
+    """--prefix-cache-states, refused without the prefix cache it builds on."""
     states = _own(values, "prefix_cache_states", int)
     if not states:
         return 0
@@ -679,11 +681,6 @@ def _prefix_cache_states(values: dict[str, object], engine: EngineKind) -> int:
         raise SettingsError(
             "--prefix-cache-states needs --prefix-cache-blocks > 0: a checkpoint's leading attention blocks come "
             "from the prefix cache"
-        )
-    if _boundary(values["boundary"], "flag", engine) == "full":
-        raise SettingsError(
-            "--prefix-cache-states needs --boundary n-1: at the full boundary prefill samples the first token, "
-            "and the engine exposes no logits to sample it again with another seed"
         )
     return states
 
@@ -738,7 +735,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
         prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
-        prefix_cache_states=_prefix_cache_states(values, engine),
+        prefix_cache_states=_prefix_cache_states(values),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,

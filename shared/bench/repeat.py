@@ -7,8 +7,9 @@ state checkpoints), `states` (a second decode service on the same prefill, with
 --prefix-cache-states too) and `colocated`. Per repeat (1: the first time a prompt is seen):
 TTFT in each setup, the bytes each decode service READ (attention, conv, SSM) and how many
 requests restored a checkpoint instead of a prefill job and a READ, and whether every setup
-generated the colocated tokens. The n-1 boundary (state checkpoints need it); the hf engine
-needs --prefill-chunk-tokens for any prefix reuse at all.
+generated the colocated tokens. The engine's boundary unless asked (full for hf: a repeat's
+checkpoint then also holds the first token prefill drew, its requests being greedy); the hf
+engine needs --prefill-chunk-tokens for any prefix reuse at all.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ class RepeatConfig:
     decode_tp: int = 1
     kernel_block_size: int = 16
     prefill_chunk_tokens: int = 0
+    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
     seed: int = 0
+
+    @property
+    def resolved_boundary(self) -> str:
+        return self.boundary or ("full" if self.engine == "hf" else "n-1")
 
 
 def run_rows(results: Sequence[dict[str, Timed]], repeat: int) -> dict[str, Any]:
@@ -90,7 +96,7 @@ async def run_repeat(cfg: RepeatConfig, *, command: str, show_progress: bool = T
             prompt_tokens=cfg.prompt_tokens,
             max_tokens=cfg.max_tokens,
             name="bench-repeat",
-            boundary="n-1",
+            boundary=cfg.resolved_boundary,
             prefix_cache_blocks=cache_blocks,
             prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             unpipelined=False,
@@ -120,13 +126,14 @@ async def run_repeat(cfg: RepeatConfig, *, command: str, show_progress: bool = T
     finally:
         progress.finish()
     rows = [run_rows([runs[r] for runs in per_prompt], r + 1) for r in range(cfg.repeats)]
-    return {"schema": SCHEMA, "command": command, "config": asdict(cfg), "repeats": rows}
+    config = {**asdict(cfg), "boundary": cfg.resolved_boundary}
+    return {"schema": SCHEMA, "command": command, "config": config, "repeats": rows}
 
 
 def format_repeat(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [
-        f"bench e2e --workload repeat: {c['model']} ({c['engine']} engine, n-1), prefill TP {c['prefill_tp']} -> "
+        f"bench e2e --workload repeat: {c['model']} ({c['engine']} engine, {c['boundary']}), prefill TP {c['prefill_tp']} -> "
         f"decode TP {c['decode_tp']}, {c['prompts']} prompts of {c['prompt_tokens']} tokens, each sent {c['repeats']} "
         f"times, {c['max_tokens']} tokens out",
         "",

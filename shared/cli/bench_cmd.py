@@ -272,7 +272,7 @@ MULTI_TURN_FLAGS = (
 )  # fmt: skip
 REPEAT_FLAGS = (
     "workload", "model", "engine", "prompts", "repeats", "prompt-tokens", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens",
+    "prefill-chunk-tokens", "boundary",
 )  # fmt: skip
 WORKLOADS = ("concurrency", "long-prompt", "multi-turn", "repeat")
 
@@ -388,6 +388,7 @@ def _repeat(args: argparse.Namespace) -> int:
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        boundary=args.boundary or "",
     )
     command = _command("e2e", args, REPEAT_FLAGS)
     result = _run_async(run_repeat(cfg, command=command, show_progress=not args.no_progress))
@@ -572,7 +573,8 @@ def register(subparsers: Any) -> None:
         None,
         "concurrency: where prefill stops, as the services' --boundary: full (prefill samples the first token; "
         "hf only) or n-1; default the engine's (full for hf). Sets the TTFT target: 1.02 at full, 1.10 at n-1. "
-        "long-prompt too: at full the first token leaves before the READ, so TTFT holds no transfer; n-1 puts it back",
+        "long-prompt too: at full the first token leaves before the READ, so TTFT holds no transfer; n-1 puts it back. "
+        "repeat too: at full a state checkpoint also keeps the first token prefill drew",
         choices=("full", "n-1"),
     )
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")

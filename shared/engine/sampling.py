@@ -85,6 +85,18 @@ def masked(logits: Tensor, params: SamplingParams, index: int) -> Tensor:
     return out
 
 
+def first_draw(params: SamplingParams) -> SamplingParams:
+    """What the draw of output index 0 depends on besides the logits, as parameters that draw
+    it alike (`sample(logits, first_draw(p), 0) == sample(logits, p, 0)`): greedy ignores top_p,
+    top_k and the seed; the stop ids are masked at index 0 only when min_tokens >= 1, and how far
+    past 1 min_tokens goes never matters there. Equal results: the same first token."""
+    mask = params.stop_token_ids if params.min_tokens >= 1 else frozenset()
+    at_first = 1 if mask else 0
+    if params.greedy:
+        return SamplingParams(min_tokens=at_first, stop_token_ids=mask)
+    return replace(params, min_tokens=at_first, stop_token_ids=mask)
+
+
 def _generator(seed: int, index: int) -> torch.Generator:
     mixed = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(mixed[:8], "little") & (2**63 - 1))

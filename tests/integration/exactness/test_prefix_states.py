@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from prefill_svc import session as session_module
-from prefill_svc.jobs import Job
 from shared.bench.colocated_server import colocated_servicer
-from shared.cache.model_views import torch_dtype
 from shared.config import parse_settings
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 from shared.rpc import fault_hooks
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
+from tests.integration.services.checkpoint_checks import count_jobs, oldest_checkpoint, shift_checkpoint_ssm
 from tests.integration.services.colocated import colocated_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -46,19 +42,6 @@ def _metric(pair: RunningPair, name: str) -> float:
         if line.startswith(f"{name} "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exposed")
-
-
-def _count_jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The request ids of the jobs prefill receives (a spy on the real parser)."""
-    jobs: list[str] = []
-    real = session_module.job_from_message
-
-    def counting(job: prefill_pb.PrefillJob, **kw: Any) -> Job:
-        jobs.append(job.request_id)
-        return real(job, **kw)
-
-    monkeypatch.setattr(session_module, "job_from_message", counting)
-    return jobs
 
 
 def _assert_restored(g: Generated, computed: int) -> None:
@@ -80,7 +63,7 @@ def _exact(model: str, prompt: Sequence[int], got: Generated) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("model", ["tiny-mamba2", "tiny-gdn"])
 async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     async with service_pair(model, 1, 1, extra_decode=_states()) as pair:
         block = pair.decode.host.layout.block_size
         # 70: the computed tokens end inside a block (its copy is the checkpoint's); block + 1:
@@ -125,7 +108,7 @@ async def _sampled(pair: RunningPair | pb_grpc.DecodeServiceStub, prompt: list[i
 
 @pytest.mark.asyncio
 async def test_samples_with_different_seeds_reuse_one_checkpoint_and_equal_colocated(monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     prompt = random_tokens(3, 75)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
         runs = [await _sampled(pair, prompt, seed, f"s{seed}") for seed in (0, 7, 8, 0)]
@@ -145,7 +128,7 @@ async def test_samples_with_different_seeds_reuse_one_checkpoint_and_equal_coloc
 @pytest.mark.asyncio
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 async def test_other_tp_and_block_sizes_on_the_two_sides(p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     prompt = random_tokens(4, 90)
     prefill = ["--block-size", "64", "--kernel-block-size", "32"]
     decode = [*_states(), "--block-size", "32", "--kernel-block-size", "16"]
@@ -162,7 +145,7 @@ async def test_other_tp_and_block_sizes_on_the_two_sides(p_tp: int, d_tp: int, m
 
 @pytest.mark.asyncio
 async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     prompt = random_tokens(5, 70)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
         await pair.generate(prompt, ANSWER, request_id="cached")
@@ -175,34 +158,13 @@ async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(monkeypa
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 0
 
 
-def _shift_checkpoint_ssm(pair: RunningPair) -> None:
-    """TEST-ONLY: shift the SSM state held in the least recently used checkpoint (a fault no real
-    part makes on purpose). Its rows: per group in order, the attention blocks after its lead,
-    or the Mamba group's block."""
-    host = pair.decode.host
-    checkpoint = next(iter(pair.decode.servicer.generation.states._entries.values()))
-    shapes, dtype, layout = host.layout.shapes, torch_dtype(host.spec.ssm_dtype), host.layout
-    tail = -(-checkpoint.computed // layout.block_size) - checkpoint.lead
-    row, shifted = 0, 0
-    for group in layout.groups:
-        if group.kind == "attention":
-            row += tail
-            continue
-        for rank in checkpoint.pages:
-            for region in range(len(group.layers)):
-                rank[region][row, shapes.ssm_offset : shapes.ssm_offset + shapes.ssm_bytes].view(dtype).add_(3.0)
-                shifted += 1
-        row += 1
-    assert row == checkpoint.num_blocks and shifted
-
-
 @pytest.mark.asyncio
 async def test_a_corrupt_checkpoint_is_refused_and_the_request_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     prompt = random_tokens(6, 70)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
         healthy = await pair.generate(prompt, ANSWER, request_id="healthy")
-        _shift_checkpoint_ssm(pair)
+        shift_checkpoint_ssm(pair.decode)
         fallback = await pair.generate(prompt, ANSWER, request_id="fallback")
         assert fallback.token_ids == healthy.token_ids
         _assert_read(fallback)
@@ -220,7 +182,7 @@ async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens() -> None
     off = ["--verify-transfer", "off"]
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=off, extra_decode=[*off, *_states(check=False)]) as pair:
         healthy = await pair.generate(prompt, 8)
-        _shift_checkpoint_ssm(pair)
+        shift_checkpoint_ssm(pair.decode)
         changed = await pair.generate(prompt, 8)
     assert changed.summary.prefix_state_reused
     assert changed.token_ids != healthy.token_ids
@@ -228,7 +190,7 @@ async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens() -> None
 
 @pytest.mark.asyncio
 async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = _count_jobs(monkeypatch)
+    jobs = count_jobs(monkeypatch)
     a, b = random_tokens(8, 70), random_tokens(9, 70)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
         for i, prompt in enumerate((a, b, a, b)):
@@ -259,7 +221,7 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: 
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
         states = pair.decode.servicer.generation.states
         first = await pair.generate(a, ANSWER, request_id="first")
-        held = next(iter(states._entries.values()))
+        held = oldest_checkpoint(pair.decode)
         before = [[p.clone() for p in rank] for rank in held.pages]
         holder = asyncio.ensure_future(pair.generate(a, ANSWER, request_id="holder"))
         while held.users == 0:
@@ -277,12 +239,12 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: 
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
 
 
-def test_states_without_the_prefix_cache_or_at_the_full_boundary_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--model", "tiny-mamba2", "--prefill", "127.0.0.1:1"]
-    hf_full = ["--engine", "hf", "--prefix-cache-blocks", "8", "--boundary", "full"]
-    for flags, named in (([], "--prefix-cache-blocks > 0"), (hf_full, "--boundary n-1")):
-        with pytest.raises(SystemExit):
-            parse_settings("decode", [*base, *flags, "--prefix-cache-states", "2"], environ={})
-        assert named in capsys.readouterr().err
-    ok = parse_settings("decode", [*base, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"], environ={})
-    assert ok.prefix_cache_states == 2
+    with pytest.raises(SystemExit):
+        parse_settings("decode", [*base, "--prefix-cache-states", "2"], environ={})
+    assert "--prefix-cache-blocks > 0" in capsys.readouterr().err
+    for boundary in ("n-1", "full"):  # full: the key also names the first token's draw
+        flags = ["--engine", "hf", "--boundary", boundary, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"]
+        ok = parse_settings("decode", [*base, *flags], environ={})
+        assert (ok.prefix_cache_states, ok.boundary) == (2, boundary)
