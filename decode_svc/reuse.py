@@ -42,9 +42,9 @@ from shared.rpc import fault_hooks
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
 
-# The request's decode steps from `computed` prompt tokens in its blocks, streamed into `out`
-# (after `first_token`, already sent, at the full-N boundary).
-Steps = Callable[[int, ClientStream, "int | None"], AsyncIterator[pb.GenerateResponse]]
+# Generation's decode steps of the request: (computed prompt tokens in its blocks, the stream
+# they go to, the first token already sent at full-N) -> the token chunks.
+Steps = Callable[[int, ClientStream, int | None], AsyncIterator[pb.GenerateResponse]]
 
 
 @dataclass
@@ -67,6 +67,8 @@ class ReadTarget:
 
 
 class DecodeReuse:
+    """Decode's prefix cache and state checkpoints, as one request's path uses them."""
+
     def __init__(
         self,
         host: EngineHost,
