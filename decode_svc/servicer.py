@@ -16,9 +16,10 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from decode_svc.generation import Generation, validate
+from decode_svc.generation import Generation
 from decode_svc.learned_peers import LearnedPeers
 from decode_svc.prefill_peer import PrefillPeers
+from decode_svc.request import validate
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.logs import context as log_context

@@ -64,7 +64,7 @@ async def test_every_turn_reads_only_what_follows_the_cached_prefix(model: str) 
         assert _metric(pair, "hybrid_pd_prefix_cache_misses_total") == 1
         saved = _metric(pair, "hybrid_pd_prefix_cache_saved_bytes_total")
         assert saved > 0 and _metric(pair, "hybrid_pd_prefix_cache_evictions_total") == 0
-        held = pair.decode.servicer.generation.prefix.num_blocks
+        held = pair.decode.servicer.generation.reuse.prefix.num_blocks
         assert held > 0 and pair.decode.host.allocator.num_used == held  # nothing else outlives a request
 
 
@@ -97,7 +97,7 @@ async def test_an_evicted_prefix_falls_back_to_a_full_read() -> None:
 def _corrupt_a_cached_block(pair: RunningPair) -> None:
     """TEST-ONLY: shift K of the least recently used cached block in place (a fault no real part
     makes on purpose)."""
-    cache = pair.decode.servicer.generation.prefix
+    cache = pair.decode.servicer.generation.reuse.prefix
     entry = next(iter(cache._entries.values()))
     kernel = pair.decode.host.layout.kernel_block_ids([entry.blocks[0]])
     for region in pair.decode.host.views[0].fa:
@@ -149,7 +149,7 @@ async def test_a_prefill_that_ignores_the_cached_count_gets_a_full_read_into_fre
     prompt, added = _conversation(7, 70, 40)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=CACHE) as pair:
         first = (await run_turns(pair, "tiny-mamba2", prompt, added, 1, seed=7))[0]
-        cache = pair.decode.servicer.generation.prefix
+        cache = pair.decode.servicer.generation.reuse.prefix
         cached_ids = {b for e in cache._entries.values() for b in e.blocks}
         monkeypatch.setattr(session_module, "job_from_message", ignoring)
         again = await pair.generate(prompt, ANSWER, request_id="old-prefill")

@@ -50,7 +50,7 @@ def _pairs_read(pair: RunningPair) -> int:
 async def _only_the_cache_holds_blocks(pair: RunningPair) -> bool:
     """Prefill holds no block or pin, decode only its prefix cache's blocks (polled: the last
     notifications and decode's cleanup may land just after the last response)."""
-    cache = pair.decode.servicer.generation.prefix
+    cache = pair.decode.servicer.generation.reuse.prefix
     for _ in range(1000):
         prefill_idle = not (pair.prefill.host.allocator.num_used or len(pair.prefill.pins))
         if prefill_idle and pair.decode.host.allocator.num_used == cache.num_blocks:
@@ -84,7 +84,7 @@ async def test_multi_turn_parts_after_the_cached_prefix_equal_colocated(
     ) as pair:
         results = await run_turns(pair, model, random_tokens(11, 70), 100, 4, seed=11)
         assert await _only_the_cache_holds_blocks(pair)
-        cache = pair.decode.servicer.generation.prefix
+        cache = pair.decode.servicer.generation.reuse.prefix
         held = cache.num_blocks
         cache.reclaim(held)  # the cache gives every block up: nothing else is left on decode
         freed = pair.decode.host.allocator.num_used
@@ -141,7 +141,7 @@ async def test_a_prefill_that_ignores_the_cached_count_sends_parts_read_into_fre
     prompt = random_tokens(12, 130)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
-        cache = pair.decode.servicer.generation.prefix
+        cache = pair.decode.servicer.generation.reuse.prefix
         cached_ids = {b for e in cache._entries.values() for b in e.blocks}
         monkeypatch.setattr(session_module, "job_from_message", ignoring)
         again = await pair.generate(prompt, ANSWER, request_id="old-prefill")
@@ -190,7 +190,7 @@ async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_toke
         first = await pair.generate(prompt, ANSWER, request_id="warm")
         turn = [*prompt, *first.token_ids, *random_tokens(15, 60)]  # the next turn: in parts after the prefix
         healthy = await pair.generate(turn, 8, request_id="healthy")
-        cache = pair.decode.servicer.generation.prefix
+        cache = pair.decode.servicer.generation.reuse.prefix
         entry = next(iter(cache._entries.values()))  # TEST-ONLY: shift K of the first cached block in place
         kernel = pair.decode.host.layout.kernel_block_ids([entry.blocks[0]])
         for region in pair.decode.host.views[0].fa:

@@ -88,8 +88,8 @@ async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkey
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2
         assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
         generation = pair.decode.servicer.generation
-        assert len(generation.states) == 2
-        assert pair.decode.host.allocator.num_used == generation.prefix.num_blocks  # requests' own blocks all freed
+        assert len(generation.reuse.states) == 2
+        assert pair.decode.host.allocator.num_used == generation.reuse.prefix.num_blocks  # requests' own blocks all freed
 
 
 async def _sampled(pair: RunningPair | pb_grpc.DecodeServiceStub, prompt: list[int], seed: int, rid: str = "") -> Generated:
@@ -200,7 +200,7 @@ async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypat
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 4
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 0
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 3
-        assert len(pair.decode.servicer.generation.states) == 1
+        assert len(pair.decode.servicer.generation.reuse.states) == 1
     assert len(jobs) == 4
 
 
@@ -219,7 +219,7 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: 
 
     monkeypatch.setattr(fault_hooks, "pause", pause)
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
-        states = pair.decode.servicer.generation.states
+        states = pair.decode.servicer.generation.reuse.states
         first = await pair.generate(a, ANSWER, request_id="first")
         held = oldest_checkpoint(pair.decode)
         before = [[p.clone() for p in rank] for rank in held.pages]

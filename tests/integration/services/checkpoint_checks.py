@@ -31,7 +31,7 @@ def count_jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def oldest_checkpoint(decode: DecodeApp) -> Checkpoint:
     """The least recently used checkpoint decode holds."""
-    return next(iter(decode.servicer.generation.states._entries.values()))
+    return next(iter(decode.servicer.generation.reuse.states._entries.values()))
 
 
 def shift_checkpoint_ssm(decode: DecodeApp) -> None:

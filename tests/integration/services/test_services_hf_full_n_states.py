@@ -59,7 +59,7 @@ def _read(summary: dpb.GenerateSummary) -> None:
 def _nothing_held(prefill: PrefillApp, decode: DecodeApp) -> None:
     """Every request's blocks are free on both sides: decode holds only its prefix cache's."""
     assert not len(prefill.pins) and prefill.host.allocator.num_used == 0
-    assert decode.host.allocator.num_used == decode.servicer.generation.prefix.num_blocks
+    assert decode.host.allocator.num_used == decode.servicer.generation.reuse.prefix.num_blocks
 
 
 async def _colocated(directory: str, prompt: list[int], max_tokens: int, **kw: Any) -> list[int]:
@@ -94,7 +94,7 @@ async def test_greedy_and_seeded_repeats_restore_the_first_token_and_equal_coloc
                 decode.port, prompt_token_ids=prompt, max_tokens=max_tokens, sampling=sampling, request_id=rid
             )
         _nothing_held(prefill, decode)
-        assert len(decode.servicer.generation.states) == 3  # greedy, seed 5, seed 6
+        assert len(decode.servicer.generation.reuse.states) == 3  # greedy, seed 5, seed 6
     assert jobs == ["greedy", "seed5", "seed6"]
     greedy, _ = runs["greedy"]
     want, _ = await asyncio.to_thread(transformers_generate, checkpoint(directory).model, prompt, MAX_TOKENS)

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from decode_svc.generation import Generation, RequestContext
+from decode_svc.generation import Generation
 from decode_svc.reader import ReadStats
+from decode_svc.request import RequestContext
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb

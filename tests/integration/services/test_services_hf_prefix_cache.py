@@ -48,7 +48,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def _cache(decode: DecodeApp) -> PrefixCache:
-    return decode.servicer.generation.prefix
+    return decode.servicer.generation.reuse.prefix
 
 
 def _attention_unit_bytes(summary: dpb.GenerateSummary, decode: DecodeApp) -> int:

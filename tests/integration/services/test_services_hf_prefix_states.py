@@ -49,7 +49,7 @@ async def test_hf_samples_of_one_prompt_run_one_prefill_and_equal_colocated(
         for seed in seeds:
             sampling = dpb.SamplingParams(seed=seed, **SAMPLED) if seed else None
             got.append(await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=6, sampling=sampling))
-        states = decode.servicer.generation.states
+        states = decode.servicer.generation.reuse.states
         assert len(states) == 1
         lead = next(iter(states._entries.values())).lead  # TEST-ONLY: what the prefix cache supplies
     ckpt = HfCheckpoint(directory, dtype="fp32")

@@ -1,0 +1,90 @@
+"""One valid Generate request: the servicer's `GenerateRequest` checked once, every problem
+naming its field, and turned into the `RequestContext` the rest of the decode path reads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from decode_svc import tokenizer
+from decode_svc.learned_peers import remote_prefill_of
+from decode_svc.peer_link import PeerLink
+from decode_svc.request_options import decode_options
+from shared.engine.sampling import SamplingParams
+from shared.engine.stopping import StopRule
+from shared.errors import InvalidArgument
+from shared.http.kv_transfer import RemotePrefill
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.runtime.engine_host import EngineHost
+
+DEFAULT_TIMEOUT_SECONDS = 300.0  # when the client set no deadline
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """One valid Generate request, as the servicer hands it to `Generation.run`."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    prompt_field: str  # the request field the prompt came from, for messages
+    deadline: float  # event-loop time: the client's deadline, or DEFAULT_TIMEOUT_SECONDS from arrival
+    started: float  # time.monotonic() at arrival
+    sampling: SamplingParams  # the seed already picked when the request gave none
+    stop: StopRule  # max_tokens, the model's EOS ids (unless ignore_eos) and the request's stop ids
+    # The decode leg of vLLM's P/D protocol: the prefill engine and pinned request that
+    # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
+    remote: RemotePrefill | None = None
+
+
+def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
+    """The request once as a `RequestContext`: every problem names its field; nothing is
+    touched before this passes. `time_remaining`: the call's deadline (None: none set)."""
+    started = time.monotonic()
+    loop_now = asyncio.get_running_loop().time()
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
+    prompt = tokenizer.for_engine(host.engine).encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    prompt_field = "prompt" if request.prompt else "prompt_token_ids"
+    if not prompt:
+        raise InvalidArgument("the prompt is empty", field="prompt")
+    host.check_token_ids(prompt, "prompt_token_ids")
+    if request.max_tokens < 1:
+        raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
+    total = len(prompt) + request.max_tokens
+    capacity = host.max_tokens()
+    if len(prompt) >= capacity:
+        raise InvalidArgument(
+            f"{len(prompt)} tokens; this decode engine's cache holds at most {capacity} tokens per request, "
+            "prompt and generated tokens together",
+            field=prompt_field,
+        )
+    if total > capacity:
+        raise InvalidArgument(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} tokens; "
+            f"this decode engine's cache holds at most {capacity} tokens per request",
+            field="max_tokens",
+        )
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > 128:
+        raise InvalidArgument("must be at most 128 characters", field="request_id")
+    remote = remote_prefill_of(request.kv_transfer_params)
+    deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
+    options = decode_options(request, host.engine)
+    return RequestContext(
+        request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop, remote
+    )
+
+
+def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) -> None:
+    """A prompt whose prefilled state cannot fit the chosen prefill engine's whole cache."""
+    remote = link.remote
+    needed = sum(link.plan.prefill.blocks_per_group(host.engine.num_prefill_tokens(len(req.prompt))))
+    if needed > remote.num_logical_blocks:
+        raise InvalidArgument(
+            f"{len(req.prompt)} tokens need {needed} blocks on prefill {remote.engine_id}, whose cache has "
+            f"{remote.num_logical_blocks}",
+            field=req.prompt_field,
+        )

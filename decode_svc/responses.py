@@ -1,0 +1,113 @@
+"""What one Generate request streams back: token chunks with their text (`ClientStream`), then
+the summary of where its state came from and what moving and checking it cost (`summary`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from decode_svc import tokenizer
+from decode_svc.peer_link import PeerLink
+from decode_svc.read_checks import StateChecks
+from decode_svc.reader import ReadStats
+from decode_svc.request import RequestContext
+from decode_svc.request_options import finish_reason_message
+from shared.cache.manifest import Manifest
+from shared.engine.stopping import FinishReason
+from shared.engine.text import TextStream
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.proto_time import duration, nanoseconds
+from shared.runtime.engine_host import EngineHost
+from shared.telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What the request's READ brought: from whom, the manifest it followed, and its cost."""
+
+    link: PeerLink
+    manifest: Manifest | None  # None: a state checkpoint, no job and no READ
+    stats: ReadStats
+    prefill_seconds: float  # job sent -> manifest received
+
+
+class ClientStream:
+    """What the client has been sent: token chunks with their text, and when the first one left."""
+
+    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None) -> None:
+        self._text = text
+        self._started = started
+        self._telemetry = telemetry
+        self.generated = 0
+        self.first_token_at: float | None = None
+        self.finish: FinishReason | None = None  # set by the step that ends the request
+
+    def chunk(self, ids: list[int]) -> pb.GenerateResponse:
+        self.generated += len(ids)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            if self._telemetry is not None:
+                self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
+        return pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=self._text.feed(ids)))
+
+    def tail(self) -> pb.GenerateResponse | None:
+        """The text still held back (an incomplete character), if any."""
+        rest = self._text.finish()
+        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest)) if rest else None
+
+
+def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None) -> ClientStream:
+    """A new `ClientStream` for `req`, its text decoded by the engine's tokenizer."""
+    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry)
+
+
+def summary(
+    req: RequestContext,
+    out: ClientStream,
+    finish: FinishReason,
+    transfer: Transfer,
+    checks: StateChecks,
+    *,
+    transferred: int,
+    digest_check_seconds: float = 0.0,
+    read: bool = True,
+    cached_tokens: int | None = None,
+) -> pb.GenerateResponse:
+    """`read`: False when the request ended before any state was READ (or checked).
+    `cached_tokens`: prompt tokens from decode's caches (None: what the manifest skipped).
+    `checks`: the checks a state READ (or restored) goes through."""
+    link, manifest, stats, started = transfer.link, transfer.manifest, transfer.stats, req.started
+    restored = manifest is None  # a state checkpoint: no job, no READ
+    if cached_tokens is None:
+        cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
+    return pb.GenerateResponse(
+        summary=pb.GenerateSummary(
+            request_id=req.request_id,
+            prompt_token_count=len(req.prompt),
+            generated_token_count=out.generated,
+            num_transferred_tokens=transferred,
+            finish_reason=finish_reason_message(finish),
+            prefill_engine_id=link.engine_id,
+            prefill_target=link.target,
+            transfer=pb.TransferStats(
+                attention_bytes=stats.attention_bytes,
+                conv_bytes=stats.conv_bytes,
+                ssm_bytes=stats.ssm_bytes,
+                total_bytes=stats.total_bytes,
+                read_count=stats.read_count,
+                descriptor_count=stats.descriptor_count,
+            ),
+            prefill_duration=duration(transfer.prefill_seconds),
+            read_duration=duration(stats.seconds),
+            time_to_first_token=duration((out.first_token_at or time.monotonic()) - started),
+            total_duration=duration(time.monotonic() - started),
+            state_verified=checks.check_state and read,
+            digests_verified=checks.host.verify_transfer and read,  # a restored checkpoint: its own digests
+            digest_check_duration=duration(digest_check_seconds),
+            prefill_digest_duration=nanoseconds(manifest.digest_ns if manifest is not None else 0),
+            prefill_engine_duration=nanoseconds(manifest.engine_ns if manifest is not None else 0),
+            seed=req.sampling.seed,
+            prefix_cached_tokens=cached_tokens,
+            prefix_state_reused=restored,
+        )
+    )
