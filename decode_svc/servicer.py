@@ -144,7 +144,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             status = self._cut_status(deadline)  # the client went away, or its deadline passed
             raise
         finally:
-            t.requests.labels(status=status).inc()
+            counted = t.requests_of.get(status)
+            (counted if counted is not None else t.requests.labels(status=status)).inc()
             _log_finished(request, status, message, summary)
             if span is not None:  # (the attributes are built only for a span)
                 spans.finish(span, status, _span_attributes(summary), message)

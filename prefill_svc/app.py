@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prometheus_client import Counter
+
 from prefill_svc.http_api import PrefillHttp, advertised_address
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
@@ -31,6 +33,7 @@ class PrefillApp:
         self.host = host
         self.shell = ServiceShell(SERVICE_NAME, settings, metrics)
         self.metrics = self.shell.metrics
+        self._pins_ended_of: dict[str, Counter] = {}
         self._stopped = False
         self.pins = PinTable(host, settings.lease_seconds, on_ended=self._pin_ended)
         self.servicer = PrefillServicer(
@@ -112,6 +115,10 @@ class PrefillApp:
             await asyncio.sleep(0.02)
 
     def _pin_ended(self, reason: str) -> None:
-        self.metrics.pins_ended.labels(reason=reason).inc()
+        # A child per reason, resolved at its first end (not at start: a reason never seen has no series).
+        counted = self._pins_ended_of.get(reason)
+        if counted is None:
+            counted = self._pins_ended_of[reason] = self.metrics.pins_ended.labels(reason=reason)
+        counted.inc()
         if reason == "lease_expired":
             self.metrics.telemetry.lease_expiries.inc()

@@ -163,9 +163,11 @@ class JobRunner:
         if len(spans) > 1:
             assert on_part is not None
             return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part)
-        compute = asyncio.ensure_future(self.host.run_compute(lambda: self._compute(job, blocks, computed)))
+        # Queued now as the compute thread's own future: no task around it to schedule and resume.
+        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed))
         try:
             first_token, digests, digest_seconds, engine_seconds = await asyncio.shield(compute)
+            tracing.mark(Step.COMPUTED)
         except asyncio.CancelledError:
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))

@@ -184,8 +184,8 @@ class Telemetry:
         self.transferred_bytes_of = {section: self.transferred_bytes.labels(section=section) for section in SECTIONS}
         for section in SECTIONS:
             self.digest_mismatches.labels(section=section)
-        for status in STATUSES:
-            self.requests.labels(status=status)
+        # Each request counts its status: the children are resolved here, not by labels() each time.
+        self.requests_of = {status: self.requests.labels(status=status) for status in STATUSES}
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
         for reason in PREFILL_RETRY_REASONS:

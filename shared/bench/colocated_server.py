@@ -33,7 +33,6 @@ from shared.bench.sizing import blocks_per_group
 from shared.cache.allocator import BlockAllocator
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
-from shared.engine.compute_threads import compute_executor
 from shared.engine.factory import ENGINE_KINDS, make_engine
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.engine.stopping import steps
@@ -45,6 +44,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.proto_time import duration
 from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
+from shared.runtime.compute_thread import ComputeThread
 
 T = TypeVar("T")
 
@@ -65,10 +65,10 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         self.layout = layout
         self.engine = engine
         self.allocator = BlockAllocator(num_blocks)
-        self.compute = compute_executor("engine")
+        self.compute = ComputeThread("engine")  # the service's own compute thread: the same hop
 
     async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+        return await self.compute.submit(fn)
 
     def _allocate(self, key: str, num_tokens: int) -> RequestBlocks:
         counts = blocks_per_group(self.layout, num_tokens)

@@ -76,9 +76,13 @@ def corruption_for(request_id: str, spec: str | None = None) -> str | None:
 FAIL_ENV_VAR = "HYBRID_PD_TEST_FAIL"
 
 
+# Read once, as the pauses are: the variable is set when a service process starts, and every job asks.
+_FAIL: str = os.environ.get(FAIL_ENV_VAR, "")
+
+
 def failure_for(request_id: str, spec: str | None = None) -> ServiceError | None:
     """The error to fail this job with before its manifest (None: let it run)."""
-    text = os.environ.get(FAIL_ENV_VAR, "") if spec is None else spec
+    text = _FAIL if spec is None else spec
     if not text:
         return None
     status, _, prefix = text.partition(":")

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +24,6 @@ from shared.cache.allocator import BlockAllocator, BlocksExhausted
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.config import ServiceSettings
-from shared.engine.compute_threads import compute_executor
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.layout.models import load_model
@@ -35,6 +33,7 @@ from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
 from shared.runtime.cache_size import cache_blocks, capacity_line, memory_limit
+from shared.runtime.compute_thread import ComputeThread
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.notifications import UnknownHandler
@@ -123,7 +122,7 @@ class EngineHost:
     verify_transfer: bool = True  # --verify-transfer digest: prefill takes digests, decode checks them
     # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop, with its
     # torch thread count set before its first op (compute_threads).
-    compute: ThreadPoolExecutor = field(default_factory=lambda: compute_executor("engine"))
+    compute: ComputeThread = field(default_factory=lambda: ComputeThread("engine"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
@@ -344,7 +343,7 @@ class EngineHost:
             tracing.mark(Step.COMPUTE)
             return fn()
 
-        result = await asyncio.get_running_loop().run_in_executor(self.compute, call)
+        result = await self.compute.submit(call)
         tracing.mark(Step.COMPUTED)
         return result
 
@@ -356,13 +355,13 @@ class EngineHost:
             tracing.mark(Step.COMPUTE)
             return fn()
 
-        return asyncio.get_running_loop().run_in_executor(self.compute, call)
+        return self.compute.submit(call)
 
     async def aclose(self) -> None:
         await self.poller.aclose()
         for agent in self.agents:
             await agent.aclose()
-        self.compute.shutdown(wait=False, cancel_futures=True)
+        self.compute.shutdown(wait=False)
 
 
 def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> EngineFactory:

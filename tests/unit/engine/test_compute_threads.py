@@ -28,13 +28,14 @@ from shared.layout.presets import TINY_PRESETS
 
 PROBE = textwrap.dedent(
     """
-    import ctypes, json, sys, threading
+    import asyncio, ctypes, json, sys, threading
     import torch
     from torch.overrides import TorchFunctionMode
     from shared.engine.compute_threads import compute_executor
     from shared.engine.reference.colocated import cached_model
     from shared.engine.reference.state_store import read_global_state
     from shared.layout.presets import TINY_PRESETS
+    from shared.runtime.compute_thread import ComputeThread
 
     def libgomp():
         for line in open("/proc/self/maps"):
@@ -56,7 +57,7 @@ PROBE = textwrap.dedent(
 
     torch.set_num_threads(1)  # the main thread only, as a harness would
     prompt = list(b"thread identity")
-    out = {"fresh_default": None, "executor": None, "first_op": {}, "bits_equal": {}}
+    out = {"fresh_default": None, "executor": None, "compute_thread": None, "first_op": {}, "bits_equal": {}}
 
     def on_fresh_thread(fn):
         box = {}
@@ -66,6 +67,15 @@ PROBE = textwrap.dedent(
 
     out["fresh_default"] = on_fresh_thread(omp.omp_get_max_threads)
     out["executor"] = compute_executor("probe").submit(omp.omp_get_max_threads).result()
+
+    async def on_compute_thread():
+        worker = ComputeThread("probe-thread")
+        try:
+            return await worker.submit(omp.omp_get_max_threads)
+        finally:
+            worker.shutdown(wait=True)
+
+    out["compute_thread"] = asyncio.run(on_compute_thread())
     for name, spec in TINY_PRESETS.items():
         model = cached_model(spec)
         # Stores are made on the main thread: making one runs ops that would set the thread up.
@@ -107,6 +117,10 @@ def test_the_probe_sees_the_lazy_default(probe: dict[str, object]) -> None:
 
 def test_a_compute_executor_thread_is_set_up_before_its_first_task(probe: dict[str, object]) -> None:
     assert probe["executor"] == 1
+
+
+def test_a_compute_thread_is_set_up_before_its_first_call(probe: dict[str, object]) -> None:
+    assert probe["compute_thread"] == 1
 
 
 @pytest.mark.parametrize("name", sorted(TINY_PRESETS))
