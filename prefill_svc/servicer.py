@@ -58,6 +58,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             raise
         handshakes.labels(result="ok").inc()
         peer = self.peers.add(request.layout)
+        for agent in self.host.agents:  # its probe READ follows: answer its wire-up at once
+            agent.wake()
         log.info("handshake with decode engine %s (tp %d) accepted", peer.engine_id, request.layout.tp_size)
         return pb.HandshakeResponse(layout=self.host.message)
 

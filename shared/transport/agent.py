@@ -17,7 +17,8 @@ The agent runs without NIXL's progress thread (it would spin a whole core); UCX
 progresses only when this agent calls into NIXL. Once a CompletionPoller attaches,
 the owner thread pumps the agent between calls: every ~1 ms while READs are
 tracked or notifications awaited (check each READ, fetch notifications), at a low
-idle rate otherwise, and hands results to the poller's callbacks.
+idle rate otherwise that backs off while nothing happens (see owner_thread.py), and hands
+results to the poller's callbacks.
 """
 
 from __future__ import annotations
@@ -301,6 +302,12 @@ class RankAgent:
     def stop_pump(self) -> Future[None]:
         return self._submit_quietly(self._set_pump, None, self._busy_interval, None)
 
+    def wake(self) -> None:
+        """Pump at the idle rate again if backed off: a peer is about to connect, and without
+        a progress thread its connection wire-up needs this agent's answers."""
+        if not self._closed:
+            self._owner.wake()
+
     def set_busy(self, busy: bool) -> None:
         """Pump at the busy rate even with nothing tracked (someone awaits notifications)."""
         self._submit_quietly(setattr, self, "_keep_busy", busy)
@@ -353,15 +360,20 @@ class RankAgent:
         self._busy_interval = busy_interval
         self._idle_interval = idle_interval
 
+    def _has_work(self) -> bool:
+        return bool(self._tracked or self._unreleased or (self._keep_busy and self._sink is not None))
+
     def _pump_interval(self) -> float | None:
-        if self._tracked or self._unreleased or (self._keep_busy and self._sink is not None):
+        if self._has_work():
             return self._busy_interval
         return self._idle_interval if self._sink is not None else None
 
-    def _pump(self) -> None:
+    def _pump(self) -> bool:
+        """One pump; True when it had work or found some (the owner thread backs off otherwise)."""
         if self._agent is None:
-            return
+            return False
         self.pumps += 1
+        found = self._has_work()
         for xfer, settle in list(self._tracked.items()):
             result = self._poll_one(xfer)
             if result != "PROC":  # already released, which also untracked it
@@ -373,6 +385,8 @@ class RankAgent:
             if notifs:
                 tracing.mark(Step.NOTIFICATION_FETCHED)
                 self._sink(notifs)
+                found = True
+        return found
 
     def _track(self, xfer: Xfer, settle: Settle) -> None:
         if xfer.released:  # ended (or was dropped) before tracking began

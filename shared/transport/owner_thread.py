@@ -7,6 +7,13 @@ Pumping from this thread instead of from the event loop matters on small machine
 1 ms asyncio tick that hops to a worker thread cost 20-27 % of a core per busy
 process here (two event-loop wake-ups and a thread hop per tick), the same pump
 on the owner thread ~4-5 %; and the event loop is only woken when something happened.
+
+An idle agent should cost nothing, but without NIXL's progress thread there is no event to
+block on: NIXL cannot wake this thread when a message arrives, only a pump sees it. So while
+pumps find nothing to do, the wait between them doubles, up to `max_idle_wait` (what nobody
+waits for, a stray notification, is seen at most that late); a call, or a pump that found work,
+brings it back to `interval()` at once. Every wait for real work (READs in flight, notifications
+awaited) starts with a call, so it is pumped at its full rate.
 """
 
 from __future__ import annotations
@@ -24,21 +31,33 @@ log = logging.getLogger(__name__)
 
 _Job = tuple["Future[Any]", Callable[..., Any], tuple[Any, ...]]
 _STOP = object()
+_WAKE = object()  # ends a backed-off wait (see try_inline)
+MAX_IDLE_WAIT = 1.0  # the longest wait between pumps once idle (seconds)
 
 
 class OwnerThread:
     """Runs submitted calls one at a time; between them runs `pump` every `interval()` seconds.
 
-    `interval()` is asked again after every call and pump: None means do not pump.
+    `interval()` is asked again after every call and pump: None means do not pump. `pump`
+    returns whether it found work; while it does not, the wait doubles up to `max_idle_wait`.
     """
 
-    def __init__(self, name: str, pump: Callable[[], None], interval: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        pump: Callable[[], bool],
+        interval: Callable[[], float | None],
+        *,
+        max_idle_wait: float = MAX_IDLE_WAIT,
+    ) -> None:
         self._jobs: queue.SimpleQueue[_Job | object] = queue.SimpleQueue()
         # Held by this thread while it runs a call or pumps; `try_inline` takes it from another
         # thread only when free, so the agent is never used by two threads at once.
         self._busy = threading.Lock()
         self._pump = pump
         self._interval = interval
+        self._max_idle_wait = max_idle_wait
+        self._idle_pumps = 0  # pumps in a row that found nothing (owner thread; try_inline resets)
         self._after_job: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         # Daemon: an agent nobody closed must not keep the interpreter alive at exit.
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -47,6 +66,14 @@ class OwnerThread:
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+    @property
+    def pump_wait(self) -> float | None:
+        """The wait between pumps now: `interval()`, doubled per pump that found nothing."""
+        interval = self._interval()
+        if interval is None or not self._idle_pumps:
+            return interval
+        return max(interval, min(interval * 2.0**self._idle_pumps, self._max_idle_wait))
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -67,7 +94,17 @@ class OwnerThread:
         try:
             return True, fn(*args)
         finally:
+            # What the call left for the pump (a message UCX could not send at once) must not
+            # wait out a long idle wait: wake a thread backed off past twice its interval. One
+            # nearer its interval is left asleep, so a burst of inline calls costs no wake-ups.
+            backed_off = self._idle_pumps > 1
             self._busy.release()
+            if backed_off:
+                self.wake()
+
+    def wake(self) -> None:
+        """Pump at the full rate again, as after a call (from any thread)."""
+        self._jobs.put(_WAKE)
 
     def stop(self) -> None:
         """Finish the calls already queued, then end the thread."""
@@ -78,8 +115,8 @@ class OwnerThread:
     def _main(self) -> None:
         last_pump = time.monotonic()
         while True:
-            interval = self._interval()
-            timeout = None if interval is None else max(0.0, last_pump + interval - time.monotonic())
+            wait = self.pump_wait
+            timeout = None if wait is None else max(0.0, last_pump + wait - time.monotonic())
             try:
                 job = self._jobs.get(timeout=timeout)
             except queue.Empty:
@@ -87,18 +124,22 @@ class OwnerThread:
             if job is _STOP:
                 return
             if job is not None:
+                self._idle_pumps = 0  # a call may leave work for the pump: back to the full rate
+            if job is not None and job is not _WAKE:
                 self._run(job)  # type: ignore[arg-type]
                 if self._after_job:
                     with self._busy:
                         self._run_after_job()
-            interval = self._interval()
-            if interval is not None and time.monotonic() - last_pump >= interval:
+            wait = self.pump_wait
+            if wait is not None and time.monotonic() - last_pump >= wait:
                 last_pump = time.monotonic()
                 with self._busy:
                     try:
-                        self._pump()
+                        found = self._pump()
                     except Exception:
                         log.exception("pumping the NIXL agent on %s failed", self._thread.name)
+                        found = True  # keep the rate: READs may still be tracked
+                    self._idle_pumps = 0 if found else min(self._idle_pumps + 1, 64)
                     self._run_after_job()
 
     def _run_after_job(self) -> None:

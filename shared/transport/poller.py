@@ -8,7 +8,8 @@ receives notifications. So every attached agent is pumped by its owner thread:
 - about every `busy_interval` (>= 1 ms) while it has READs in flight or someone
   awaits notifications on it: each READ is checked, notifications fetched;
 - every `idle_interval` otherwise (keeps wire-up answered, drains stray messages),
-  or not at all (None);
+  doubling while those pumps find nothing, up to owner_thread.MAX_IDLE_WAIT (1 s), and
+  back at `idle_interval` after any call on the agent; or not at all (None);
 - it calls back here only when a READ ended or notifications arrived.
 
 The ticking lives on the owner threads because a 1 ms asyncio tick that hops to a

@@ -132,6 +132,28 @@ async def test_notifications_nobody_awaits_are_counted_and_reported(pair: Any) -
 
 
 @pytest.mark.asyncio
+async def test_an_idle_agent_backs_off_yet_sees_notifications_and_awaited_ones_are_pumped_at_once(pair: Any) -> None:
+    seen: list[bytes] = []
+    poller = CompletionPoller(idle_interval=0.002, on_unknown_notif=lambda _, __, msg: seen.append(msg))
+    try:
+        poller.attach(pair.source)
+        poller.attach(pair.reader)
+        # Nothing to do: the source's pumps find nothing and their waits grow past the idle rate.
+        await eventually(lambda: (pair.source._owner.pump_wait or 0) >= 8 * poller.idle_interval)
+        # A message nobody awaits still arrives while backed off (within MAX_IDLE_WAIT).
+        await pair.reader.send_notif(pair.source.name, b"stray")
+        await eventually(lambda: seen == [b"stray"])
+        # Awaiting notifications is a call on the agent: from then on it is pumped at the busy rate.
+        freed = poller.expect(pair.source, b"z", 1)
+        wait = await asyncio.wrap_future(pair.source._owner.submit(lambda: pair.source._owner.pump_wait))
+        assert wait == poller.busy_interval
+        await poller.read(pair.reader, pair.local, [3], pair.remote, [3], b"z", timeout=5)
+        assert await asyncio.wait_for(freed, 5) == [pair.reader.name]
+    finally:
+        await poller.aclose()
+
+
+@pytest.mark.asyncio
 async def test_an_idle_poller_without_idle_pumping_parks(pair: Any) -> None:
     poller = CompletionPoller(idle_interval=None)
     try:
