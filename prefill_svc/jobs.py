@@ -6,9 +6,11 @@ that can continue a prefill: `ChunkedPrefill`): the prompt is computed chunk by 
 `part_plan.part_spans` says, a part leaves after the chunks that made new attention blocks
 final, with the digests of just those tokens; the pin is made before the first part (one READ
 notification expected per reader and part) and the last part brings the conv / SSM state.
-From the first part on, the pin owns the blocks: a job that fails later leaves them to decode's
-release, the cancel, or the lease, and a pin that ends while a chunk computes frees them only
-once that chunk is done.
+One span's chunks are always queued on the compute thread ahead of the span the event loop
+awaits, so the thread goes from chunk to chunk without waiting for the loop. From the first
+part on, the pin owns the blocks: a job that fails later leaves them to decode's release, the
+cancel, or the lease; a job that stops (its pin ended, it failed) computes no span not started
+yet, and its blocks are freed only once the last span queued is done.
 
 Decode's prefix cache (`cached_prompt_tokens`): the whole prompt is still computed (the SSM
 state needs it), but no digest covers the K/V of the cached tokens, and every manifest echoes
@@ -18,8 +20,10 @@ cached prefix)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -226,79 +230,97 @@ class JobRunner:
         run = engine.start_prefill(job.prompt, blocks, job.sampling)
         pin: Pin | None = None
         digest_seconds = engine_seconds = 0.0
+        # Set once the job stops early (its pin ended, it failed or was cancelled, or a span
+        # raised): a span queued ahead then computes nothing. Read on the compute thread.
+        stop = threading.Event()
 
-        def chunk(index: int) -> asyncio.Future[tuple[int | None, list[SectionDigest], float, float]]:
-            """Span `index`'s chunks and digests, queued on the compute thread now; the pin (from
-            the first part on) frees the blocks only once it is done."""
-            if pin is not None and self.pins.lookup(job.owner, job.request_id) is not pin:
+        def ended(reason: str) -> None:
+            stop.set()
+            if on_end is not None:
+                on_end(reason)
+
+        def span_work(index: int) -> tuple[int | None, list[SectionDigest], float, float]:
+            if stop.is_set():
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
-            work = functools.partial(self._compute_span, job, run, blocks, start, spans[index], index == len(spans) - 1)
-            future = self.host.submit_compute(work)
+            try:
+                return self._compute_span(job, run, blocks, start, spans[index], index == len(spans) - 1)
+            except BaseException:
+                stop.set()  # before the span queued behind this one starts on a broken run
+                raise
+
+        def queue(index: int) -> asyncio.Future[tuple[int | None, list[SectionDigest], float, float]]:
+            """Span `index`'s chunks and digests, queued on the compute thread now; the pin (from
+            the first part on) frees the blocks only once the last span queued is done."""
+            if stop.is_set():
+                raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
+            future = self.host.submit_compute(functools.partial(span_work, index))
             if pin is not None:
                 pin.writer = future  # type: ignore[assignment]
             return future
 
-        # A TEST-ONLY hold between parts keeps the next chunk from starting until it is over;
-        # otherwise the next chunk is queued before the part leaves, so the compute thread does
-        # not wait for the event loop between chunks.
+        # One span is always queued ahead of the one the loop awaits, so the compute thread goes
+        # from span to span without waiting for the event loop. A TEST-ONLY hold between parts
+        # instead keeps the next span from being queued until the hold is over.
         held = self.after_part is not None or fault_hooks.pauses_at("between_parts", job.request_id)
-        compute = chunk(0)
-        for index, span in enumerate(spans):
-            last = index == len(spans) - 1
-            try:
+        queued = collections.deque([queue(0)])
+        if not held and len(spans) > 1:
+            queued.append(queue(1))
+        latest = queued[-1]
+        try:
+            for index, span in enumerate(spans):
+                last = index == len(spans) - 1
+                compute = queued.popleft()
                 first_token, digests, took, computing = await asyncio.shield(compute)
                 tracing.mark(Step.COMPUTED)
-            except asyncio.CancelledError:
-                if pin is None:  # the engine may still be writing these blocks: free them once it is done
-                    compute.add_done_callback(lambda _: self.host.free(tid))
-                raise  # pinned: the pin frees them (once the chunk is done) when it ends
-            except BaseException:
+                digest_seconds += took
+                engine_seconds += computing
+                if deadline_passed(job.deadline, loop.time()):
+                    raise DeadlineExceeded(
+                        f"the job's deadline passed during prefill ({time.monotonic() - started:.3f}s)", field="job.timeout"
+                    )
                 if pin is None:
-                    self.host.free(tid)
-                raise
-            digest_seconds += took
-            engine_seconds += computing
-            if deadline_passed(job.deadline, loop.time()):
-                if pin is None:
-                    self.host.free(tid)
-                raise DeadlineExceeded(
-                    f"the job's deadline passed during prefill ({time.monotonic() - started:.3f}s)", field="job.timeout"
+                    # Every part's READs notify with the transfer id: one notification per reader and part.
+                    readers = [count * len(spans) for count in job.readers_per_rank]
+                    pin = self.pins.pin(tid, job.request_id, job.owner, readers, on_end=ended)
+                    pin.writer = latest  # type: ignore[assignment]
+                lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
+                part = Manifest(
+                    request_id=job.request_id,
+                    transfer_id=tid,
+                    block_ids=tuple(blocks.block_ids),
+                    num_computed_tokens=computed,
+                    prompt_token_count=len(job.prompt),
+                    lease_ns=lease_ns,
+                    lease_expire_time_ns=time.time_ns() + lease_ns,
+                    prefill_ns=int((time.monotonic() - started) * 1e9),
+                    digests=tuple(digests),
+                    digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
+                    digest_ns=int(digest_seconds * 1e9),
+                    first_token=first_token,
+                    part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
+                    skipped_tokens=job.cached_tokens,
+                    engine_ns=int(engine_seconds * 1e9),
                 )
-            if pin is None:
-                # Every part's READs notify with the transfer id: one notification per reader and part.
-                readers = [count * len(spans) for count in job.readers_per_rank]
-                pin = self.pins.pin(tid, job.request_id, job.owner, readers, on_end=on_end)
-            pin.writer = None
-            lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
-            part = Manifest(
-                request_id=job.request_id,
-                transfer_id=tid,
-                block_ids=tuple(blocks.block_ids),
-                num_computed_tokens=computed,
-                prompt_token_count=len(job.prompt),
-                lease_ns=lease_ns,
-                lease_expire_time_ns=time.time_ns() + lease_ns,
-                prefill_ns=int((time.monotonic() - started) * 1e9),
-                digests=tuple(digests),
-                digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
-                digest_ns=int(digest_seconds * 1e9),
-                first_token=first_token,
-                part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
-                skipped_tokens=job.cached_tokens,
-                engine_ns=int(engine_seconds * 1e9),
-            )
-            if last:
-                tracing.mark(Step.MANIFEST_BUILT)
-                return part
-            if not held:
-                compute = chunk(index + 1)
-            on_part(part)
-            await fault_hooks.pause("between_parts", job.request_id)
-            if self.after_part is not None:
-                await self.after_part(job.request_id, index)
-            if held:
-                compute = chunk(index + 1)
+                if last:
+                    tracing.mark(Step.MANIFEST_BUILT)
+                    return part
+                if not held and index + 2 < len(spans):
+                    latest = queue(index + 2)
+                    queued.append(latest)
+                on_part(part)
+                await fault_hooks.pause("between_parts", job.request_id)
+                if self.after_part is not None:
+                    await self.after_part(job.request_id, index)
+                if held:
+                    latest = queue(index + 1)
+                    queued.append(latest)
+        except BaseException:
+            stop.set()
+            # Unpinned, the blocks are the job's to free, once the compute thread is done with
+            # them (the last span queued); pinned, the pin frees them when it ends.
+            latest.add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
+            raise
         raise AssertionError("unreachable: the last span returns")
 
     def _compute_span(
@@ -350,6 +372,15 @@ def offers_chunks(engine: object, chunk_tokens: int) -> bool:
 
 def deadline_passed(deadline: float | None, now: float) -> bool:
     return deadline is not None and now >= deadline
+
+
+def _after_compute(host: EngineHost, tid: str | None, future: asyncio.Future[object]) -> None:
+    """The last span a stopped job queued is done: free the blocks (`tid`; None: the pin does),
+    and take its outcome, which nobody awaits any more."""
+    if not future.cancelled():
+        future.exception()
+    if tid is not None:
+        host.free(tid)
 
 
 def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str, first_token: int = 0) -> None:

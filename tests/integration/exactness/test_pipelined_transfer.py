@@ -290,3 +290,85 @@ async def test_the_next_chunk_is_queued_before_a_part_leaves(monkeypatch: pytest
         got = await pair.generate(prompt_of(120), MAX_TOKENS)
     assert seen == [True]
     assert tuple(got.token_ids) == expected("tiny-mamba2", 120)
+
+
+@pytest.mark.asyncio
+async def test_the_span_after_next_is_queued_before_the_loop_sees_a_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One span is always queued ahead: span 1 must start on the compute thread while the event
+    loop is still blocked right after span 0's result (a callback the compute thread puts on the
+    loop before it settles span 0's future waits, at most 10 s, for span 1 to start). Queued only
+    once the loop sees span 0's result, it never would, and the request would then equal
+    colocated all the same (a pure ordering test)."""
+    import threading
+
+    from prefill_svc.jobs import JobRunner
+
+    loop = asyncio.get_running_loop()
+    span_one_started = threading.Event()
+    seen: list[bool] = []
+    compute_span = JobRunner._compute_span
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        if start > 0:
+            span_one_started.set()
+        result = compute_span(self, job, run, blocks, start, *rest)
+        if start == 0:  # queued before the future's own settling: the loop runs it first
+            loop.call_soon_threadsafe(lambda: seen.append(span_one_started.wait(10)))
+        return result
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        got = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert seen == [True]
+    assert tuple(got.token_ids) == expected("tiny-mamba2", 120)
+
+
+@pytest.mark.asyncio
+async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client goes away while span 1 computes (held there on the compute thread, span 2
+    queued behind it): decode releases the request, and once span 1 is let go no later span
+    computes, the blocks are freed only then, and everything ends free; the next request is exact."""
+    import threading
+
+    from prefill_svc.jobs import JobRunner
+
+    in_span_one, go_on = threading.Event(), threading.Event()
+    starts: list[int] = []
+    compute_span = JobRunner._compute_span
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        if job.request_id == "gone-2":
+            starts.append(start)
+            if len(starts) == 2:
+                in_span_one.set()
+                go_on.wait(30)
+        return compute_span(self, job, run, blocks, start, *rest)
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-2"))
+        try:
+            for _ in range(6000):
+                if in_span_one.is_set() and pair.decode.host.allocator.num_used:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # part 0 reaches decode
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            for _ in range(1000):  # the release reaches prefill while span 1 still computes
+                if pair.prefill.pins.ended.get("released"):
+                    break
+                await asyncio.sleep(0.01)
+            held_while_released = pair.prefill.host.allocator.num_used > 0
+        finally:
+            go_on.set()
+        freed = await all_freed(pair)
+        ended = dict(pair.prefill.pins.ended)
+        starts_at_end = list(starts)
+        healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert ended.get("released") == 1 and freed, ended
+    assert held_while_released  # the blocks stayed until the compute thread was done with them
+    assert len(starts_at_end) == 2, starts_at_end  # span 2 was queued ahead, but never computed
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)
