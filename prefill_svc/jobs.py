@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -317,6 +318,9 @@ class JobRunner:
                     queued.append(latest)
         except BaseException:
             stop.set()
+            for ahead in queued:  # spans queued but never awaited: their outcome is taken, not logged
+                if ahead is not latest:
+                    ahead.add_done_callback(_take_outcome)
             # Unpinned, the blocks are the job's to free, once the compute thread is done with
             # them (the last span queued); pinned, the pin frees them when it ends.
             latest.add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
@@ -377,10 +381,15 @@ def deadline_passed(deadline: float | None, now: float) -> bool:
 def _after_compute(host: EngineHost, tid: str | None, future: asyncio.Future[object]) -> None:
     """The last span a stopped job queued is done: free the blocks (`tid`; None: the pin does),
     and take its outcome, which nobody awaits any more."""
-    if not future.cancelled():
-        future.exception()
+    _take_outcome(future)
     if tid is not None:
         host.free(tid)
+
+
+def _take_outcome(future: asyncio.Future[Any]) -> None:
+    """Retrieve a result nobody awaits, so asyncio does not log its exception as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str, first_token: int = 0) -> None:
