@@ -20,8 +20,9 @@ digests of its bytes taken when it entered (after the request's digest check pas
 reusing it recomputes them (`verify`), since prefill's digests cover only what was READ.
 
 Entries are pinned while a request uses them (`Hit.release` unpins) and never evicted then;
-otherwise evicted least recently used when an allocation finds too few free blocks (`reclaim`),
-or when the cache is over its bound. A lookup touches the hit from the last block to the first,
+otherwise evicted least recently used when an allocation finds too few free blocks (`reclaim`,
+called after the state checkpoints gave up theirs: `reuse.DecodeReuse.reclaim`), or when the
+cache is over its bound. A lookup touches the hit from the last block to the first,
 so a chain's tail goes before its head. The cache holds its blocks in the allocator under one
 holder id per entry, so freeing an entry is the allocator's ordinary free.
 
@@ -157,8 +158,6 @@ class PrefixCache:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         # Whether anything may be cached; what is depends on each prefill peer (`chain_of`).
         self.enabled = capacity_blocks > 0 and bool(self._attention)
-        if self.enabled:
-            host.reclaim = self.reclaim
 
     @property
     def block_size(self) -> int:

@@ -18,6 +18,14 @@ READ restores that state into its own blocks (`restored`) and decodes with no jo
 (`decode_restored`). At full-N the checkpoint holds the first token prefill drew too: it goes out
 first and is fed, as after a manifest, and one that ends the request needs no state restored
 (`first_token_only`).
+
+Both keep their blocks in the engine's pool, under holder ids of their own, so an allocation
+that finds too few free blocks takes them back (`reclaim`, the engine host's hook): unused state
+checkpoints first, least recently used first, then unused prefix cache entries. Checkpoints go
+first because they build on the prefix cache and not the other way round: a checkpoint is usable
+only while the cache holds its leading blocks, so evicting those first would leave checkpoints
+holding memory no lookup can use, while evicting a checkpoint leaves every cached block useful
+(the next request with that prompt READs only what follows them). Nothing in use is reclaimed.
 """
 
 from __future__ import annotations
@@ -82,6 +90,16 @@ class DecodeReuse:
         self.telemetry = telemetry
         self.prefix = PrefixCache(host, prefix_cache_blocks, telemetry)
         self.states = StateCheckpoints(host, prefix_cache_states, telemetry)
+        if self.prefix.enabled or self.states.enabled:
+            host.reclaim = self.reclaim
+
+    def reclaim(self, n: int) -> int:
+        """Free up to `n` blocks of unused entries: state checkpoints first (least recently used
+        first), then prefix cache entries (likewise); how many freed."""
+        freed = self.states.reclaim(n)
+        if freed < n:
+            freed += self.prefix.reclaim(n - freed)
+        return freed
 
     def lookup(self, link: PeerLink, req: RequestContext) -> Reused:
         """The prefix cache's hit for the prompt on `link`'s chain, then the checkpoint of its

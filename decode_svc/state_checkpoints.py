@@ -24,20 +24,30 @@ same seed, restores it and streams that token at once; another seed (or none giv
 picked a random one) misses and takes the ordinary path. At n-1 the key is the tokens alone:
 decode samples every output token itself.
 
-Bounded by count (--prefix-cache-states), evicted least recently used; one that a request is
-restoring is pinned and never evicted, and an entry is never overwritten (a key already held is
-not taken again). The copies are tensors on the cache's device, apart from the block pool.
+The copies live in blocks of the engine's own pool, held in the allocator under one holder id
+per checkpoint (`Checkpoint.holder`) and copied block to block on the compute thread, so they
+count among the blocks in use and are bounded by the cache's memory. A checkpoint is taken only
+from free blocks, or from blocks of older unused checkpoints, and never while a request waits
+for blocks (that request gets what is freed first): a take that finds no room is skipped, the
+next request with that prompt simply prefills. An allocation that finds too few free blocks
+reclaims unused checkpoints, least recently used first, before the prefix cache's blocks
+(`reuse.DecodeReuse.reclaim` says why). --prefix-cache-states bounds their count as well. One
+that a request is restoring is pinned and never evicted, and an entry is never overwritten (a
+key already held is not taken again); one found corrupt leaves the index at once and its blocks
+are freed when its last user ends.
 Single-threaded: used from the event loop; `take` and `restore` run on the compute thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -77,15 +87,17 @@ class Checkpoint:
     key: bytes
     computed: int  # prompt tokens whose state it holds
     lead: int  # leading full attention blocks the prefix cache supplies
-    pages: list[list[torch.Tensor]]  # per rank, per region: [blocks, page bytes] of the blocks it holds
+    holder: str  # the allocator's holder id of its blocks
+    blocks: np.ndarray  # its own pool blocks: the copies of a request's blocks (`_own_ids` order)
     digests: tuple[SectionDigest, ...]  # of those bytes as they entered (empty: digests off)
     saved_bytes: int  # what a READ of them would move (attention after `lead` blocks, conv, SSM)
     first_token: int | None = None  # full-N: the token prefill sampled (None: n-1)
     users: int = 0  # requests restoring it now: never evicted while > 0
+    dropped: bool = False  # found corrupt: out of the index, freed when the last user ends
 
     @property
     def num_blocks(self) -> int:
-        return int(self.pages[0][0].shape[0]) if self.pages and self.pages[0] else 0
+        return int(self.blocks.size)
 
 
 class StateCheckpoints:
@@ -96,9 +108,18 @@ class StateCheckpoints:
         self.enabled = capacity > 0
         self.full = host.engine.boundary == "full"  # keys name the first token's draw too
         self._entries: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
+        self._taking: set[bytes] = set()  # keys whose copy is being taken now
+        # One holder id per checkpoint ever taken: a corrupt one may still hold its blocks while
+        # a new one of the same key is taken.
+        self._holders = itertools.count()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool blocks the checkpoints in the index hold."""
+        return sum(c.num_blocks for c in self._entries.values())
 
     def _own_ids(self, blocks: RequestBlocks, lead: int, computed: int) -> np.ndarray:
         """The request's blocks a checkpoint holds: attention blocks after `lead` up to the one
@@ -115,6 +136,15 @@ class StateCheckpoints:
             return ()
         layout = self.host.layout
         return tuple(state_digests(layout, self.host.views, blocks.block_ids, computed, tokens_from=lead * layout.block_size))
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """On the compute thread: pool blocks `src` into blocks `dst`, every region of every rank."""
+        for view in self.host.views:
+            cache = view.cache
+            s, d = torch.from_numpy(src).to(cache.device), torch.from_numpy(dst).to(cache.device)
+            for region in range(cache.num_regions):
+                pool = cache.blocks(region)
+                pool.index_copy_(0, d, pool.index_select(0, s))
 
     def _key(self, chain: Chain, prompt: Sequence[int], computed: int, sampling: SamplingParams) -> bytes:
         return state_key(chain, prompt, computed, first_draw(sampling) if self.full else None)
@@ -138,14 +168,13 @@ class StateCheckpoints:
 
     def release(self, checkpoint: Checkpoint) -> None:
         checkpoint.users -= 1
+        if checkpoint.dropped and checkpoint.users == 0:
+            self.host.free(checkpoint.holder)
 
     def restore(self, checkpoint: Checkpoint, blocks: RequestBlocks) -> bool:
         """On the compute thread: copy the checkpoint into the request's own blocks; whether
         they then have its digests (always True with digests off)."""
-        idx = self._own_ids(blocks, checkpoint.lead, checkpoint.computed)
-        for view, saved in zip(self.host.views, checkpoint.pages):
-            for region, pages in enumerate(saved):
-                view.cache.blocks(region).index_copy_(0, torch.from_numpy(idx).to(pages.device), pages)
+        self._copy(checkpoint.blocks, self._own_ids(blocks, checkpoint.lead, checkpoint.computed))
         got = self._digests(blocks, checkpoint.lead, checkpoint.computed)
         return not compare_digests(self.host.layout, checkpoint.digests, got)
 
@@ -159,41 +188,61 @@ class StateCheckpoints:
         return False
 
     def discard(self, checkpoint: Checkpoint) -> None:
-        """Drop a checkpoint found corrupt (the requests restoring it have their copies)."""
+        """Drop a checkpoint found corrupt: no lookup finds it again, and its blocks are freed
+        once no request restores it (the requests restoring it have their copies)."""
         if self._entries.get(checkpoint.key) is checkpoint:
             del self._entries[checkpoint.key]
             self._count_eviction()
+            checkpoint.dropped = True
+            if checkpoint.users == 0:
+                self.host.free(checkpoint.holder)
+
+    def reclaim(self, n: int) -> int:
+        """Free up to `n` blocks of unused checkpoints, least recently used first; how many freed."""
+        freed = 0
+        for checkpoint in [c for c in self._entries.values() if c.users == 0]:
+            if freed >= n:
+                break
+            freed += self._evict(checkpoint)
+        return freed
+
+    def _evict(self, checkpoint: Checkpoint) -> int:
+        del self._entries[checkpoint.key]
+        self._count_eviction()
+        return self.host.free(checkpoint.holder)
+
+    def _room_for(self, n: int) -> bool:
+        """Make room for one more checkpoint of `n` blocks: under the count bound and with `n`
+        free blocks, evicting unused checkpoints (least recently used first) only if that is
+        enough; never while a request waits for blocks, and never the prefix cache's blocks."""
+        if self.host.waiting_for_blocks:
+            return False
+        unused = [c for c in self._entries.values() if c.users == 0]
+        over = len(self._entries) + 1 - self.capacity  # checkpoints to evict for the count bound
+        free = self.host.allocator.num_free
+        if over > len(unused) or free + sum(c.num_blocks for c in unused) < n:
+            return False
+        for victim in unused:
+            if over <= 0 and free >= n:
+                break
+            free += self._evict(victim)
+            over -= 1
+        return True
 
     def wanted(self, chain: Chain | None, prompt: Sequence[int], computed: int, sampling: SamplingParams) -> bytes | None:
         """The key to take a checkpoint under, if it is not held yet."""
         if not self.enabled or chain is None:
             return None
         key = self._key(chain, prompt, computed, sampling)
-        return None if key in self._entries else key
+        return None if key in self._entries or key in self._taking else key
 
     def take(
-        self,
-        key: bytes,
-        chain: Chain,
-        link: PeerLink,
-        blocks: RequestBlocks,
-        computed: int,
-        state_bytes: int,
-        first_token: int | None = None,
-    ) -> Checkpoint:
-        """On the compute thread: copy the request's state (just READ and checked, its conv and
-        SSM `state_bytes` READ from `link`; at full-N after `first_token`) out."""
-        size = self.host.layout.block_size
-        lead = cacheable_blocks(computed, size, chain.unit)
-        # What a later READ would move that the prefix cache's lead does not already save.
-        saved = skipped_bytes(link, computed) - skipped_bytes(link, lead * size) + state_bytes
-        idx = self._own_ids(blocks, lead, computed)
-        pages = []
-        for view in self.host.views:
-            cache = view.cache
-            where = torch.from_numpy(idx).to(cache.blocks(0).device)
-            pages.append([cache.blocks(r).index_select(0, where) for r in range(cache.num_regions)])
-        return Checkpoint(key, computed, lead, pages, self._digests(blocks, lead, computed), saved, first_token)
+        self, src: np.ndarray, dst: np.ndarray, blocks: RequestBlocks, lead: int, computed: int
+    ) -> tuple[SectionDigest, ...]:
+        """On the compute thread: copy the request's blocks `src` (its state, just READ and
+        checked) into the checkpoint's `dst`; the digests of those bytes."""
+        self._copy(src, dst)
+        return self._digests(blocks, lead, computed)
 
     async def keep(
         self,
@@ -206,32 +255,63 @@ class StateCheckpoints:
         state_bytes: int,
         sampling: SamplingParams,
         first_token: int | None,
-    ) -> None:
-        """A checkpoint of the request's state, just READ from `link` and checked (at full-N with
-        the `first_token` prefill drew with `sampling`), unless one is held already (`take` on
-        the compute thread, `run`)."""
+    ) -> bool:
+        """A checkpoint of the request's state, just READ from `link` and checked (its conv and
+        SSM `state_bytes`; at full-N with the `first_token` prefill drew with `sampling`), unless
+        one is held already or no blocks are free for it (`_room_for`); whether one was kept.
+        Its blocks are allocated here and filled by `take` on the compute thread (`run`)."""
         if self.full != (first_token is not None):
-            return  # the boundary's first token is missing (or unexpected): nothing to key it by
+            return False  # the boundary's first token is missing (or unexpected): nothing to key it by
         key = self.wanted(chain, prompt, computed, sampling)
         if key is None or chain is None:
-            return
-        known = chain
-        self.insert(await run(lambda: self.take(key, known, link, blocks, computed, state_bytes, first_token)))
+            return False
+        size = self.host.layout.block_size
+        lead = cacheable_blocks(computed, size, chain.unit)
+        src = self._own_ids(blocks, lead, computed)
+        if not self._room_for(int(src.size)):
+            log.debug("request %s: no free blocks for a state checkpoint; not taken", blocks.request_id)
+            return False
+        holder = f"state-checkpoint:{key.hex()}:{next(self._holders)}"
+        dst = self.host.allocator.allocate(holder, int(src.size))
+        # What a later READ would move that the prefix cache's lead does not already save.
+        saved = skipped_bytes(link, computed) - skipped_bytes(link, lead * size) + state_bytes
+        self._taking.add(key)
+        copying = asyncio.ensure_future(run(lambda: self.take(src, dst, blocks, lead, computed)))
+        try:
+            digests = await asyncio.shield(copying)
+        except BaseException:
+            # The copy may still be writing them: the blocks go back once it ended.
+            copying.add_done_callback(lambda done: _free_after(self.host, holder, done))
+            raise
+        finally:
+            self._taking.discard(key)
+        return self.insert(Checkpoint(key, computed, lead, holder, dst, digests, saved, first_token))
 
     def insert(self, checkpoint: Checkpoint) -> bool:
-        """Keep `checkpoint`, evicting the least recently used unpinned ones past the bound;
-        False when its key is held already or every held one is in use."""
-        if checkpoint.key in self._entries:
+        """Keep `checkpoint` (its blocks already held under its holder id), evicting the least
+        recently used unpinned ones past the bound; False (its blocks freed) when its key is held
+        already or every held one is in use."""
+        if checkpoint.key in self._entries or not self._under_bound():
+            self.host.free(checkpoint.holder)
             return False
+        self._entries[checkpoint.key] = checkpoint
+        return True
+
+    def _under_bound(self) -> bool:
+        """Evict unused checkpoints until one more fits the count bound; whether it does."""
         while len(self._entries) >= self.capacity:
             victim = next((c for c in self._entries.values() if c.users == 0), None)
             if victim is None:
                 return False
-            del self._entries[victim.key]
-            self._count_eviction()
-        self._entries[checkpoint.key] = checkpoint
+            self._evict(victim)
         return True
 
     def _count_eviction(self) -> None:
         if self.telemetry is not None:
             self.telemetry.prefix_state_evictions.inc()
+
+
+def _free_after(host: EngineHost, holder: str, done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()  # retrieved: the request that took it already failed with its own error
+    host.free(holder)

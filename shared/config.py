@@ -458,8 +458,9 @@ FLAGS: tuple[Flag, ...] = (
         "a regenerate, another sample of one prompt) then needs no prefill job and no READ. At the full boundary "
         "(prefill samples the first token) it also needs the same sampling of that token: greedy, or the same "
         "temperature, top_p, top_k and seed, and min_tokens masking the same ids. Needs --prefix-cache-blocks (the "
-        "leading attention blocks come from it); the copies take memory beside the cache, on its device (one "
-        "request's state each); evicted least recently used; 0: off",
+        "leading attention blocks come from it); the copies live in the cache's own blocks (one request's state each), "
+        "taken only from free blocks, and given back least recently used (before the prefix cache's) when a request "
+        "needs blocks, never while in use; 0: off",
         0,
         roles=("decode",),
         metavar="N",

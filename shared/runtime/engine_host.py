@@ -128,8 +128,8 @@ class EngineHost:
     on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
-    # Decode's prefix cache: frees up to n of the blocks it keeps (least recently used, none in
-    # use) when an allocation finds too few free; returns how many it freed.
+    # Decode's prefix cache and state checkpoints: free up to n of the blocks they keep (least
+    # recently used, none in use) when an allocation finds too few free; returns how many freed.
     reclaim: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
@@ -249,7 +249,7 @@ class EngineHost:
         return RequestBlocks(key, [np.concatenate([first, rest]) for first, rest in zip(given, _runs(ids, counts))])
 
     def take(self, key: str, n: int) -> np.ndarray:
-        """`n` more blocks for `key`; the prefix cache gives up blocks first if too few are free."""
+        """`n` more blocks for `key`; decode's caches give up blocks first if too few are free."""
         short = n - self.allocator.num_free
         if short > 0 and self.reclaim is not None:
             self.reclaim(short)

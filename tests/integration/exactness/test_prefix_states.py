@@ -27,7 +27,12 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc import fault_hooks
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
-from tests.integration.services.checkpoint_checks import count_jobs, oldest_checkpoint, shift_checkpoint_ssm
+from tests.integration.services.checkpoint_checks import (
+    checkpoint_pages,
+    count_jobs,
+    oldest_checkpoint,
+    shift_checkpoint_ssm,
+)
 from tests.integration.services.colocated import colocated_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -89,7 +94,13 @@ async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkey
         assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
         generation = pair.decode.servicer.generation
         assert len(generation.reuse.states) == 2
-        assert pair.decode.host.allocator.num_used == generation.reuse.prefix.num_blocks  # requests' own blocks all freed
+        # The checkpoints' copies are pool blocks (3: one attention block, two Mamba; 2: Mamba only);
+        # the requests' own blocks are all freed.
+        reuse, host = generation.reuse, pair.decode.host
+        assert reuse.states.num_blocks == 3 + 2
+        assert host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
+        assert host.reclaim is not None and host.reclaim(host.num_blocks) > 0
+        assert host.allocator.num_used == 0 and len(reuse.states) == 0  # cleared: nothing leaks
 
 
 async def _sampled(pair: RunningPair | pb_grpc.DecodeServiceStub, prompt: list[int], seed: int, rid: str = "") -> Generated:
@@ -222,14 +233,15 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: 
         states = pair.decode.servicer.generation.reuse.states
         first = await pair.generate(a, ANSWER, request_id="first")
         held = oldest_checkpoint(pair.decode)
-        before = [[p.clone() for p in rank] for rank in held.pages]
+        before = checkpoint_pages(pair.decode, held)
         holder = asyncio.ensure_future(pair.generate(a, ANSWER, request_id="holder"))
         while held.users == 0:
             await asyncio.sleep(0.01)
         other = await pair.generate(b, ANSWER, request_id="other")  # its checkpoint finds no room
         _exact("tiny-mamba2", b, other)
         assert list(states._entries.values()) == [held]
-        assert all(torch.equal(x, y) for rank, was in zip(held.pages, before) for x, y in zip(rank, was))
+        now = checkpoint_pages(pair.decode, held)
+        assert all(torch.equal(x, y) for rank, was in zip(now, before) for x, y in zip(rank, was))
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 0
         go.set()
         reused = await holder
@@ -248,3 +260,111 @@ def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixtu
         flags = ["--engine", "hf", "--boundary", boundary, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"]
         ok = parse_settings("decode", [*base, *flags], environ={})
         assert (ok.prefix_cache_states, ok.boundary) == (2, boundary)
+
+
+# The pool tests: a checkpoint's copies live in the engine's own blocks. With 16 blocks a 20-token
+# prompt's checkpoint holds 3 (its one attention block and the two Mamba groups' blocks; no full
+# block, so the prefix cache keeps nothing of it) and a 380-token prompt needs 14 (12 + 2).
+SMALL, LONG = 20, 380
+
+
+async def _generate_within(pair: RunningPair, prompt: list[int], request_id: str, timeout: float) -> Generated:
+    """`pair.generate` with a short deadline: a request that waits for blocks fails soon."""
+    request = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=ANSWER, request_id=request_id)
+    tokens: list[int] = []
+    summary = pb.GenerateSummary()
+    async for reply in pair.stub.Generate(request, timeout=timeout):
+        if reply.HasField("chunk"):
+            tokens.extend(reply.chunk.token_ids)
+        else:
+            summary = reply.summary
+    return Generated(tokens, summary)
+
+
+@pytest.mark.asyncio
+async def test_a_request_short_of_blocks_reclaims_an_unused_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's blocks count in the pool; a request that needs them gets them at once
+    (it would otherwise wait for frees that never come and fail RESOURCE_EXHAUSTED), and its
+    own checkpoint, finding no free blocks, is simply not taken."""
+    jobs = count_jobs(monkeypatch)
+    small, long = random_tokens(12, SMALL), random_tokens(13, LONG)
+    async with service_pair("tiny-mamba2", 1, 1, num_blocks=16, extra_decode=_states()) as pair:
+        host, reuse = pair.decode.host, pair.decode.servicer.generation.reuse
+        first = await pair.generate(small, ANSWER, request_id="small")
+        _exact("tiny-mamba2", small, first)
+        assert (len(reuse.states), reuse.states.num_blocks, reuse.prefix.num_blocks) == (1, 3, 0)
+        assert host.allocator.num_used == 3 and _metric(pair, "hybrid_pd_blocks_in_use") == 3
+        got = await _generate_within(pair, long, "long", timeout=10)
+        _exact("tiny-mamba2", long, got)
+        assert len(reuse.states) == 0 and _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
+        again = await pair.generate(small, ANSWER, request_id="small-again")  # evicted: prefills again
+        assert again.token_ids == first.token_ids
+        _assert_read(again)
+        assert jobs == ["small", "long", "small-again"]
+        assert host.reclaim is not None
+        host.reclaim(host.num_blocks)
+        assert host.allocator.num_used == 0  # cleared: nothing leaks
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_being_restored_is_never_reclaimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a request holds the checkpoint (paused after its restore), a request short of blocks
+    waits rather than take it, and a checkpoint of another request is not taken meanwhile (the
+    waiting request gets the next free blocks); once the holder ends, the waiting one reclaims it."""
+    small, other, long = random_tokens(14, SMALL), random_tokens(15, SMALL), random_tokens(16, LONG)
+    go = asyncio.Event()
+    real_pause = fault_hooks.pause
+
+    async def pause(step: str, request_id: str) -> None:  # TEST-ONLY: hold one request after its restore
+        if step == "after_read" and request_id == "holder":
+            await go.wait()
+        await real_pause(step, request_id)
+
+    monkeypatch.setattr(fault_hooks, "pause", pause)
+    async with service_pair("tiny-mamba2", 1, 1, num_blocks=16, extra_decode=_states()) as pair:
+        host, states = pair.decode.host, pair.decode.servicer.generation.reuse.states
+        first = await pair.generate(small, ANSWER, request_id="first")
+        held = oldest_checkpoint(pair.decode)
+        before = checkpoint_pages(pair.decode, held)
+        holder = asyncio.ensure_future(pair.generate(small, ANSWER, request_id="holder"))
+        while held.users == 0:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(_generate_within(pair, long, "long", timeout=60))
+        while host.waiting_for_blocks == 0:
+            await asyncio.sleep(0.01)
+        meanwhile = await pair.generate(other, ANSWER, request_id="meanwhile")  # fits the free blocks
+        _exact("tiny-mamba2", other, meanwhile)
+        assert list(states._entries.values()) == [held]  # not reclaimed, and no checkpoint taken
+        now = checkpoint_pages(pair.decode, held)
+        assert all(torch.equal(x, y) for rank, was in zip(now, before) for x, y in zip(rank, was))
+        assert not waiting.done() and _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 0
+        go.set()
+        reused = await holder
+        assert reused.token_ids == first.token_ids
+        _assert_restored(reused, SMALL - 1)
+        _exact("tiny-mamba2", long, await waiting)
+        assert len(states) == 0 and _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
+        assert host.reclaim is not None
+        host.reclaim(host.num_blocks)
+        assert host.allocator.num_used == 0
+
+
+@pytest.mark.asyncio
+async def test_reclaim_takes_least_recently_used_checkpoints_then_prefix_blocks() -> None:
+    a, b = random_tokens(17, 70), random_tokens(18, SMALL)  # a: 2 prefix cache blocks and a 3-block checkpoint
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+        host, reuse = pair.decode.host, pair.decode.servicer.generation.reuse
+        for rid, prompt in (("a", a), ("b", b), ("a-again", a)):  # a used last: b's checkpoint is the oldest
+            await pair.generate(prompt, ANSWER, request_id=rid)
+        newest = reuse.states._entries[next(reversed(reuse.states._entries))]
+        assert (len(reuse.states), reuse.prefix.num_blocks) == (2, 2)
+        assert host.reclaim is not None
+        assert host.reclaim(1) == 3  # a whole checkpoint goes: b's
+        assert list(reuse.states._entries.values()) == [newest] and newest.computed == len(a) - 1
+        assert host.reclaim(4) == 3 + 1  # then a's, then one prefix block (a chain's tail first)
+        assert len(reuse.states) == 0 and reuse.prefix.num_blocks == 1
+        got = await pair.generate(a, ANSWER, request_id="a-head")
+        _exact("tiny-mamba2", a, got)
+        assert got.summary.prefix_cached_tokens == pair.decode.host.layout.block_size  # the head stayed
+        host.reclaim(host.num_blocks)
+        assert host.allocator.num_used == 0

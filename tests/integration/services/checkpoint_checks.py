@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from decode_svc.app import DecodeApp
 from decode_svc.state_checkpoints import Checkpoint
@@ -34,9 +35,15 @@ def oldest_checkpoint(decode: DecodeApp) -> Checkpoint:
     return next(iter(decode.servicer.generation.reuse.states._entries.values()))
 
 
+def checkpoint_pages(decode: DecodeApp, checkpoint: Checkpoint) -> list[list[torch.Tensor]]:
+    """Copies of the bytes a checkpoint holds in the pool: per rank, per region, its blocks."""
+    where = torch.from_numpy(checkpoint.blocks)
+    return [[view.cache.blocks(r)[where].clone() for r in range(view.cache.num_regions)] for view in decode.host.views]
+
+
 def shift_checkpoint_ssm(decode: DecodeApp) -> None:
-    """Shift the SSM state held in the least recently used checkpoint. Its rows: per group in
-    order, the attention blocks after its lead, or the Mamba group's block."""
+    """Shift the SSM state held in the least recently used checkpoint's pool blocks. Its blocks:
+    per group in order, the attention blocks after its lead, or the Mamba group's block."""
     host = decode.host
     checkpoint = oldest_checkpoint(decode)
     shapes, dtype, layout = host.layout.shapes, torch_dtype(host.spec.ssm_dtype), host.layout
@@ -46,9 +53,11 @@ def shift_checkpoint_ssm(decode: DecodeApp) -> None:
         if group.kind == "attention":
             row += tail
             continue
-        for rank in checkpoint.pages:
+        block = int(checkpoint.blocks[row])
+        for view in host.views:
             for region in range(len(group.layers)):
-                rank[region][row, shapes.ssm_offset : shapes.ssm_offset + shapes.ssm_bytes].view(dtype).add_(3.0)
+                page = view.cache.blocks(region)[block, shapes.ssm_offset : shapes.ssm_offset + shapes.ssm_bytes]
+                page.view(dtype).add_(3.0)
                 shifted += 1
         row += 1
     assert row == checkpoint.num_blocks and shifted

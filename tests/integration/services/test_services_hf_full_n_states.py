@@ -57,9 +57,10 @@ def _read(summary: dpb.GenerateSummary) -> None:
 
 
 def _nothing_held(prefill: PrefillApp, decode: DecodeApp) -> None:
-    """Every request's blocks are free on both sides: decode holds only its prefix cache's."""
+    """Every request's blocks are free on both sides: decode holds only its prefix cache's and checkpoints'."""
     assert not len(prefill.pins) and prefill.host.allocator.num_used == 0
-    assert decode.host.allocator.num_used == decode.servicer.generation.reuse.prefix.num_blocks
+    reuse = decode.servicer.generation.reuse  # the checkpoints' copies are pool blocks too
+    assert decode.host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
 
 
 async def _colocated(directory: str, prompt: list[int], max_tokens: int, **kw: Any) -> list[int]:
