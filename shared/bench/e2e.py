@@ -25,7 +25,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -36,7 +36,7 @@ from shared.bench.cpu import process_cpu_seconds
 from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
 from shared.bench.plotting import Chart, Series
 from shared.bench.progress import Progress
-from shared.bench.setups import SETUPS, model_spec, start_setups
+from shared.bench.setups import SETUPS, SetupConfig, flat_config, model_spec, start_setups
 from shared.bench.stats import Summary, fixed, json_number, ratio
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
@@ -48,30 +48,23 @@ SCHEMA = "hybrid-pd.bench.e2e/v1"
 TARGET_TTFT_RATIO = {"full": 1.02, "n-1": 1.10}
 
 
+DEFAULT_SETUP = SetupConfig(model="tiny-mamba2", engine="reference")
+
+
 @dataclass(frozen=True)
 class E2EConfig:
-    model: str = "tiny-mamba2"
-    engine: str = "reference"
+    setup: SetupConfig = DEFAULT_SETUP
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     prompt_tokens: int = 128
     max_tokens: int = 32
     requests_per_level: int = 0  # 0: max(4, 2 x concurrency)
     warmup: int = 2  # unmeasured requests per setup before the first level
     interleave: int = 2  # parts per level, alternating between the setups
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
-    kernel_block_size: int = 16
     crossover_model: str = ""  # "": the same model
     seed: int = 0
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests_per_level or max(4, 2 * concurrency)
-
-    @property
-    def resolved_boundary(self) -> str:
-        """The boundary both setups run: the one asked for, or the engine's default."""
-        return self.boundary or ("full" if self.engine == "hf" else "n-1")
 
 
 @dataclass
@@ -188,7 +181,7 @@ async def _level(
 
 
 async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = model_spec(cfg.model, cfg.engine)
+    spec = model_spec(cfg.setup.model, cfg.setup.engine)
     total = 2 * (cfg.warmup + sum(cfg.requests_at(c) for c in cfg.concurrency))
     progress = Progress("bench e2e", total, enabled=show_progress)
     progress.advance(0, "starting services")
@@ -196,15 +189,10 @@ async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -
     try:
         async with start_setups(
             spec,
-            model=cfg.model,
-            engine=cfg.engine,
-            prefill_tp=cfg.prefill_tp,
-            decode_tp=cfg.decode_tp,
-            kernel_block_size=cfg.kernel_block_size,
+            cfg.setup,
             prompt_tokens=cfg.prompt_tokens,
             max_tokens=cfg.max_tokens,
             concurrent=max(cfg.concurrency),
-            boundary=cfg.resolved_boundary,
         ) as running:
             address, pids = running.addresses, running.pids
             if cfg.warmup:  # first requests pay for lazy initialisation (torch, wire-up): not measured
@@ -224,8 +212,8 @@ async def run_e2e(cfg: E2EConfig, *, command: str, show_progress: bool = True) -
         progress.finish()
     cross_spec = load_model(cfg.crossover_model) if cfg.crossover_model else spec
     crossover = bytes_by_prompt_length(
-        build_engine_layout(cross_spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size),
-        build_engine_layout(cross_spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size),
+        build_engine_layout(cross_spec, cfg.setup.prefill_tp, kernel_block_size=cfg.setup.kernel_block_size),
+        build_engine_layout(cross_spec, cfg.setup.decode_tp, kernel_block_size=cfg.setup.kernel_block_size),
         DEFAULT_LENGTHS,
     )
     return build_e2e_result(cfg, levels, crossover.as_dict(), command)
@@ -261,15 +249,15 @@ def build_e2e_result(cfg: E2EConfig, levels: list[LevelResult], crossover: dict[
     first = comparisons[0] if comparisons else None
     first_ratio = first["ttft_ratio"] if first else None
     matched = first["ttft_ratio_compute_matched"] if first else None
-    target = TARGET_TTFT_RATIO[cfg.resolved_boundary]
+    target = TARGET_TTFT_RATIO[cfg.setup.resolved_boundary]
     return {
         "schema": SCHEMA,
         "command": command,
-        "config": asdict(cfg) | {"concurrency": list(cfg.concurrency)},
+        "config": flat_config(cfg) | {"concurrency": list(cfg.concurrency)},
         "levels": rows,
         "comparisons": comparisons,
         "target": {
-            "boundary": cfg.resolved_boundary,
+            "boundary": cfg.setup.resolved_boundary,
             "ttft_ratio_at_most": target,
             "at_concurrency": first["concurrency"] if first else None,
             "value": first_ratio,

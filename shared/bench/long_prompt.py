@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -38,7 +38,7 @@ import numpy as np
 
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.progress import Progress
-from shared.bench.setups import PIPELINE_SETUPS, SETUPS, model_spec, start_setups
+from shared.bench.setups import PIPELINE_SETUPS, SETUPS, SetupConfig, flat_config, model_spec, start_setups
 from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
@@ -48,22 +48,16 @@ DEFAULT_PROMPT_LENGTHS = (8192, 16384, 32768)
 
 @dataclass(frozen=True)
 class LongPromptConfig:
-    model: str
-    engine: str = "hf"
+    setup: SetupConfig  # prefill_chunk_tokens > 0: pipelined transfer, with the unpipelined setup alongside
     prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
     requests_per_length: int = 2  # per setup
     max_tokens: int = 8
     warmup: int = 1  # unmeasured requests per setup first, at the shortest length
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    kernel_block_size: int = 16
     seed: int = 0
-    prefill_chunk_tokens: int = 0  # > 0: pipelined transfer, with the unpipelined setup alongside
-    boundary: str | None = None  # the services' --boundary (None: the engine's default, full for hf)
 
     @property
     def setups(self) -> tuple[str, ...]:
-        return PIPELINE_SETUPS if self.prefill_chunk_tokens else SETUPS
+        return PIPELINE_SETUPS if self.setup.prefill_chunk_tokens else SETUPS
 
 
 @dataclass
@@ -79,7 +73,7 @@ def _prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
 
 
 async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = model_spec(cfg.model, cfg.engine)
+    spec = model_spec(cfg.setup.model, cfg.setup.engine)
     rng = np.random.default_rng(cfg.seed)
     setups = cfg.setups
     total = len(setups) * (cfg.warmup + cfg.requests_per_length * len(cfg.prompt_lengths))
@@ -89,16 +83,10 @@ async def run_long_prompt(cfg: LongPromptConfig, *, command: str, show_progress:
     try:
         async with start_setups(
             spec,
-            model=cfg.model,
-            engine=cfg.engine,
-            prefill_tp=cfg.prefill_tp,
-            decode_tp=cfg.decode_tp,
-            kernel_block_size=cfg.kernel_block_size,
+            cfg.setup,
             prompt_tokens=max(cfg.prompt_lengths),
             max_tokens=cfg.max_tokens,
             name="bench-long-prompt",
-            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-            boundary=cfg.boundary,
         ) as running:
             channels = {s: grpc.aio.insecure_channel(a) for s, a in running.addresses.items()}
             stubs = {s: pb_grpc.DecodeServiceStub(c) for s, c in channels.items()}
@@ -247,7 +235,7 @@ def build_long_prompt_result(cfg: LongPromptConfig, samples: Sequence[Sample], c
     return {
         "schema": SCHEMA,
         "command": command,
-        "config": asdict(cfg) | {"prompt_lengths": list(cfg.prompt_lengths)},
+        "config": flat_config(cfg) | {"prompt_lengths": list(cfg.prompt_lengths)},
         "lengths": rows,
     }
 

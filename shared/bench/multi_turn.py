@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,7 +29,7 @@ import numpy as np
 
 from shared.bench.client import Timed, generate, seconds
 from shared.bench.progress import Progress
-from shared.bench.setups import SETUPS, model_spec, start_setups
+from shared.bench.setups import SETUPS, SetupConfig, flat_config, model_spec, start_setups
 from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
@@ -38,20 +38,15 @@ SCHEMA = "hybrid-pd.bench.e2e.multi-turn/v1"
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    model: str
-    engine: str = "hf"
+    setup: SetupConfig
     turns: int = 4
     conversations: int = 2
     first_turn_tokens: int = 2048
     turn_tokens: int = 256  # each later turn's new user message
     max_tokens: int = 32  # each answer
     warmup: int = 1  # unmeasured requests per setup first, at the first turn's length
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    kernel_block_size: int = 16
     seed: int = 0
     prefix_cache_blocks: int = 0  # the decode service's prefix cache (0: off, the baseline)
-    prefill_chunk_tokens: int = 0  # pipelined transfer: prefill (and colocated) compute in chunks of N (0: off)
 
     def longest_prompt(self) -> int:
         return self.first_turn_tokens + (self.turns - 1) * (self.max_tokens + self.turn_tokens)
@@ -73,7 +68,7 @@ def _tokens(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
 
 
 async def run_multi_turn(cfg: MultiTurnConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = model_spec(cfg.model, cfg.engine)
+    spec = model_spec(cfg.setup.model, cfg.setup.engine)
     rng = np.random.default_rng(cfg.seed)
     progress = Progress("bench e2e multi-turn", 2 * (cfg.warmup + cfg.turns * cfg.conversations), enabled=show_progress)
     progress.advance(0, "starting services")
@@ -81,16 +76,11 @@ async def run_multi_turn(cfg: MultiTurnConfig, *, command: str, show_progress: b
     try:
         async with start_setups(
             spec,
-            model=cfg.model,
-            engine=cfg.engine,
-            prefill_tp=cfg.prefill_tp,
-            decode_tp=cfg.decode_tp,
-            kernel_block_size=cfg.kernel_block_size,
+            cfg.setup,
             prompt_tokens=cfg.longest_prompt(),
             max_tokens=cfg.max_tokens,
             name="bench-multi-turn",
             prefix_cache_blocks=cfg.prefix_cache_blocks,
-            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             unpipelined=False,
         ) as running:
             channels = {s: grpc.aio.insecure_channel(a) for s, a in running.addresses.items()}
@@ -174,7 +164,7 @@ def build_multi_turn_result(cfg: MultiTurnConfig, turns: Sequence[Turn], command
     return {
         "schema": SCHEMA,
         "command": command,
-        "config": asdict(cfg),
+        "config": flat_config(cfg),
         "turns": rows,
         # Turns 2..K: attention bytes read against those of the new tokens only (what prefix reuse would read).
         "later_turns": {

@@ -15,7 +15,7 @@ engine needs --prefill-chunk-tokens for any prefix reuse at all.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,7 +23,7 @@ import numpy as np
 
 from shared.bench.client import Timed, generate
 from shared.bench.progress import Progress
-from shared.bench.setups import model_spec, start_setups
+from shared.bench.setups import SetupConfig, flat_config, model_spec, start_setups
 from shared.bench.sizing import blocks_needed
 from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.layout.page import build_engine_layout
@@ -36,23 +36,13 @@ DECODES = ("disaggregated", "states")  # the two decode services (colocated READ
 
 @dataclass(frozen=True)
 class RepeatConfig:
-    model: str
-    engine: str = "reference"
+    setup: SetupConfig
     prompts: int = 3
     repeats: int = 3
     prompt_tokens: int = 2048
     max_tokens: int = 16
     warmup: int = 1  # unmeasured requests per setup first (other prompts)
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    kernel_block_size: int = 16
-    prefill_chunk_tokens: int = 0
-    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
     seed: int = 0
-
-    @property
-    def resolved_boundary(self) -> str:
-        return self.boundary or ("full" if self.engine == "hf" else "n-1")
 
 
 def run_rows(results: Sequence[dict[str, Timed]], repeat: int) -> dict[str, Any]:
@@ -78,9 +68,9 @@ def run_rows(results: Sequence[dict[str, Timed]], repeat: int) -> dict[str, Any]
 
 
 async def run_repeat(cfg: RepeatConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    spec = model_spec(cfg.model, cfg.engine)
+    spec = model_spec(cfg.setup.model, cfg.setup.engine)
     rng = np.random.default_rng(cfg.seed)
-    layout = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)
+    layout = build_engine_layout(spec, cfg.setup.decode_tp, kernel_block_size=cfg.setup.kernel_block_size)
     cache_blocks = (cfg.prompts + cfg.warmup) * blocks_needed(layout, cfg.prompt_tokens)  # every prompt's chain
     progress = Progress("bench e2e repeat", len(REPEAT_SETUPS) * (cfg.warmup + cfg.prompts * cfg.repeats), enabled=show_progress)
     progress.advance(0, "starting services")
@@ -88,17 +78,11 @@ async def run_repeat(cfg: RepeatConfig, *, command: str, show_progress: bool = T
     try:
         async with start_setups(
             spec,
-            model=cfg.model,
-            engine=cfg.engine,
-            prefill_tp=cfg.prefill_tp,
-            decode_tp=cfg.decode_tp,
-            kernel_block_size=cfg.kernel_block_size,
+            cfg.setup,
             prompt_tokens=cfg.prompt_tokens,
             max_tokens=cfg.max_tokens,
             name="bench-repeat",
-            boundary=cfg.resolved_boundary,
             prefix_cache_blocks=cache_blocks,
-            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             unpipelined=False,
             prefix_cache_states=cfg.prompts + cfg.warmup,
         ) as running:
@@ -126,7 +110,7 @@ async def run_repeat(cfg: RepeatConfig, *, command: str, show_progress: bool = T
     finally:
         progress.finish()
     rows = [run_rows([runs[r] for runs in per_prompt], r + 1) for r in range(cfg.repeats)]
-    config = {**asdict(cfg), "boundary": cfg.resolved_boundary}
+    config = {**flat_config(cfg), "boundary": cfg.setup.resolved_boundary}
     return {"schema": SCHEMA, "command": command, "config": config, "repeats": rows}
 
 

@@ -22,7 +22,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
 
 from shared.bench.local_pair import DECODE_SERVICE, LISTENING, LocalPair, ServiceProcess, start_pair, start_service, wait_serving
 from shared.bench.sizing import blocks_needed, prefill_tokens
@@ -32,6 +33,40 @@ from shared.layout.spec import ModelSpec
 
 SETUPS = ("disaggregated", "colocated")
 PIPELINE_SETUPS = ("disaggregated", "unpipelined", "colocated")  # with prefill_chunk_tokens
+
+
+@dataclass(frozen=True)
+class SetupConfig:
+    """What every setup of one run shares: the model and its engine, the TP sizes, the attention
+    kernel block size, prefill's chunks (pipelined transfer) and the boundary."""
+
+    model: str
+    engine: str
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    kernel_block_size: int = 16
+    prefill_chunk_tokens: int = 0  # 0: prefill in one pass, one manifest
+    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
+
+    @property
+    def resolved_boundary(self) -> str:
+        """The boundary every setup runs: the one asked for, or the engine's default."""
+        return self.boundary or ("full" if self.engine == "hf" else "n-1")
+
+
+class WorkloadConfig(Protocol):
+    """A workload's config: a dataclass holding its setups' config and its own fields."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def setup(self) -> SetupConfig: ...
+
+
+def flat_config(cfg: WorkloadConfig) -> dict[str, Any]:
+    """A workload's config as one flat dict, as results record it: the setup's fields, then its own."""
+    fields = asdict(cfg)
+    return {**fields.pop("setup"), **fields}
 
 
 class Colocated:
@@ -110,35 +145,30 @@ class Running:
 @asynccontextmanager
 async def start_setups(
     spec: ModelSpec,
+    setup: SetupConfig,
     *,
-    model: str,
-    engine: str,
-    prefill_tp: int,
-    decode_tp: int,
-    kernel_block_size: int,
     prompt_tokens: int,
     max_tokens: int,
     concurrent: int = 1,
     name: str = "bench-e2e",
-    boundary: str | None = None,
-    prefill_chunk_tokens: int = 0,
     prefix_cache_blocks: int = 0,
     unpipelined: bool = True,
     prefix_cache_states: int = 0,
 ) -> AsyncIterator[Running]:
-    """Start both setups with caches for `concurrent` requests of up to `prompt_tokens` +
-    `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on the disaggregated
-    decode for its prefix cache; stop them on exit. `boundary`: both setups' --boundary (None:
-    the engine's default). With `prefill_chunk_tokens`, `unpipelined` adds a decode service with
-    --manifest-parts off on the same prefill (long-prompt's comparison); `prefix_cache_states`
-    one with that many state checkpoints (repeat's comparison)."""
+    """Start the setups of `setup` (`spec`: its model's) with caches for `concurrent` requests of up
+    to `prompt_tokens` + `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on
+    the disaggregated decode for its prefix cache; stop them on exit. With
+    `setup.prefill_chunk_tokens`, `unpipelined` adds a decode service with --manifest-parts off on
+    the same prefill (long-prompt's comparison); `prefix_cache_states` one with that many state
+    checkpoints (repeat's comparison)."""
+    model, engine, kernel_block_size = setup.model, setup.engine, setup.kernel_block_size
+    prefill_tp, decode_tp, prefill_chunk_tokens = setup.prefill_tp, setup.decode_tp, setup.prefill_chunk_tokens
     prefill = build_engine_layout(spec, prefill_tp, kernel_block_size=kernel_block_size)
     decode = build_engine_layout(spec, decode_tp, kernel_block_size=kernel_block_size)
     p_blocks = concurrent * blocks_needed(prefill, prefill_tokens(spec, prompt_tokens)) + 1
     d_blocks = concurrent * blocks_needed(decode, prompt_tokens + max_tokens) + 1
     common = ["--model", model, "--engine", engine, "--kernel-block-size", str(kernel_block_size)]
-    if boundary is not None:
-        common += ["--boundary", boundary]
+    common += ["--boundary", setup.resolved_boundary]
     quiet = ["--log-level", "WARNING"]
     chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
     decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]

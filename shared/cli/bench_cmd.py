@@ -22,9 +22,12 @@ import json
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.config import ENV_PREFIX, boolean
+
+if TYPE_CHECKING:
+    from shared.bench.setups import SetupConfig
 
 DESCRIPTION = __doc__
 
@@ -292,6 +295,21 @@ def _engine_and_model(args: argparse.Namespace) -> None:
             args.model = "tiny-mamba2"
 
 
+def _setup_config(args: argparse.Namespace, flags: Sequence[str]) -> SetupConfig:
+    """What the workload's setups share, from the flags it takes (`flags`): a flag the workload
+    does not take keeps the default."""
+    from shared.bench.setups import SetupConfig
+
+    return SetupConfig(
+        model=args.model,
+        engine=args.engine,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prefill_chunk_tokens=args.prefill_chunk_tokens if "prefill-chunk-tokens" in flags else 0,
+        boundary=(args.boundary or "") if "boundary" in flags else "",
+    )
+
+
 def _e2e(args: argparse.Namespace) -> int:
     _engine_and_model(args)
     if args.workload == "long-prompt":
@@ -304,17 +322,13 @@ def _e2e(args: argparse.Namespace) -> int:
     from shared.bench.plotting import sibling
 
     cfg = E2EConfig(
-        model=args.model,
-        engine=args.engine,
+        setup=_setup_config(args, E2E_FLAGS),
         concurrency=args.concurrency,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         requests_per_level=args.requests_per_level,
         warmup=args.warmup,
         interleave=args.interleave,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        boundary=args.boundary or "",
         crossover_model=args.crossover_model or "",
     )
     result = _run_async(run_e2e(cfg, command=_command("e2e", args, E2E_FLAGS), show_progress=not args.no_progress))
@@ -334,16 +348,11 @@ def _long_prompt(args: argparse.Namespace) -> int:
     from shared.bench.long_prompt import LongPromptConfig, format_long_prompt, run_long_prompt
 
     cfg = LongPromptConfig(
-        model=args.model,
-        engine=args.engine,
+        setup=_setup_config(args, LONG_PROMPT_FLAGS),
         prompt_lengths=args.prompt_lengths,
         requests_per_length=args.requests_per_length,
         max_tokens=args.max_tokens,
         warmup=args.warmup,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
-        boundary=args.boundary,
     )
     command = _command("e2e", args, LONG_PROMPT_FLAGS)
     result = _run_async(run_long_prompt(cfg, command=command, show_progress=not args.no_progress))
@@ -355,18 +364,14 @@ def _multi_turn(args: argparse.Namespace) -> int:
     from shared.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
 
     cfg = MultiTurnConfig(
-        model=args.model,
-        engine=args.engine,
+        setup=_setup_config(args, MULTI_TURN_FLAGS),
         turns=args.turns,
         conversations=args.conversations,
         first_turn_tokens=args.first_turn_tokens,
         turn_tokens=args.turn_tokens,
         max_tokens=args.max_tokens,
         warmup=args.warmup,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
         prefix_cache_blocks=args.prefix_cache_blocks,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     command = _command("e2e", args, MULTI_TURN_FLAGS)
     result = _run_async(run_multi_turn(cfg, command=command, show_progress=not args.no_progress))
@@ -378,17 +383,12 @@ def _repeat(args: argparse.Namespace) -> int:
     from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
 
     cfg = RepeatConfig(
-        model=args.model,
-        engine=args.engine,
+        setup=_setup_config(args, REPEAT_FLAGS),
         prompts=args.prompts,
         repeats=args.repeats,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         warmup=args.warmup,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
-        boundary=args.boundary or "",
     )
     command = _command("e2e", args, REPEAT_FLAGS)
     result = _run_async(run_repeat(cfg, command=command, show_progress=not args.no_progress))

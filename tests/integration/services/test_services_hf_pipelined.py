@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from decode_svc.generation import Generation
 from decode_svc.reader import ReadStats
 from decode_svc.request import RequestContext
+from prefill_svc.jobs import JobRunner
+from shared.cache.digest import SectionDigest
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
@@ -26,21 +29,38 @@ CHUNK = 40
 
 @pytest.mark.parametrize("family,p_tp,d_tp", [("nemotron_h", 1, 1), ("bamba", 1, 2), ("qwen3_5", 2, 1)])
 async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
-    hf_checkpoint: Callable[[str], str], family: str, p_tp: int, d_tp: int
+    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, family: str, p_tp: int, d_tp: int
 ) -> None:
+    span_seconds: list[float] = []  # the engine seconds of each part's span, as the job measured them
+    compute_span = JobRunner._compute_span
+
+    def recorded(self: JobRunner, *args: Any) -> tuple[int | None, list[SectionDigest], float, float]:
+        result = compute_span(self, *args)
+        span_seconds.append(result[3])
+        return result
+
+    monkeypatch.setattr(JobRunner, "_compute_span", recorded)
     directory = hf_checkpoint(family)
     ckpt = HfCheckpoint(directory, dtype="fp32")
     prompts = [[(7 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate((CHUNK, CHUNK + 1, 150, 233))]
     flags = ("--prefill-chunk-tokens", str(CHUNK))
+    spans: list[list[float]] = []
+    got = []
     async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False) as (_, decode):
-        got = [await generate_ids(decode.port, p, 6) for p in prompts]
+        for p in prompts:  # one at a time: each request's spans apart
+            span_seconds.clear()
+            got.append(await generate_ids(decode.port, p, 6))
+            spans.append(list(span_seconds))
         pairs = len(decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
-    for prompt, (ids, summary) in zip(prompts, got, strict=True):
+    for prompt, (ids, summary), parts in zip(prompts, got, spans, strict=True):
         want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
         assert ids == want, len(prompt)
         assert summary.digests_verified
-        # every part's chunks counted: the engine time of the whole prompt, within prefill's time
-        assert 0 < summary.prefill_engine_duration.ToNanoseconds() < summary.prefill_duration.ToNanoseconds()
+        engine_ns = summary.prefill_engine_duration.ToNanoseconds()
+        assert 0 < engine_ns < summary.prefill_duration.ToNanoseconds()
+        if parts:  # in parts: the engine time of every part's span, not of the last alone
+            assert engine_ns == int(sum(parts) * 1e9), (len(prompt), parts)
+    assert len(spans[-1]) > 1  # the longest prompt's engine time was summed over parts
     assert got[0][1].transfer.read_count == pairs  # one chunk: one manifest
     assert got[-1][1].transfer.read_count > pairs  # the longest prompt came in parts
 

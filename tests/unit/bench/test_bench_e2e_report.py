@@ -8,6 +8,7 @@ import pytest
 
 from shared.bench.client import Timed
 from shared.bench.e2e import SCHEMA, E2EConfig, LevelResult, build_e2e_result, e2e_charts, format_e2e
+from shared.bench.setups import SetupConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,8 +47,10 @@ def test_the_ttft_target_follows_the_boundary() -> None:
     disagg = LevelResult("disaggregated", 1, [timed(0.0, 0.205, 0.4, [1, 2])], 1.0, 1.0)
     coloc = LevelResult("colocated", 1, [timed(0.0, 0.2, 0.4, [1, 2])], 1.0, 1.0)  # TTFT d/c = 1.025
     reference = build_e2e_result(E2EConfig(concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
-    hf = build_e2e_result(E2EConfig(engine="hf", concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
-    hf_n_minus_1 = build_e2e_result(E2EConfig(engine="hf", boundary="n-1", concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    hf = build_e2e_result(E2EConfig(SetupConfig("tiny-mamba2", "hf"), concurrency=(1,)), [disagg, coloc], CROSSOVER, "")
+    hf_n_minus_1 = build_e2e_result(
+        E2EConfig(SetupConfig("tiny-mamba2", "hf", boundary="n-1"), concurrency=(1,)), [disagg, coloc], CROSSOVER, ""
+    )
     assert (reference["target"]["boundary"], reference["target"]["ttft_ratio_at_most"], reference["target"]["met"]) == (
         "n-1",
         1.10,
@@ -93,7 +96,7 @@ def test_the_compute_matched_ratio_cancels_the_engines_spread() -> None:
     disagg = [_with_engine(timed(0.0, 0.132, 0.2, [1, 2]), 0.130)]
     coloc = [_with_engine(timed(0.0, 0.101, 0.2, [1, 2]), 0.100)]
     levels = [LevelResult("disaggregated", 1, disagg, 1.0, 1.0), LevelResult("colocated", 1, coloc, 1.0, 1.0)]
-    r = build_e2e_result(E2EConfig(engine="hf", concurrency=(1,)), levels, CROSSOVER, "")
+    r = build_e2e_result(E2EConfig(SetupConfig("tiny-mamba2", "hf"), concurrency=(1,)), levels, CROSSOVER, "")
     d, c = r["levels"]
     assert d["engine_prefill_ms"]["median"] == pytest.approx(130.0) and d["ttft_minus_engine_ms"]["median"] == pytest.approx(2.0)
     assert c["ttft_minus_engine_ms"]["median"] == pytest.approx(1.0)

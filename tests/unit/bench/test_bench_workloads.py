@@ -13,6 +13,7 @@ from shared.bench.client import Timed
 from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
 from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
 from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
+from shared.bench.setups import SetupConfig
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.proto_time import duration
 
@@ -34,7 +35,7 @@ def timed(ttft: float, tokens: list[int], s: pb.GenerateSummary) -> Timed:
 
 @pytest.mark.timeout(30)
 def test_long_prompt_report_pairs_the_setups_per_prompt() -> None:
-    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=2)
+    cfg = LongPromptConfig(SetupConfig("m", "hf"), prompt_lengths=(64,), requests_per_length=2)
     samples = [
         Sample(64, {"disaggregated": timed(1.25, [1, 2], summary(64, 4096, prefill=1.0, read=0.05)),
                     "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=0.9))}),
@@ -56,7 +57,7 @@ def test_long_prompt_report_pairs_the_setups_per_prompt() -> None:
 
 @pytest.mark.timeout(30)
 def test_long_prompt_report_sets_pipelined_against_unpipelined() -> None:
-    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=1, prefill_chunk_tokens=16)
+    cfg = LongPromptConfig(SetupConfig("m", "hf", prefill_chunk_tokens=16), prompt_lengths=(64,), requests_per_length=1)
     samples = [
         Sample(64, {"disaggregated": timed(1.02, [1, 2], summary(64, 4096, prefill=1.0, read=0.01)),
                     "unpipelined": timed(1.1, [1, 2], summary(64, 4096, prefill=1.0, read=0.05)),
@@ -77,7 +78,7 @@ def test_long_prompt_report_sets_pipelined_against_unpipelined() -> None:
 def test_long_prompt_minus_engine_takes_the_compute_spread_out_of_the_hidden_share() -> None:
     # The engines' times differ by prompt (another tenant's load): on TTFT alone the pipelined request
     # looks no better than the unpipelined one; minus each side's engine time, 4 ms against 20 ms.
-    cfg = LongPromptConfig(model="m", prompt_lengths=(64,), requests_per_length=1, prefill_chunk_tokens=16)
+    cfg = LongPromptConfig(SetupConfig("m", "hf", prefill_chunk_tokens=16), prompt_lengths=(64,), requests_per_length=1)
     samples = [
         Sample(64, {"disaggregated": timed(1.204, [1, 2], summary(64, 4096, prefill=1.2, engine=1.2)),
                     "unpipelined": timed(1.02, [1, 2], summary(64, 4096, prefill=1.0, engine=1.0)),
@@ -93,7 +94,7 @@ def test_long_prompt_minus_engine_takes_the_compute_spread_out_of_the_hidden_sha
 
 @pytest.mark.timeout(30)
 def test_multi_turn_report_sets_attention_bytes_against_the_new_tokens() -> None:
-    cfg = MultiTurnConfig(model="m", turns=2, conversations=1, first_turn_tokens=64, turn_tokens=28, max_tokens=4)
+    cfg = MultiTurnConfig(SetupConfig("m", "hf"), turns=2, conversations=1, first_turn_tokens=64, turn_tokens=28, max_tokens=4)
     turns = [
         Turn(0, 1, 64, 64, {"disaggregated": timed(1.0, [1] * 4, summary(64, 63 * 8, prefill=0.9)),
                             "colocated": timed(1.0, [1] * 4, summary(64, 0, prefill=0.9))}),
@@ -116,7 +117,7 @@ def test_multi_turn_report_sets_attention_bytes_against_the_new_tokens() -> None
 @pytest.mark.timeout(120)
 def test_long_prompt_runs_both_setups_at_each_length() -> None:
     cfg = LongPromptConfig(
-        model="tiny-mamba2", engine="reference", prompt_lengths=(48, 112), requests_per_length=1, max_tokens=3, warmup=0
+        SetupConfig("tiny-mamba2", "reference"), prompt_lengths=(48, 112), requests_per_length=1, max_tokens=3, warmup=0
     )
     r = asyncio.run(run_long_prompt(cfg, command="test", show_progress=False))
     short, long = r["lengths"]
@@ -136,7 +137,7 @@ def test_long_prompt_runs_both_setups_at_each_length() -> None:
 @pytest.mark.timeout(120)
 def test_multi_turn_extends_each_prompt_and_reads_it_all_again() -> None:
     cfg = MultiTurnConfig(
-        model="tiny-mamba2", engine="reference", turns=3, conversations=1, first_turn_tokens=32, turn_tokens=16,
+        SetupConfig("tiny-mamba2", "reference"), turns=3, conversations=1, first_turn_tokens=32, turn_tokens=16,
         max_tokens=4, warmup=0,
     )  # fmt: skip
     r = asyncio.run(run_multi_turn(cfg, command="test", show_progress=False))
@@ -155,8 +156,8 @@ def test_multi_turn_extends_each_prompt_and_reads_it_all_again() -> None:
 @pytest.mark.timeout(120)
 def test_multi_turn_with_the_prefix_cache_and_parts_reads_parts_after_the_prefix() -> None:
     cfg = MultiTurnConfig(
-        model="tiny-mamba2", engine="reference", turns=3, conversations=1, first_turn_tokens=96, turn_tokens=60,
-        max_tokens=4, warmup=0, prefix_cache_blocks=32, prefill_chunk_tokens=20,
+        SetupConfig("tiny-mamba2", "reference", prefill_chunk_tokens=20), turns=3, conversations=1,
+        first_turn_tokens=96, turn_tokens=60, max_tokens=4, warmup=0, prefix_cache_blocks=32,
     )  # fmt: skip
     r = asyncio.run(run_multi_turn(cfg, command="test", show_progress=False))
     rows = r["turns"]
@@ -171,7 +172,7 @@ def test_multi_turn_with_the_prefix_cache_and_parts_reads_parts_after_the_prefix
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_repeat_reads_nothing_again_with_state_checkpoints_only() -> None:
-    cfg = RepeatConfig(model="tiny-mamba2", prompts=1, repeats=2, prompt_tokens=40, max_tokens=4, warmup=0)
+    cfg = RepeatConfig(SetupConfig("tiny-mamba2", "reference"), prompts=1, repeats=2, prompt_tokens=40, max_tokens=4, warmup=0)
     r = asyncio.run(run_repeat(cfg, command="test", show_progress=False))
     first, again = r["repeats"]
     assert all(row["errors"] == [] and row["tokens_match"] == "1/1" for row in (first, again))
