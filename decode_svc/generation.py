@@ -8,11 +8,12 @@ the first step; queued while the cache is full) -> job on the peer's Session str
 as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> token chunks, then a
 summary (decode_svc/responses.py).
 
-At the full-N boundary (--boundary full) the manifest brings the first output token, sampled
-by prefill: it goes to the client as soon as the READ is posted, before the READ completes (the
-transfer hides behind the first token), and decoding continues by feeding it. A first token that
-ends the request (a stop token, or max_tokens 1) needs no state at all: nothing is READ and
-prefill's pin is released at once.
+At the full-N boundary (--boundary full) prefill samples the first output token and sends it
+ahead of its manifest, the moment it is drawn (decode_svc/early_token.py): it goes to the client
+at once, before prefill's digests, pin and manifest, and the transfer hides behind it; decoding
+continues by feeding it. (A prefill that does not send it early: it comes with the manifest and
+goes out as soon as the READ is posted.) A first token that ends the request (a stop token, or
+max_tokens 1) needs no state at all: nothing is READ and prefill's pin is released at once.
 
 Pipelined transfer (--manifest-parts, with a chunking prefill): each manifest part but the last
 is READ and its digests checked as it arrives (decode_svc/part_reads.py); the last answers the
@@ -54,6 +55,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+from decode_svc.early_token import EarlyToken
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
 from decode_svc.part_reads import PartReads
@@ -221,12 +223,28 @@ class Generation:
             if not peer.ready:  # lost while this request waited for blocks
                 peer = self.peers.pick()
             job_sent = time.monotonic()
+            out = client_stream(self.host, req, self.telemetry)
+            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" else None
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
-                attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts)
+                attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
+                submitting = on_some_prefill(
+                    self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any
+                )
                 try:
-                    session, link, manifest = await on_some_prefill(
-                        self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any
-                    )
+                    if early is None:
+                        session, link, manifest = await submitting
+                    else:  # the first token goes out as soon as prefill drew it, ahead of its manifest
+                        job = asyncio.ensure_future(submitting)
+                        try:
+                            await asyncio.wait((job, early.arrived), return_when=asyncio.FIRST_COMPLETED)
+                            if early.arrived.done():
+                                early.sent = True
+                                yield out.chunk([early.arrived.result()])
+                            session, link, manifest = await job
+                        finally:
+                            if not job.done():  # the client went away: the job is cancelled on prefill
+                                job.cancel()
+                                await asyncio.gather(job, return_exceptions=True)
                 except BaseException as e:
                     if parts.source is not None:  # parts were (being) READ: release once no READ of theirs can land
                         await parts.cancel()
@@ -240,17 +258,19 @@ class Generation:
                 manifest = await session.claim(remote.request_id, remote.transfer_id)
             prefill_seconds = time.monotonic() - job_sent
             pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
-            out = client_stream(self.host, req, self.telemetry)
+            sent_early = early is not None and early.sent
             try:
                 if remote is not None:
                     computed = self.host.engine.num_prefill_tokens(len(req.prompt))
                     check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
                 local = self.reuse.read_blocks(manifest, reused, target, link.engine_id)
                 first = first_token_of(manifest, self.host, link.engine_id)
+                if early is not None:
+                    early.check(first, link.engine_id)
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
                     read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
-                    if first is None:  # nothing to send meanwhile: no task of its own for the READ
+                    if first is None or sent_early:  # nothing to send meanwhile: no task of its own for the READ
                         stats = await read
                     else:
                         reading = asyncio.ensure_future(read)
@@ -273,7 +293,7 @@ class Generation:
                 # READs of parts already started are stopped; prefill frees once they are released).
                 await parts.cancel()
                 reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
-                for response in (out.chunk([first]), out.tail()):
+                for response in (None if sent_early else out.chunk([first]), out.tail()):
                     if response is not None:
                         yield response
                 transfer = Transfer(link, manifest, ReadStats(), prefill_seconds)
@@ -296,11 +316,13 @@ class Generation:
         compute: ComputeGuard,
         reads: ReadFence,
         parts: PartReads,
+        early: EarlyToken | None,
         peer: PrefillPeer,
     ) -> tuple[SessionClient, PeerLink, Manifest]:
         """The request's job on `peer`: the session and link it went through, and its (last)
-        manifest; with --manifest-parts each earlier part is READ as it arrives (`parts`). The
-        prefix cache's tokens are announced only to a prefill engine that writes the same K/V."""
+        manifest; with --manifest-parts each earlier part is READ as it arrives (`parts`), and at
+        the full-N boundary the first token is taken ahead of the manifest (`early`). The prefix
+        cache's tokens are announced only to a prefill engine that writes the same K/V."""
         session, link = peer.session, peer.link
         if session is None or link is None:
             raise Unavailable(f"prefill {peer.name} was lost before the job was sent", reason="PEER_UNAVAILABLE")
@@ -325,6 +347,7 @@ class Generation:
             req.sampling,
             on_part=on_part if self.manifest_parts else None,
             cached_tokens=cached,
+            on_first_token=None if early is None else early.take,
         )
         return session, link, manifest
 

@@ -21,6 +21,10 @@ goes to `on_part` as it arrives, and the request's lease is heartbeated from the
 the last part answers `submit`. Once a part has arrived, the blocks are released only by the
 caller (`release`, after every READ of its parts is released, or `done_reading`): never here,
 where a READ of an earlier part may still be in flight.
+
+The first token early (the full-N boundary, a job submitted with `on_first_token`): prefill sends
+it the moment it is drawn, before its digests, pin and manifest; it goes to `on_first_token` while
+the job still waits for its manifest (which repeats it), and is dropped otherwise.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class SessionClient:
         self._holding: set[str] = set()  # manifests received, blocks still needed
         self._parted: set[str] = set()  # of those, the ones a manifest part arrived for (the caller releases them)
         self._part_sinks: dict[str, Callable[[Manifest], None]] = {}  # requests taking manifest parts
+        self._token_sinks: dict[str, Callable[[int], None]] = {}  # requests taking the first token early
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = 0.0
@@ -115,27 +120,34 @@ class SessionClient:
         on_part: Callable[[Manifest], None] | None = None,
         *,
         cached_tokens: int = 0,
+        on_first_token: Callable[[int], None] | None = None,
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
         `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
-        `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds."""
+        `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds.
+        `on_first_token`: the job asks for its first token early (full-N), given to it on arrival."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             sampling=job_sampling_message(sampling),
             accept_manifest_parts=on_part is not None,
             cached_prompt_tokens=cached_tokens,
+            accept_first_token=on_first_token is not None,
         )
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace
-        if on_part is None:
+        if on_part is None and on_first_token is None:
             return await self._ask(request_id, pb.SessionRequest(job=job))
-        self._part_sinks[request_id] = on_part
+        if on_part is not None:
+            self._part_sinks[request_id] = on_part
+        if on_first_token is not None:
+            self._token_sinks[request_id] = on_first_token
         try:
             return await self._ask(request_id, pb.SessionRequest(job=job))
         finally:
             self._part_sinks.pop(request_id, None)
+            self._token_sinks.pop(request_id, None)
 
     async def claim(self, request_id: str, transfer_id: str) -> Manifest:
         """Take over a request prefill pinned for a reader unknown at the time (vLLM's P/D prefill
@@ -245,6 +257,8 @@ class SessionClient:
                     self._arrived(msg.manifest)
                 elif kind == "failure":
                     self._resolve(msg.failure.request_id, error=job_error(self.peer_name, msg.failure))
+                elif kind == "first_token":
+                    self._first_token(msg.first_token)
                 elif kind == "heartbeat":
                     self._heard_load(msg.heartbeat.HasField("load"), msg.heartbeat.load)
                 elif kind == "drain":
@@ -318,6 +332,14 @@ class SessionClient:
         else:
             assert error is not None
             future.set_exception(error)
+
+    def _first_token(self, msg: pb.FirstToken) -> None:
+        """A job's first token ahead of its manifest: to its sink while the job still waits (a
+        job cancelled meanwhile, or one that never asked, has none)."""
+        sink = self._token_sinks.get(msg.request_id)
+        waiting = self._waiting.get(msg.request_id)
+        if sink is not None and waiting is not None and not waiting.done():
+            sink(msg.token_id)
 
     def _part_arrived(self, request_id: str, part: Manifest) -> None:
         sink = self._part_sinks.get(request_id)

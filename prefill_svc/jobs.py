@@ -62,6 +62,7 @@ class Job:
     sampling: SamplingParams = GREEDY  # draws the first output token at the full-N boundary
     accepts_parts: bool = False  # decode takes the state in manifest parts (pipelined transfer)
     cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
+    wants_first_token: bool = False  # full-N: the first token goes out the moment it is drawn
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -76,6 +77,7 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         sampling_of_job(job),
         job.accept_manifest_parts,
         job.cached_prompt_tokens,
+        job.accept_first_token,
     )
 
 
@@ -121,6 +123,10 @@ def check_cached_tokens(cached: int, computed: int) -> None:
 PartSink = Callable[[Manifest], None]
 """Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
 
+TokenSink = Callable[[int], None]
+"""Takes the first output token of a job that asked for it, on the event loop, the moment the
+compute thread drew it: before the digests, the pin and the manifest."""
+
 
 class JobRunner:
     def __init__(self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0) -> None:
@@ -151,9 +157,17 @@ class JobRunner:
         now = loop.time()
         return await self.host.allocate_queued(key, num_tokens, now if deadline is None else wait_deadline(deadline, now))
 
-    async def run(self, job: Job, *, on_end: Callable[[str], None] | None = None, on_part: PartSink | None = None) -> Manifest:
+    async def run(
+        self,
+        job: Job,
+        *,
+        on_end: Callable[[str], None] | None = None,
+        on_part: PartSink | None = None,
+        on_first_token: TokenSink | None = None,
+    ) -> Manifest:
         """The job's manifest; with parts (see the module doc) every part but the last goes to
-        `on_part` as soon as it is pinned, and the last is returned."""
+        `on_part` as soon as it is pinned, and the last is returned. At the full-N boundary, a
+        job that asked for it has its first token given to `on_first_token` as soon as it is drawn."""
         tracing.mark(Step.JOB_STARTED)
         prompt, deadline = job.prompt, job.deadline
         validate_prompt(self.host, job.request_id, prompt)
@@ -165,11 +179,12 @@ class JobRunner:
         blocks = await self.allocate(tid, computed, deadline)
         started = time.monotonic()
         spans = self.spans_for(job, computed, on_part)
+        announce = _announcer(job, on_first_token)
         if len(spans) > 1:
             assert on_part is not None
-            return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part)
+            return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part, announce)
         # Queued now as the compute thread's own future: no task around it to schedule and resume.
-        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed))
+        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce))
         try:
             first_token, digests, digest_seconds, engine_seconds = await asyncio.shield(compute)
             tracing.mark(Step.COMPUTED)
@@ -224,6 +239,7 @@ class JobRunner:
         started: float,
         on_end: Callable[[str], None] | None,
         on_part: PartSink,
+        announce: TokenSink | None,
     ) -> Manifest:
         loop = asyncio.get_running_loop()
         engine = self.host.engine
@@ -245,7 +261,8 @@ class JobRunner:
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
             try:
-                return self._compute_span(job, run, blocks, start, spans[index], index == len(spans) - 1)
+                last = index == len(spans) - 1
+                return self._compute_span(job, run, blocks, start, spans[index], last, announce if last else None)
             except BaseException:
                 stop.set()  # before the span queued behind this one starts on a broken run
                 raise
@@ -328,16 +345,26 @@ class JobRunner:
         raise AssertionError("unreachable: the last span returns")
 
     def _compute_span(
-        self, job: Job, run: PrefillRun, blocks: RequestBlocks, start: int, span: PartSpan, last: bool
+        self,
+        job: Job,
+        run: PrefillRun,
+        blocks: RequestBlocks,
+        start: int,
+        span: PartSpan,
+        last: bool,
+        announce: TokenSink | None,
     ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the chunks up to the span's end, then the digests of what the
         part makes final (its tokens' K/V; the last part also conv and SSM). Returns the first
-        token (or None), the digests, and the seconds the digests and the engine took."""
+        token (or None, also given to `announce` before the digests), the digests, and the
+        seconds the digests and the engine took."""
         first_token = None
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end)
         computing = time.monotonic() - computing
+        if announce is not None and first_token is not None:
+            announce(first_token)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
         began = time.monotonic()
@@ -351,13 +378,17 @@ class JobRunner:
             _flip_one_byte(self.host, blocks, section, span.tokens_from)
         return first_token, digests, took, computing
 
-    def _compute(self, job: Job, blocks: RequestBlocks, computed: int) -> tuple[int | None, list[SectionDigest], float, float]:
+    def _compute(
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
+    ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the engine writes the state (and at the full-N boundary samples
-        the first token), then its digests are taken (returned with the seconds they and the
-        engine took)."""
+        the first token, given to `announce` at once), then its digests are taken (returned with
+        the seconds they and the engine took)."""
         computing = time.monotonic()
         first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
         computing = time.monotonic() - computing
+        if announce is not None and first_token is not None:
+            announce(first_token)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
         started = time.monotonic()
@@ -367,6 +398,19 @@ class JobRunner:
         if section is not None:  # fa: in the first token decode READs (the cached K/V is not)
             _flip_one_byte(self.host, blocks, section, min(job.cached_tokens, max(0, computed - 1)))
         return first_token, digests, took, computing
+
+
+def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
+    """What the compute thread calls with the first token: `on_first_token` on the event loop,
+    for a job that asked for the token early (None: nobody to tell)."""
+    if on_first_token is None or not job.wants_first_token:
+        return None
+    sink, loop = on_first_token, asyncio.get_running_loop()
+
+    def announce(token: int) -> None:
+        loop.call_soon_threadsafe(sink, token)
+
+    return announce
 
 
 def offers_chunks(engine: object, chunk_tokens: int) -> bool:

@@ -3,7 +3,8 @@
 Protocol (decode -> prefill / prefill -> decode):
 - `hello` first, for a pair that completed the handshake with this very prefill incarnation;
   answered by `ready` (lease, heartbeat interval, credits). Anything else first: FAILED_PRECONDITION.
-- `job` -> `manifest` or `failure` (in-band: a failed job never ends the stream).
+- `job` -> `manifest` or `failure` (in-band: a failed job never ends the stream); at the full-N
+  boundary a job with `accept_first_token` gets a `first_token` first, the moment it is drawn.
 - `claim` takes over a request prefilled for a reader unknown at the time (vLLM's P/D prefill
   leg, prefill_svc/handoff.py) -> `manifest` or `failure`, as for a job (no credit is taken:
   its blocks were pinned before this session knew of it).
@@ -323,7 +324,10 @@ class PrefillSession:
                 credit_taken = False  # pinned before its first part: the pin returns the credit
                 self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(part)))
 
-            manifest = await self.runner.run(job, on_end=self._credit_back, on_part=send_part)
+            def send_first_token(token: int) -> None:
+                self._out.put_nowait(pb.SessionResponse(first_token=pb.FirstToken(request_id=rid, token_id=token)))
+
+            manifest = await self.runner.run(job, on_end=self._credit_back, on_part=send_part, on_first_token=send_first_token)
             credit_taken = False  # now owned by the pin: returned when it ends
             self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(manifest)))
             status = "OK"

@@ -12,6 +12,8 @@ the first output token, decode streams it before its READ completes and continue
 - A first token that ends the request (max_tokens 1, or an EOS) needs no READ: prefill's pin is
   released at once.
 - Engines of different boundaries are refused at handshake, naming the field.
+- The first token travels ahead of the manifest, once per request; a prefill that sends it only
+  in the manifest (an older peer) serves the same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import grpc
 import pytest
 
 from decode_svc.app import DecodeApp
+from decode_svc.session_client import SessionClient
+from prefill_svc import jobs
 from prefill_svc.app import PrefillApp
 from shared.engine.hf.colocated import colocated_generate
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
@@ -162,3 +166,33 @@ async def test_engines_of_different_boundaries_do_not_pair(hf_checkpoint: Callab
             await asyncio.sleep(0.02)
     assert status.state == dpb.PEER_STATE_FAILED
     assert "FAILED_PRECONDITION" in status.last_error and "boundary: prefill full, decode n-1" in status.last_error
+
+
+async def test_the_first_token_comes_early_and_a_prefill_that_sends_none_still_serves(
+    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill sends each job's first token ahead of its manifest (one FirstToken per request);
+    a prefill that sends none, as one predating the message would, still serves the same tokens,
+    the token then taken from the manifest. The older prefill is a stand-in (no job of this
+    version's prefill skips the early token): its jobs are given no one to announce the token to."""
+    directory = hf_checkpoint("nemotron_h")
+    prompt = [(11 * i) % 170 + 4 for i in range(19)]
+    want, _ = await asyncio.to_thread(transformers_generate, checkpoint(directory).model, prompt, MAX_TOKENS)
+    early_tokens: list[int] = []
+    heard = SessionClient._first_token
+
+    def counted(self: SessionClient, msg: Any) -> None:
+        early_tokens.append(msg.token_id)
+        heard(self, msg)
+
+    monkeypatch.setattr(SessionClient, "_first_token", counted)
+    for sends_early in (True, False):
+        if not sends_early:
+            monkeypatch.setattr(jobs, "_announcer", lambda job, sink: None)
+        early_tokens.clear()
+        async with hf_pair(directory, directory, 1, 2) as (prefill, decode):
+            for _ in range(2):
+                ids, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+                assert ids == want and summary.transfer.read_count > 0 and summary.generated_token_count == MAX_TOKENS
+            await until(lambda: nothing_held(prefill, decode), "blocks and pins freed")
+        assert early_tokens == (want[:1] * 2 if sends_early else []), sends_early

@@ -205,6 +205,7 @@ class SessionResponse(_message.Message):
     FAILURE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ready(self) -> Global___SessionReady: ...
     @_builtins.property
@@ -215,6 +216,8 @@ class SessionResponse(_message.Message):
     def heartbeat(self) -> Global___PrefillHeartbeat: ...
     @_builtins.property
     def drain(self) -> Global___Drain: ...
+    @_builtins.property
+    def first_token(self) -> Global___FirstToken: ...
     def __init__(
         self,
         *,
@@ -223,12 +226,13 @@ class SessionResponse(_message.Message):
         failure: Global___JobFailure | None = ...,
         heartbeat: Global___PrefillHeartbeat | None = ...,
         drain: Global___Drain | None = ...,
+        first_token: Global___FirstToken | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "failure", b"failure", "heartbeat", b"heartbeat", "manifest", b"manifest", "payload", b"payload", "ready", b"ready"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "failure", b"failure", "first_token", b"first_token", "heartbeat", b"heartbeat", "manifest", b"manifest", "payload", b"payload", "ready", b"ready"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "failure", b"failure", "heartbeat", b"heartbeat", "manifest", b"manifest", "payload", b"payload", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "failure", b"failure", "first_token", b"first_token", "heartbeat", b"heartbeat", "manifest", b"manifest", "payload", b"payload", "ready", b"ready"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["ready", "manifest", "failure", "heartbeat", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["ready", "manifest", "failure", "heartbeat", "drain", "first_token"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -352,6 +356,7 @@ class PrefillJob(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     ACCEPT_MANIFEST_PARTS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPT_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -366,6 +371,12 @@ class PrefillJob(_message.Message):
     the whole prompt (the SSM state needs it) but digests K/V only from here on and echoes the
     count in `Manifest.skipped_prompt_tokens`; decode READs only the attention state after it.
     0 (absent): the whole state, as before.
+    """
+    accept_first_token: _builtins.bool
+    """The full-N boundary: decode wants the first output token as soon as prefill drew it, in a
+    FirstToken message sent before the state's digests, the pin and the manifest (which still
+    carries the same token). False (the default), or a prefill that ignores it: the token
+    arrives with the manifest only, as before.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -396,14 +407,43 @@ class PrefillJob(_message.Message):
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         accept_manifest_parts: _builtins.bool = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        accept_first_token: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_first_token", b"accept_first_token", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillJob: _TypeAlias = PrefillJob  # noqa: Y015
+
+@_typing.final
+class FirstToken(_message.Message):
+    """The first output token of a job that asked for it (PrefillJob.accept_first_token), sent the
+    moment prefill drew it at the full-N boundary, ahead of the job's manifest or failure. Decode
+    streams it to its client at once; the manifest that follows repeats it in first_token_id, and
+    the two must be equal.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    token_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        token_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstToken: _TypeAlias = FirstToken  # noqa: Y015
 
 @_typing.final
 class JobSampling(_message.Message):
