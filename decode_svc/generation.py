@@ -1,8 +1,9 @@
 """One Generate request, end to end on the decode side: the request's path.
 
 validate (decode_svc/request.py) -> pick a ready prefill peer (the least loaded) -> look the
-prompt up in decode's own caches (decode_svc/reuse.py) -> allocate local blocks (the prompt and
-the first step; queued while the cache is full) -> job on the peer's Session stream -> manifest
+prompt up in decode's own caches (decode_svc/reuse.py; with no peer ready, a state checkpoint of
+the prompt lets the request go on without one, `_source`) -> allocate local blocks (the prompt
+and the first step; queued while the cache is full) -> job on the peer's Session stream -> manifest
 -> one READ per (decode rank, prefill rank) -> [check the state: digests, and the recompute with
 --check-state, decode_svc/read_checks.py] -> engine decode steps off the loop, the blocks grown
 as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> token chunks, then a
@@ -22,8 +23,13 @@ cache, --prefix-cache-blocks, and the state checkpoints, --prefix-cache-states):
 hit's blocks lead the request's and every READ moves only K/V after them (`read_blocks` settles,
 at the first manifest, which blocks the READs write); a request whose computed prompt is exactly
 one a finished request READ restores that state and decodes with no job and no READ
-(`decode_restored`); a checkpoint is taken after each READ's digest check (`keep_state`), and a
-finished request's prompt blocks enter the prefix cache (`keep_prefix`).
+(`decode_restored`), so it needs no ready prefill engine either: it then looks the checkpoint up
+under the chains of the prefill engines decode linked with before (`PrefillPeers.known_links`;
+the key is unchanged, so only bytes of an engine that computes them identically are used). With
+none held, or a restore that fails its digests and so needs the job after all, it fails
+UNAVAILABLE like any request while no prefill engine is ready. A checkpoint is taken after each
+READ's digest check (`keep_state`), and a finished request's prompt blocks enter the prefix cache
+(`keep_prefix`).
 
 The decode leg of vLLM's P/D protocol (`kv_transfer_params` with `do_remote_prefill`) differs
 only in where the state comes from: the prefill engine the params name (handshaken on first
@@ -179,11 +185,9 @@ class Generation:
         deadline, remote = req.deadline, req.remote
         key = req.request_id
         admit = admission_tokens(len(req.prompt))
+        peer: PrefillPeer | None
         if remote is None:
-            peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
-            assert peer.link is not None
-            check_fits_prefill(self.host, peer.link, req)
-            reused = self.reuse.lookup(peer.link, req)
+            peer, reused = self._source(req)
             try:
                 leading = self.reuse.leading(reused)
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
@@ -218,9 +222,13 @@ class Generation:
                     async for restored in from_state:
                         yield restored
                     return
-            if not peer.ready and remote is not None:
-                raise Unavailable(f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE")
-            if not peer.ready:  # lost while this request waited for blocks
+            if remote is not None:
+                assert peer is not None
+                if not peer.ready:
+                    raise Unavailable(
+                        f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
+                    )
+            elif peer is None or not peer.ready:  # lost while this request waited for blocks, or none was ready
                 peer = self.peers.pick()
             job_sent = time.monotonic()
             out = client_stream(self.host, req, self.telemetry)
@@ -307,6 +315,22 @@ class Generation:
         finally:
             compute.free_when_idle(key, reads, reused.hit)
             self.reuse.release_state(reused)
+
+    def _source(self, req: RequestContext) -> tuple[PrefillPeer | None, Reused]:
+        """Where a plain request's state comes from: the least loaded ready prefill peer, with
+        what decode's caches hold for the prompt under its chain; with none ready, a state
+        checkpoint of the prompt under the chain of a prefill engine linked before (no peer:
+        it needs none unless its restore fails), else `pick`'s UNAVAILABLE naming every peer."""
+        try:
+            peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
+        except Unavailable:
+            link = self.reuse.restorable(self.peers.known_links(), req)
+            if link is None:
+                raise
+            return None, self.reuse.lookup(link, req)
+        assert peer.link is not None
+        check_fits_prefill(self.host, peer.link, req)
+        return peer, self.reuse.lookup(peer.link, req)
 
     async def _submit(
         self,

@@ -13,6 +13,10 @@ the service stopping. Requests only go to a peer in state READY.
 A peer learned from a request (`once=True`, decode_svc/learned_peers.py) makes one attempt: when
 it fails or its session ends, the loop ends and the peer is forgotten; the next request that
 names that prefill engine handshakes with it afresh.
+
+A peer remembers the link of its last READY session after losing it (`last_link`, closed: only
+its layout is read): decode's state checkpoints are keyed by that engine's chain, and a request
+whose prompt has one decodes from it while no prefill engine is ready (`PrefillPeers.known_links`).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class PrefillPeer:
         self.state: int = dpb.PEER_STATE_CONNECTING
         self.last_error = ""
         self.link: PeerLink | None = None
+        # The link of the last READY session, kept once it is lost (then closed: no NIXL through it).
+        self.last_link: PeerLink | None = None
         self.session: SessionClient | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
@@ -222,6 +228,7 @@ class PrefillPeer:
             )
         )
         self.last_error = ""
+        self.last_link = self.link
         self._set_state(dpb.PEER_STATE_READY)
         log.info("prefill %s ready (incarnation %016x)", self.name, remote.incarnation)
 
@@ -346,6 +353,12 @@ class PrefillPeers:
         if best is not None:
             self._next = (best_at + 1) % n
         return best
+
+    def known_links(self) -> list[PeerLink]:
+        """The last link of every peer that was ever READY, whether or not it is ready now (a lost
+        session's link is closed: only its layout is read): the prefill engines whose chains
+        decode's caches may hold state under. Retiring peers are gone from DNS: not theirs."""
+        return [p.last_link for p in self.peers if p.last_link is not None]
 
     @property
     def any_ready(self) -> bool:

@@ -170,21 +170,28 @@ class PrefixCache:
     def lookup(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> Hit:
         """The longest run of cached leading blocks of `prompt` whose reach lies within its
         `computed` tokens, pinned."""
-        hit = Hit(block_size=self.block_size, chain=chain, _cache=self)
-        if not self.enabled or chain is None:
-            return hit
-        size = self.block_size
-        for key in chain_keys(chain.root, prompt, size, cacheable_blocks(computed, size, chain.unit), chain.unit):
-            entry = self._entries.get(key)
-            if entry is None:
-                break
-            hit.entries.append(entry)
+        hit = Hit(self._leading(chain, prompt, computed), block_size=self.block_size, chain=chain, _cache=self)
         for entry in reversed(hit.entries):  # the head most recent: tails are evicted first
             entry.users += 1
             self._entries.move_to_end(entry.key)
         if self.telemetry is not None:
             (self.telemetry.prefix_cache_hits if hit.entries else self.telemetry.prefix_cache_misses).inc()
         return hit
+
+    def cached_blocks(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> int:
+        """How many leading blocks `lookup` would find: nothing pinned, touched or counted."""
+        return len(self._leading(chain, prompt, computed))
+
+    def _leading(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> list[_Entry]:
+        if not self.enabled or chain is None:
+            return []
+        size, found = self.block_size, []
+        for key in chain_keys(chain.root, prompt, size, cacheable_blocks(computed, size, chain.unit), chain.unit):
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
 
     def unpin(self, hit: Hit) -> None:
         for entry in hit.entries:

@@ -3,7 +3,9 @@ prefix cache (--prefix-cache-blocks, decode_svc/prefix_cache.py) and the state c
 (--prefix-cache-states, decode_svc/state_checkpoints.py).
 
 Before its blocks are allocated a request looks both up under the chosen peer's chain (`lookup`:
-each pins what it found, `release` unpins on a failure before the request starts). A hit's blocks
+each pins what it found, `release` unpins on a failure before the request starts); with no peer
+ready, under the chain of a prefill engine decode linked with before that holds a checkpoint of
+the prompt (`restorable`), so the request decodes from it while prefill is down. A hit's blocks
 lead the request's, the job announces their tokens to a prefill engine that writes the same K/V
 (`announced`), and every READ moves only K/V after them. Which blocks the READs write is settled
 at the first manifest, part or whole (`read_blocks` on a `ReadTarget`): if prefill skipped
@@ -31,7 +33,7 @@ holding memory no lookup can use, while evicting a checkpoint leaves every cache
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from decode_svc.peer_link import PeerLink
@@ -59,7 +61,8 @@ Steps = Callable[[int, ClientStream, int | None], AsyncIterator[pb.GenerateRespo
 class Reused:
     """What decode's own caches hold for one request, pinned while it runs: the prefix cache's
     hit and a state checkpoint of exactly its computed prompt (None: none held), both looked up
-    under `link`'s chain (None: a P/D decode leg, which looks nothing up)."""
+    under `link`'s chain (None: a P/D decode leg, which looks nothing up). `link` may be that of
+    a session since lost, closed: the restore path reads only its layout, never through NIXL."""
 
     hit: Hit = field(default_factory=Hit)
     state: Checkpoint | None = None
@@ -108,6 +111,18 @@ class DecodeReuse:
         chain = chain_of(link, self.host)
         hit = self.prefix.lookup(chain, req.prompt, computed)
         return Reused(hit, self.states.lookup(chain, req.prompt, computed, hit, req.sampling), link)
+
+    def restorable(self, links: Sequence[PeerLink], req: RequestContext) -> PeerLink | None:
+        """The first of `links` under whose chain `lookup` finds a state checkpoint of the prompt
+        (with its prefix cache lead), for a request no prefill engine is ready to take; nothing
+        pinned or counted until that `lookup`."""
+        computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+        for link in links:
+            chain = chain_of(link, self.host)
+            lead = self.prefix.cached_blocks(chain, req.prompt, computed)
+            if self.states.holds(chain, req.prompt, computed, lead, req.sampling):
+                return link
+        return None
 
     def leading(self, reused: Reused) -> list[IntArray] | None:
         """The hit's blocks, to lead the request's own (None: no hit)."""

@@ -154,17 +154,25 @@ class StateCheckpoints:
     ) -> Checkpoint | None:
         """The checkpoint of exactly these computed tokens (at full-N: and a first token drawn as
         `sampling` draws it) whose attention lead `hit` covers, pinned."""
-        if not self.enabled or chain is None:
-            return None
-        found = self._entries.get(self._key(chain, prompt, computed, sampling))
-        if found is not None and len(hit.entries) != found.lead:
-            found = None
+        found = self._usable(chain, prompt, computed, len(hit.entries), sampling)
         if found is not None:
             found.users += 1
             self._entries.move_to_end(found.key)
         if self.telemetry is not None:
             (self.telemetry.prefix_state_hits if found is not None else self.telemetry.prefix_state_misses).inc()
         return found
+
+    def holds(self, chain: Chain | None, prompt: Sequence[int], computed: int, lead: int, sampling: SamplingParams) -> bool:
+        """Whether `lookup` would find one with a hit of `lead` blocks: nothing pinned or counted."""
+        return self._usable(chain, prompt, computed, lead, sampling) is not None
+
+    def _usable(
+        self, chain: Chain | None, prompt: Sequence[int], computed: int, lead: int, sampling: SamplingParams
+    ) -> Checkpoint | None:
+        if not self.enabled or chain is None:
+            return None
+        found = self._entries.get(self._key(chain, prompt, computed, sampling))
+        return found if found is not None and found.lead == lead else None
 
     def release(self, checkpoint: Checkpoint) -> None:
         checkpoint.users -= 1

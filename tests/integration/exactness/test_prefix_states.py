@@ -7,6 +7,10 @@ Negative controls: a checkpoint's SSM bytes shifted in place are refused with di
 request falls back to prefill and a READ, still exact), and change the tokens with digests off,
 so the restored bytes are what decode computes from. A prompt one token shorter or longer than
 a cached one finds no checkpoint.
+
+A checkpoint needs no ready prefill engine: with the prefill service stopped (its session lost,
+its link closed), a cached prompt still decodes from it, exactly; any other prompt, and one whose
+checkpoint fails its digests, fails UNAVAILABLE as every request does without a prefill engine.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc import fault_hooks
+from shared.rpc.status import describe
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
 from tests.integration.services.checkpoint_checks import (
@@ -249,6 +254,52 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: 
         _assert_restored(reused, len(a) - 1)
         await pair.generate(b, ANSWER, request_id="other-again")  # now it evicts the unused one
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
+
+
+async def _unavailable(pair: RunningPair, prompt: list[int], request_id: str) -> None:
+    """The request fails as every request does while no prefill engine is ready."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pair.generate(prompt, ANSWER, request_id=request_id)
+    failure = describe(err.value)
+    assert failure.status == "UNAVAILABLE" and failure.reason == "NO_PREFILL_PEER", failure
+    assert failure.message.startswith("no prefill engine is ready (127.0.0.1:"), failure
+
+
+@pytest.mark.asyncio
+async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The only prefill service is stopped after two checkpoints were taken (the older one's SSM
+    bytes then shifted): the intact one is restored and decoded, bit for bit as before; a prompt
+    with no checkpoint, and the corrupt one (it would need the job after all), fail UNAVAILABLE
+    naming the peer, nothing counted as a lookup and nothing left held."""
+    jobs = count_jobs(monkeypatch)
+    corrupt, prompt, other = random_tokens(19, 75), random_tokens(20, 70), random_tokens(21, 70)
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+        await pair.generate(corrupt, ANSWER, request_id="corrupt")
+        first = await pair.generate(prompt, ANSWER, request_id="first")
+        shift_checkpoint_ssm(pair.decode)  # the oldest: `corrupt`'s
+        await pair.prefill.stop()
+        peers, host = pair.decode.servicer.generation.peers, pair.decode.host
+        reuse = pair.decode.servicer.generation.reuse
+        while peers.any_ready or any(p.link is not None for p in peers.peers):
+            await asyncio.sleep(0.02)
+        assert [link.closed for link in peers.known_links()] == [True]  # its agents removed: nothing to READ from
+        for again in range(2):
+            got = await pair.generate(prompt, ANSWER, request_id=f"again-{again}")
+            assert got.token_ids == first.token_ids
+            _assert_restored(got, len(prompt) - 1)
+            assert got.summary.prefill_engine_id == first.summary.prefill_engine_id
+        await _unavailable(pair, other, "other")
+        await _unavailable(pair, corrupt, "corrupt-again")  # its restore fails the digests: it would need a job
+        assert jobs == ["corrupt", "first"]
+        assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 3  # again-0, again-1, corrupt-again
+        assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2  # the first two; `other` looked nothing up
+        assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1  # the corrupt one, discarded
+        assert len(reuse.states) == 1 and all(c.users == 0 for c in reuse.states._entries.values())
+        assert all(e.users == 0 for e in reuse.prefix._entries.values())
+        assert host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
+        assert host.reclaim is not None and host.reclaim(host.num_blocks) > 0
+        assert host.allocator.num_used == 0  # cleared: nothing leaks
+    _exact("tiny-mamba2", prompt, first)
 
 
 def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,9 @@ min_tokens bit for bit (greedy: also transformers' own generate), digests on (--
 recomputes unchunked, so it stays off with chunks, as in the n-1 hf test).
 Negative controls: the seeds give different tokens; a stored first token replaced, or SSM bytes
 shifted with digests off, change the tokens.
+
+With the prefill service stopped, a greedy retry still restores and decodes, and one whose stored
+first token ends it answers that token alone; another prompt fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -30,6 +34,7 @@ from prefill_svc.app import PrefillApp
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from shared.rpc.status import describe
 from tests.integration.services.checkpoint_checks import count_jobs, oldest_checkpoint, shift_checkpoint_ssm
 from tests.integration.services.hf_services import generate_with, hf_pair
 from tests.unit.engine_hf.helpers import checkpoint, transformers_generate
@@ -190,3 +195,40 @@ async def test_a_changed_first_token_or_ssm_state_changes_the_tokens(
     assert shifted[0] == healthy[0] and shifted[1:] != healthy[1:]
     # GREEDY on the colocated run: the healthy tokens are the real ones, not a corrupted copy's.
     assert healthy == await _colocated(directory, prompt, MAX_TOKENS, sampling=GREEDY)
+
+
+async def test_restores_need_no_ready_prefill(hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The only prefill service is stopped after a greedy request's checkpoint was taken: a greedy
+    retry restores it and decodes, and one of max_tokens 1 gets the stored first token alone,
+    both equal to before; a prompt with no checkpoint fails UNAVAILABLE naming the peer."""
+    directory = hf_checkpoint("nemotron_h")
+    prompt = _prompt(33)
+    jobs = count_jobs(monkeypatch)
+    runs: dict[str, tuple[list[int], dpb.GenerateSummary]] = {}
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=PREFILL, decode_flags=DECODE, check_state=False) as (
+        prefill,
+        decode,
+    ):
+        runs["greedy"] = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, request_id="greedy")
+        _nothing_held(prefill, decode)
+        await prefill.stop()
+        peers = decode.servicer.generation.peers
+        while peers.any_ready or any(p.link is not None for p in peers.peers):
+            await asyncio.sleep(0.02)
+        for rid, max_tokens in (("greedy-again", MAX_TOKENS), ("greedy-one", 1)):
+            runs[rid] = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=max_tokens, request_id=rid)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_with(decode.port, prompt_token_ids=_prompt(34), max_tokens=MAX_TOKENS, request_id="other")
+        failure = describe(err.value)
+        assert failure.status == "UNAVAILABLE" and failure.reason == "NO_PREFILL_PEER", failure
+        assert failure.message.startswith("no prefill engine is ready (127.0.0.1:"), failure
+        reuse = decode.servicer.generation.reuse
+        assert decode.host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
+        assert all(c.users == 0 for c in reuse.states._entries.values())
+    assert jobs == ["greedy"]
+    greedy, _ = runs["greedy"]
+    assert greedy == await _colocated(directory, prompt, MAX_TOKENS)
+    assert runs["greedy-again"][0] == greedy and runs["greedy-one"][0] == greedy[:1]
+    assert runs["greedy-one"][1].finish_reason == dpb.FINISH_REASON_LENGTH
+    for rid in ("greedy-again", "greedy-one"):
+        _restored(runs[rid][1], len(prompt))
