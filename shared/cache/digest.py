@@ -25,6 +25,7 @@ need, and several times faster than BLAKE3 or SHA-2 on one core.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -102,21 +103,58 @@ def _own_runs(per_rank: Sequence[IntArray], rank: int) -> list[_Run]:
     return [_Run(rank, 0, 0, int(per_rank[rank].size))] if per_rank[rank].size else []
 
 
-def _bytes(t: Tensor) -> memoryview:
-    """`t`'s bytes, without a copy where `t` is contiguous in host memory."""
-    return t.contiguous().view(torch.uint8).cpu().numpy().data
+_INDEX = {"fa": kv_head_index, "conv": conv_channel_index, "ssm": ssm_row_index}
 
 
 @dataclass(frozen=True)
-class _TokenSpan:
-    """Tokens `[start, stop)` of kernel block `block`, as slot numbers within it."""
+class DigestPlan:
+    """Where the pieces of each source rank's digests lie among this engine's ranks: per section
+    and source rank, the runs of local slices to hash, in order. It depends on the two layouts
+    only, not on a request, so `digest_plan` builds it once per pair of layouts (prefill: its
+    own; decode: once per prefill layout it reads from) and every digest call reuses it."""
 
-    block: int
-    start: int
-    stop: int
+    source_tp: int
+    runs: dict[Section, tuple[tuple[_Run, ...], ...]]  # [section][source rank]
+
+    def local_ranks(self, section: Section) -> list[int]:
+        """The local ranks any source rank's `section` is read from, in order."""
+        return sorted({r.rank for runs in self.runs[section] for r in runs})
 
 
-def token_spans(layout: EngineLayout, block_ids: npt.ArrayLike, tokens_from: int, num_tokens: int) -> list[_TokenSpan]:
+@functools.lru_cache(maxsize=64)
+def digest_plan(layout: EngineLayout, source: EngineLayout | None = None) -> DigestPlan:
+    """The `DigestPlan` of digests of `source`'s ranks (None: this engine's own, each rank its
+    own bytes) taken from an engine of `layout`; memoized, the layouts being frozen."""
+    spec, local_tp = layout.spec, layout.tp
+    src_tp = layout.tp if source is None else source.tp
+    runs: dict[Section, tuple[tuple[_Run, ...], ...]] = {}
+    for section in SECTIONS:
+        index = _INDEX[section]
+        local = [index(spec, local_tp, r) for r in range(local_tp)]
+        if source is None:
+            runs[section] = tuple(tuple(_own_runs(local, p)) for p in range(src_tp))
+        else:
+            owners = _Owners(local)
+            runs[section] = tuple(tuple(owners.runs(index(spec, src_tp, p))) for p in range(src_tp))
+    return DigestPlan(src_tp, runs)
+
+
+def _bytes(t: Tensor) -> memoryview:
+    """`t`'s bytes as one flat run, without a copy where `t` is contiguous in host memory."""
+    return t.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().data
+
+
+@dataclass(frozen=True)
+class _TokenSpans:
+    """Tokens of a request, kernel block by kernel block in token order: kernel block
+    `blocks[i]` holds them at slots `[starts[i], stops[i])`."""
+
+    blocks: IntArray
+    starts: IntArray
+    stops: IntArray
+
+
+def token_spans(layout: EngineLayout, block_ids: npt.ArrayLike, tokens_from: int, num_tokens: int) -> _TokenSpans:
     """Where tokens `[tokens_from, num_tokens)` of a request lie, kernel block by kernel block, in
     token order."""
     size = layout.kernel_block_size
@@ -124,11 +162,10 @@ def token_spans(layout: EngineLayout, block_ids: npt.ArrayLike, tokens_from: int
     needed = -(-num_tokens // size)
     if ids.size < needed:
         raise IndexError(f"{num_tokens} tokens need {needed} kernel blocks, the request has {ids.size}")
-    spans = []
-    for i in range(tokens_from // size, needed):
-        first, last = max(tokens_from, i * size), min(num_tokens, (i + 1) * size)
-        spans.append(_TokenSpan(int(ids[i]), first - i * size, last - i * size))
-    return spans
+    first = np.arange(tokens_from // size, needed, dtype=np.int64) * size  # each kernel block's first token
+    starts = np.maximum(first, tokens_from) - first
+    stops = np.minimum(first + size, num_tokens) - first
+    return _TokenSpans(ids[tokens_from // size : needed], starts, stops)
 
 
 def state_digests(
@@ -145,51 +182,52 @@ def state_digests(
     `source` hold it: K/V of tokens `[tokens_from, num_tokens)`, and the conv and SSM state (the
     state after `num_tokens`), for the sections in `sections`. `source=None`: this engine is the
     source, and each rank digests its own bytes (prefill); else the bytes are found in the local
-    ranks (decode). Everything is hashed where it lies."""
+    ranks (decode). Everything is hashed where it lies; every source rank's digest of a group is
+    taken in the same pass over its layers, so each layer's bytes are fetched once."""
     if not 0 <= tokens_from <= num_tokens:
         raise ValueError(f"tokens [{tokens_from}, {num_tokens}) is not a token range")
-    spec = layout.spec
-    src = source if source is not None else layout
-    local_tp = layout.tp
-    local_index = {
-        "fa": [kv_head_index(spec, local_tp, r) for r in range(local_tp)],
-        "conv": [conv_channel_index(spec, local_tp, r) for r in range(local_tp)],
-        "ssm": [ssm_row_index(spec, local_tp, r) for r in range(local_tp)],
-    }
-    owners = {kind: _Owners(ids) for kind, ids in local_index.items()}
-    source_index = {
-        "fa": kv_head_index, "conv": conv_channel_index, "ssm": ssm_row_index,
-    }  # fmt: skip
-    group_spans = {
-        g: token_spans(layout, block_ids[g], tokens_from, num_tokens)
-        for g, group in enumerate(layout.groups)
-        if group.kind == "attention"
-    }
-    out: list[SectionDigest] = []
-    for p in range(src.tp):
-
-        def runs(kind: str, p: int = p) -> list[_Run]:
-            if source is None:
-                return _own_runs(local_index[kind], p)
-            return owners[kind].runs(source_index[kind](spec, src.tp, p))
-
-        for g, group in enumerate(layout.groups):
-            if group.kind == "attention":
-                if "fa" in sections:
-                    out.append(SectionDigest(p, "fa", g, _fa_digest(ranks, group_spans[g], runs("fa"), len(group.layers))))
+    plan = digest_plan(layout, source)
+    per_rank: list[list[SectionDigest]] = [[] for _ in range(plan.source_tp)]
+    for g, group in enumerate(layout.groups):
+        if group.kind == "attention":
+            if "fa" in sections:
+                spans = token_spans(layout, block_ids[g], tokens_from, num_tokens)
+                digests = _fa_digests(ranks, spans, plan.runs["fa"], plan.local_ranks("fa"), len(group.layers))
+                for p, digest in enumerate(digests):
+                    per_rank[p].append(SectionDigest(p, "fa", g, digest))
+            continue
+        block = int(np.asarray(block_ids[g]).reshape(-1)[0])
+        for section in ("conv", "ssm"):
+            if section not in sections:
                 continue
-            block = int(np.asarray(block_ids[g]).reshape(-1)[0])
-            for section in ("conv", "ssm"):
-                if section not in sections:
-                    continue
-                h = xxhash.xxh3_128()
-                section_runs = runs(section)
-                for region in range(len(group.layers)):
-                    for r in section_runs:
-                        state = (ranks[r.rank].conv if section == "conv" else ranks[r.rank].ssm)[region][block]
-                        h.update(_bytes(state[r.local : r.local + r.length]))
-                out.append(SectionDigest(p, section, g, h.digest()))
-    return out
+            digests = _mamba_digests(ranks, block, section, plan.runs[section], plan.local_ranks(section), len(group.layers))
+            for p, digest in enumerate(digests):
+                per_rank[p].append(SectionDigest(p, section, g, digest))
+    return [d for digests in per_rank for d in digests]
+
+
+def _mamba_digests(
+    ranks: Sequence[RankViews],
+    block: int,
+    section: Section,
+    runs: Sequence[Sequence[_Run]],
+    local_ranks: Sequence[int],
+    num_layers: int,
+) -> list[bytes]:
+    """One Mamba group's conv or SSM state for every source rank: layer by layer, the rows the
+    source rank holds, each run a byte slice of the local rank's state of that layer."""
+    hashers = [xxhash.xxh3_128() for _ in runs]
+    for region in range(num_layers):
+        rows = {}  # local rank -> (that layer's state as bytes, bytes per row)
+        for r in local_ranks:
+            state = (ranks[r].conv if section == "conv" else ranks[r].ssm)[region][block]
+            data = _bytes(state)
+            rows[r] = (data, data.nbytes // state.shape[0])
+        for h, source_runs in zip(hashers, runs):
+            for run in source_runs:
+                data, row = rows[run.rank]
+                h.update(data[run.local * row : (run.local + run.length) * row])
+    return [h.digest() for h in hashers]
 
 
 def block_digests(
@@ -203,70 +241,91 @@ def block_digests(
     if not indices:
         return []
     per_block = layout.physical_per_logical  # kernel blocks (spans) of one whole block
-    heads = [kv_head_index(layout.spec, layout.tp, r) for r in range(layout.tp)]
+    head_runs = digest_plan(layout).runs["fa"]
     out: list[list[SectionDigest]] = [[] for _ in indices]
     for p in range(layout.tp):
-        head_runs = _own_runs(heads, p)
         for g, group in enumerate(layout.groups):
             if group.kind != "attention":
                 continue
             ids = np.asarray(block_ids[g], dtype=np.int64).reshape(-1)[indices]
             spans = token_spans(layout, ids, 0, ids.size * layout.block_size)
+            fa = _FaBytes(spans)
             hashers = [xxhash.xxh3_128() for _ in indices]
             for region in range(len(group.layers)):
-                layer = {r.rank: _FaSlabs(ranks[r.rank].fa[region], spans) for r in head_runs}
+                data, starts, stops = fa.layer(ranks[p].fa[region])
                 for kv in (0, 1):
-                    for r in head_runs:
-                        data = layer[r.rank].data
+                    for r in head_runs[p]:
                         for head in range(r.local, r.local + r.length):
-                            starts, stops = layer[r.rank].slabs(kv, head)
                             for k, h in enumerate(hashers):
                                 mine = slice(k * per_block, (k + 1) * per_block)  # block k's kernel blocks
-                                for start, stop in zip(starts[mine], stops[mine]):
+                                for start, stop in zip(starts[kv][head][mine], stops[kv][head][mine]):
                                     h.update(data[start:stop])
             for k, h in enumerate(hashers):
                 out[k].append(SectionDigest(p, "fa", g, h.digest()))
     return [tuple(d) for d in out]
 
 
-def _fa_digest(ranks: Sequence[RankViews], spans: Sequence[_TokenSpan], head_runs: Sequence[_Run], num_layers: int) -> bytes:
-    """One attention group's K/V for one source rank: layer by layer, K then V, head by head, the
-    head's tokens in order, each kernel block's rows hashed where they lie."""
-    h = xxhash.xxh3_128()
-    update = h.update
+def _fa_digests(
+    ranks: Sequence[RankViews],
+    spans: _TokenSpans,
+    runs: Sequence[Sequence[_Run]],
+    local_ranks: Sequence[int],
+    num_layers: int,
+) -> list[bytes]:
+    """One attention group's K/V for every source rank: layer by layer, K then V, head by head,
+    the head's tokens in order, each kernel block's rows hashed where they lie."""
+    hashers = [xxhash.xxh3_128() for _ in runs]
+    fa = {r: _FaBytes(spans) for r in local_ranks}
     for region in range(num_layers):
-        layer = {r.rank: _FaSlabs(ranks[r.rank].fa[region], spans) for r in head_runs}
-        for kv in (0, 1):
-            for r in head_runs:
-                data = layer[r.rank].data
-                for head in range(r.local, r.local + r.length):
-                    for start, stop in zip(*layer[r.rank].slabs(kv, head)):
-                        update(data[start:stop])
-    return h.digest()
+        layer = {r: fa[r].layer(ranks[r].fa[region]) for r in local_ranks}
+        for h, source_runs in zip(hashers, runs):
+            update = h.update
+            for kv in (0, 1):
+                for run in source_runs:
+                    data, starts, stops = layer[run.rank]
+                    for head in range(run.local, run.local + run.length):
+                        for start, stop in zip(starts[kv][head], stops[kv][head]):
+                            update(data[start:stop])
+    return [h.digest() for h in hashers]
 
 
-class _FaSlabs:
-    """One layer's K/V on one local rank as host bytes (`data`), and where in them each head's
-    rows of the spans' tokens lie: one contiguous slab per kernel block. `data` is the cache
-    itself where it is in host memory (nothing copied); a device cache is copied to the host once,
-    just the spans' kernel blocks, not slab by slab."""
+SlabOffsets = list[list[list[int]]]  # [K|V][head] -> one offset per kernel block of the spans
 
-    def __init__(self, fa: Tensor, spans: Sequence[_TokenSpan]) -> None:
-        blocks = np.array([s.block for s in spans], dtype=np.int64)
+
+class _FaBytes:
+    """The K/V of the spans' tokens on one local rank, layer by layer, as host bytes, and where in
+    them each head's rows lie: one contiguous slab per kernel block. The bytes are the cache
+    itself where it is in host memory (nothing copied); a device cache is copied to the host once
+    per layer, just the spans' kernel blocks, not slab by slab. The slab offsets depend only on
+    the layer's strides (every layer of a rank has the same), so they are computed once."""
+
+    def __init__(self, spans: _TokenSpans) -> None:
+        self._spans = spans
+        self._offsets: dict[tuple[tuple[int, ...], bool], tuple[SlabOffsets, SlabOffsets]] = {}
+
+    def layer(self, fa: Tensor) -> tuple[memoryview, SlabOffsets, SlabOffsets]:
+        """One layer's bytes, and the (starts, stops) in them of every head's K and V slabs."""
+        spans = self._spans
         raw = fa.view(torch.uint8)  # [kernel block, K|V, head, slot, head_dim bytes]: strides in bytes
-        if raw.device.type != "cpu" or not raw.is_contiguous():
-            raw = raw.index_select(0, torch.from_numpy(blocks).to(raw.device)).cpu()
-            blocks = np.arange(blocks.size, dtype=np.int64)
-        self.data = raw.reshape(-1).numpy().data
-        # Contiguous: a head's slots in a kernel block are one run of bytes.
-        block, self._kv, self._head, slot = raw.stride()[:4]
-        self._starts = blocks * block + np.array([s.start for s in spans], dtype=np.int64) * slot
-        self._stops = blocks * block + np.array([s.stop for s in spans], dtype=np.int64) * slot
+        copied = raw.device.type != "cpu" or not raw.is_contiguous()
+        if copied:
+            raw = raw.index_select(0, torch.from_numpy(spans.blocks).to(raw.device)).cpu()
+        key = (tuple(raw.stride()), copied)
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            offsets = self._offsets[key] = self._slabs(raw, copied)
+        starts, stops = offsets
+        return raw.reshape(-1).numpy().data, starts, stops
 
-    def slabs(self, kv: int, head: int) -> tuple[list[int], list[int]]:
-        """(starts, stops) in `data` of head `head`'s K (kv 0) or V (1) slabs, in token order."""
-        at = kv * self._kv + head * self._head
-        return (self._starts + at).tolist(), (self._stops + at).tolist()
+    def _slabs(self, raw: Tensor, copied: bool) -> tuple[SlabOffsets, SlabOffsets]:
+        spans = self._spans
+        blocks = np.arange(spans.blocks.size, dtype=np.int64) if copied else spans.blocks
+        # Contiguous: a head's slots in a kernel block are one run of bytes.
+        block, kv, head, slot = raw.stride()[:4]
+        at = (np.arange(2)[:, None] * kv + np.arange(raw.shape[2])[None, :] * head)[:, :, None]  # [K|V, head, 1]
+        starts = at + (blocks * block + spans.starts * slot)[None, None, :]
+        stops = at + (blocks * block + spans.stops * slot)[None, None, :]
+        return starts.tolist(), stops.tolist()
 
 
 def compare_digests(
