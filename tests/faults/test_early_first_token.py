@@ -30,20 +30,23 @@ HOLD_SECONDS = 60  # `held-` jobs wait this long before their manifest
 CLIENT_WAIT_SECONDS = 30  # for the first chunk: well inside the hold, so it can only be the early token
 PROMPT = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)
 RETRIES = "hybrid_pd_prefill_retries_total{reason=UNAVAILABLE}"
+MAX_SENDS = 50  # `moved-` requests until one was picked for peer-a first (each takes 0.1 s or more)
 
 
 @pytest.fixture(scope="module")
 def services(hf_checkpoint: Callable[[str], str]) -> Iterator[tuple[Service, Service, Service, Service]]:
     model = ("--engine", "hf", "--model", hf_checkpoint("nemotron_h"), "--num-blocks", "64")
+    # Short heartbeats: decode picks a prefill by the load it last reported (jobs of other decode engines included).
+    prefill = (*model, "--heartbeat-seconds", "0.5")
     a, b = free_port(), free_port()
     started = start_many(
         Spec(
             "prefill",
-            (*model, "--engine-id", "early-a", "--port", str(a)),
+            (*prefill, "--engine-id", "early-a", "--port", str(a)),
             pauses=f"before_manifest:{HOLD_SECONDS}:held-",
             env={"HYBRID_PD_TEST_FAIL": "UNAVAILABLE:moved-"},
         ),
-        Spec("prefill", (*model, "--engine-id", "early-b", "--port", str(b))),
+        Spec("prefill", (*prefill, "--engine-id", "early-b", "--port", str(b))),
         Spec("decode", (*model, "--engine-id", "early-two", "--prefill", f"127.0.0.1:{a}", "--prefill", f"127.0.0.1:{b}")),
         Spec("decode", (*model, "--engine-id", "early-solo", "--prefill", f"127.0.0.1:{a}")),
     )
@@ -90,13 +93,20 @@ async def test_a_job_failed_after_its_first_token_moves_and_the_token_is_sent_on
     await decode.wait_serving()
     await decode.wait_metric("hybrid_pd_prefill_peers_ready", lambda v: v == 2)
     tokens = await reference(decode)
-    outcomes: list[Outcome] = [await generate(decode.address, f"moved-{i}", PROMPT) for i in range(4)]
+    # One at a time until one went to peer-a first (peer-a fails each of them, so it stays the less
+    # loaded once its last report shows no other engine's job: within a heartbeat).
+    outcomes: list[Outcome] = []
+    for i in range(MAX_SENDS):
+        outcomes.append(await generate(decode.address, f"moved-{i}", PROMPT))
+        if (await decode.metrics())[RETRIES] >= 1:
+            break
     for o in outcomes:
         assert o.status == "OK" and o.tokens == tokens, o
         assert o.summary is not None and o.summary.prefill_engine_id == "early-b" and o.summary.digests_verified, o
-    failed_on_a = jobs_logged(flaky, "moved-", "UNAVAILABLE")
-    assert failed_on_a >= 1, flaky.tail()
-    assert (await decode.metrics())[RETRIES] == failed_on_a
+    retried = (await decode.metrics())[RETRIES]
+    assert retried >= 1, flaky.tail()
+    await flaky.wait_line(f"job moved-{len(outcomes) - 1} finished: UNAVAILABLE")
+    assert jobs_logged(flaky, "moved-", "UNAVAILABLE") == retried
 
     # Control: with no other prefill the request fails as peer-a failed it, after its early token.
     alone = await generate(solo.address, "moved-solo", PROMPT)
