@@ -14,7 +14,8 @@ ahead of its manifest, the moment it is drawn (decode_svc/early_token.py): it go
 at once, before prefill's digests, pin and manifest, and the transfer hides behind it; decoding
 continues by feeding it. (A prefill that does not send it early: it comes with the manifest and
 goes out as soon as the READ is posted.) A first token that ends the request (a stop token, or
-max_tokens 1) needs no state at all: nothing is READ and prefill's pin is released at once.
+max_tokens 1) needs no state at all: nothing is READ, and the job is cancelled (or, when its
+manifest came first, prefill's pin released) at once, the summary not waiting for the manifest.
 
 Pipelined transfer (--manifest-parts, with a chunking prefill): each manifest part but the last
 is READ and its digests checked as it arrives (decode_svc/part_reads.py); the last answers the
@@ -212,10 +213,12 @@ class Generation:
             if state is not None:
                 ended = None if state.first_token is None else req.stop.finish(state.first_token, 1)
                 if ended is not None:  # the stored first token ends the request: no state is needed
+                    self._count_without_prefill(peer)
                     for only in self.reuse.first_token_only(req, reused, ended):
                         yield only
                     return
                 if await self.reuse.restored(compute.run, reused, local):
+                    self._count_without_prefill(peer)
                     from_state = self.reuse.decode_restored(
                         req, reused, local, compute.run, lambda n, out, first: self._steps(req, n, local, compute, out, first)
                     )
@@ -235,30 +238,28 @@ class Generation:
             early = EarlyToken() if remote is None and self.host.engine.boundary == "full" else None
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
                 attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
-                submitting = on_some_prefill(
-                    self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any
+                job = asyncio.ensure_future(
+                    on_some_prefill(self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any)
                 )
                 try:
-                    if early is None:
-                        session, link, manifest = await submitting
-                    else:  # the first token goes out as soon as prefill drew it, ahead of its manifest
-                        job = asyncio.ensure_future(submitting)
-                        try:
-                            await asyncio.wait((job, early.arrived), return_when=asyncio.FIRST_COMPLETED)
-                            if early.arrived.done():
-                                early.sent = True
-                                yield out.chunk([early.arrived.result()])
-                            session, link, manifest = await job
-                        finally:
-                            if not job.done():  # the client went away: the job is cancelled on prefill
-                                job.cancel()
-                                await asyncio.gather(job, return_exceptions=True)
+                    token = None if early is None else await early.first(job)
+                    if token is not None:  # prefill drew it ahead of its manifest: it goes out at once
+                        yield out.chunk([token])
+                        ended = req.stop.finish(token, 1)
+                        if ended is not None and not job.done():  # no state is needed, so no manifest either
+                            assert early is not None and early.link is not None
+                            await self._stop_job(job, parts, reads, key, "the first token ended the request")
+                            transfer = Transfer(early.link, None, ReadStats(), early.seconds_after(job_sent))
+                            for response in (
+                                out.tail(),
+                                summary(req, out, ended, transfer, self.checks, transferred=0, read=False),
+                            ):
+                                if response is not None:
+                                    yield response
+                            return
+                    session, link, manifest = await job
                 except BaseException as e:
-                    if parts.source is not None:  # parts were (being) READ: release once no READ of theirs can land
-                        await parts.cancel()
-                        reads.when_released(
-                            functools.partial(parts.source.release, key, f"read not completed: {type(e).__name__}")
-                        )
+                    await self._stop_job(job, parts, reads, key, f"read not completed: {type(e).__name__}")
                     raise
             else:
                 assert peer.session is not None and peer.link is not None and remote.transfer_id is not None
@@ -371,7 +372,7 @@ class Generation:
             req.sampling,
             on_part=on_part if self.manifest_parts else None,
             cached_tokens=cached,
-            on_first_token=None if early is None else early.take,
+            on_first_token=None if early is None else functools.partial(early.take, link),
         )
         return session, link, manifest
 
@@ -399,6 +400,33 @@ class Generation:
             raise
         stats.seconds = time.monotonic() - started
         return stats
+
+    async def _stop_job(
+        self,
+        job: asyncio.Future[tuple[SessionClient, PeerLink, Manifest]],
+        parts: PartReads,
+        reads: ReadFence,
+        key: str,
+        reason: str,
+    ) -> None:
+        """The request no longer needs its job: one still running is cancelled on its prefill (the
+        session sends the cancel); once parts or a manifest arrived, READs of them are stopped
+        and prefill is told to free the request when no READ of it can land any more."""
+        if not job.done():
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+        source, pinned_as = parts.source, key
+        if not job.cancelled() and job.exception() is None:  # the manifest came meanwhile: its pin is ours to end
+            session, _, manifest = job.result()
+            source, pinned_as = session, manifest.request_id
+        if source is not None:
+            await parts.cancel()
+            reads.when_released(functools.partial(source.release, pinned_as, reason))
+
+    def _count_without_prefill(self, peer: PrefillPeer | None) -> None:
+        """A state checkpoint serves the request and no prefill engine was ready to (`_source`)."""
+        if peer is None and self.telemetry is not None:
+            self.telemetry.prefix_state_without_prefill.inc()
 
     def _count_retry(self, reason: str) -> None:
         if self.telemetry is not None:

@@ -26,9 +26,10 @@ class Transfer:
     """What the request's READ brought: from whom, the manifest it followed, and its cost."""
 
     link: PeerLink
-    manifest: Manifest | None  # None: a state checkpoint, no job and no READ
+    manifest: Manifest | None  # None: a state checkpoint, or a first token that ended the request
     stats: ReadStats
-    prefill_seconds: float  # job sent -> manifest received
+    prefill_seconds: float  # job sent -> manifest (or the first token) received
+    restored: bool = False  # a state checkpoint: no job and no READ
 
 
 class ClientStream:
@@ -77,7 +78,6 @@ def summary(
     `cached_tokens`: prompt tokens from decode's caches (None: what the manifest skipped).
     `checks`: the checks a state READ (or restored) goes through."""
     link, manifest, stats, started = transfer.link, transfer.manifest, transfer.stats, req.started
-    restored = manifest is None  # a state checkpoint: no job, no READ
     if cached_tokens is None:
         cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
     return pb.GenerateResponse(
@@ -108,6 +108,6 @@ def summary(
             prefill_engine_duration=nanoseconds(manifest.engine_ns if manifest is not None else 0),
             seed=req.sampling.seed,
             prefix_cached_tokens=cached_tokens,
-            prefix_state_reused=restored,
+            prefix_state_reused=transfer.restored,
         )
     )

@@ -223,7 +223,7 @@ class DecodeReuse:
         tail = out.tail()
         if tail is not None:
             responses.append(tail)
-        transfer = Transfer(link, None, ReadStats(), 0.0)
+        transfer = Transfer(link, None, ReadStats(), 0.0, restored=True)
         responses.append(summary(req, out, ended, transfer, self.checks, transferred=0, read=False, cached_tokens=state.computed))
         return responses
 
@@ -264,7 +264,7 @@ class DecodeReuse:
             req,
             out,
             out.finish,
-            Transfer(link, None, ReadStats(), 0.0),
+            Transfer(link, None, ReadStats(), 0.0, restored=True),
             self.checks,
             transferred=0,
             digest_check_seconds=digest_check_seconds,

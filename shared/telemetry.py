@@ -180,6 +180,11 @@ class Telemetry:
             "Conv, SSM and attention bytes not READ because a state checkpoint held them",
             registry=decode,
         )
+        self.prefix_state_without_prefill = Counter(
+            "hybrid_pd_prefix_state_without_prefill",
+            "Requests served from a state checkpoint while no prefill engine was ready",
+            registry=decode,
+        )
         # Each request counts its bytes per section: the children are resolved once, not by labels() each time.
         self.transferred_bytes_of = {section: self.transferred_bytes.labels(section=section) for section in SECTIONS}
         for section in SECTIONS:

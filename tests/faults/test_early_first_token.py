@@ -7,6 +7,8 @@ which shows what the client gets and when:
 - held before its manifest for longer than the client waits, the request has already streamed
   its first token (without the early token nothing could arrive before the hold ends); the client
   then goes away, and the job is cancelled on prefill with nothing left held;
+- held likewise, a request whose first token ends it (max_tokens 1, or a stop token) is whole,
+  summary included, while the manifest is still held: decode cancels the job instead of waiting;
 - failed after its token left, the job goes to the other prefill engine, which draws the same
   token: the client gets every token exactly once, equal to an undisturbed run. Control: a decode
   engine that knows only the failing prefill fails the request, after its one early token.
@@ -81,6 +83,34 @@ async def test_the_first_token_leaves_while_prefill_holds_its_manifest(
         await held.wait_line("TEST PAUSE before_manifest held-1", timeout=CLIENT_WAIT_SECONDS)
         call.cancel()  # the client goes away while the job is still held before its manifest
     await held.wait_line("job held-1 finished: CANCELLED", timeout=10)
+    for service in (held, solo):
+        await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
+    assert (await held.metrics())["hybrid_pd_pinned_requests"] == 0
+
+
+async def test_a_first_token_that_ends_the_request_needs_no_manifest(
+    services: tuple[Service, Service, Service, Service],
+) -> None:
+    held, _, _, solo = services
+    await solo.wait_serving()
+    tokens = await reference(solo)
+    cases = [
+        ("held-one", dpb.GenerateRequest(max_tokens=1), dpb.FINISH_REASON_LENGTH),
+        ("held-stop", dpb.GenerateRequest(max_tokens=8, stop_token_ids=tokens[:1]), dpb.FINISH_REASON_STOP),
+    ]
+    async with grpc.aio.insecure_channel(solo.address) as channel:
+        for rid, request, reason in cases:
+            request.MergeFrom(dpb.GenerateRequest(request_id=rid, prompt_token_ids=list(PROMPT)))
+            # Within CLIENT_WAIT_SECONDS: the manifest is held for HOLD_SECONDS, so the summary came without it.
+            replies = [r async for r in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=CLIENT_WAIT_SECONDS)]
+            chunks = [list(r.chunk.token_ids) for r in replies if r.HasField("chunk")]
+            summaries = [r.summary for r in replies if r.HasField("summary")]
+            assert chunks == [tokens[:1]] and len(summaries) == 1, (rid, replies)
+            summary = summaries[0]
+            assert (summary.finish_reason, summary.generated_token_count) == (reason, 1), (rid, summary)
+            assert summary.prefill_engine_id == "early-a" and summary.transfer.read_count == 0, (rid, summary)
+            assert not summary.prefix_state_reused and not summary.digests_verified, (rid, summary)
+            await held.wait_line(f"job {rid} finished: CANCELLED", timeout=10)
     for service in (held, solo):
         await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
     assert (await held.metrics())["hybrid_pd_pinned_requests"] == 0

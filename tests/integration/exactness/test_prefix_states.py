@@ -97,6 +97,7 @@ async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkey
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 4
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2
         assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
+        assert _metric(pair, "hybrid_pd_prefix_state_without_prefill_total") == 0  # the prefill was ready for each
         generation = pair.decode.servicer.generation
         assert len(generation.reuse.states) == 2
         # The checkpoints' copies are pool blocks (3: one attention block, two Mamba; 2: Mamba only);
@@ -277,6 +278,7 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
         await pair.generate(corrupt, ANSWER, request_id="corrupt")
         first = await pair.generate(prompt, ANSWER, request_id="first")
         shift_checkpoint_ssm(pair.decode)  # the oldest: `corrupt`'s
+        assert _metric(pair, "hybrid_pd_prefix_state_without_prefill_total") == 0
         await pair.prefill.stop()
         peers, host = pair.decode.servicer.generation.peers, pair.decode.host
         reuse = pair.decode.servicer.generation.reuse
@@ -294,6 +296,7 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 3  # again-0, again-1, corrupt-again
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2  # the first two; `other` looked nothing up
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1  # the corrupt one, discarded
+        assert _metric(pair, "hybrid_pd_prefix_state_without_prefill_total") == 2  # again-0, again-1 (not the failures)
         assert len(reuse.states) == 1 and all(c.users == 0 for c in reuse.states._entries.values())
         assert all(e.users == 0 for e in reuse.prefix._entries.values())
         assert host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
