@@ -31,13 +31,14 @@ class EarlyToken:
         self.arrived: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.sent = False  # streamed to the client: the manifest's token is not sent again
         self.link: PeerLink | None = None  # of the prefill engine that drew it
+        self.engine_seconds = 0.0  # that engine's own model calls for the prompt (0: it did not say)
         self._arrived_at = 0.0
 
-    def take(self, link: PeerLink, token: int) -> None:
+    def take(self, link: PeerLink, token: int, engine_seconds: float) -> None:
         """The session's sink: the first token to arrive counts (a retried job's is the same)."""
         if not self.arrived.done():
             self.arrived.set_result(token)
-            self.link, self._arrived_at = link, time.monotonic()
+            self.link, self.engine_seconds, self._arrived_at = link, engine_seconds, time.monotonic()
 
     async def first(self, job: asyncio.Future[Any]) -> int | None:
         """Wait for the first token or the end of `job`, whichever comes first: the token (from

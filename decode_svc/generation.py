@@ -249,7 +249,8 @@ class Generation:
                         if ended is not None and not job.done():  # no state is needed, so no manifest either
                             assert early is not None and early.link is not None
                             await self._stop_job(job, parts, reads, key, "the first token ended the request")
-                            transfer = Transfer(early.link, None, ReadStats(), early.seconds_after(job_sent))
+                            taken = early.seconds_after(job_sent)
+                            transfer = Transfer(early.link, None, ReadStats(), taken, engine_seconds=early.engine_seconds)
                             for response in (
                                 out.tail(),
                                 summary(req, out, ended, transfer, self.checks, transferred=0, read=False),

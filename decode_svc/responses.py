@@ -30,6 +30,7 @@ class Transfer:
     stats: ReadStats
     prefill_seconds: float  # job sent -> manifest (or the first token) received
     restored: bool = False  # a state checkpoint: no job and no READ
+    engine_seconds: float = 0.0  # without a manifest: the prefill engine's time, as its first token said
 
 
 class ClientStream:
@@ -105,7 +106,9 @@ def summary(
             digests_verified=checks.host.verify_transfer and read,  # a restored checkpoint: its own digests
             digest_check_duration=duration(digest_check_seconds),
             prefill_digest_duration=nanoseconds(manifest.digest_ns if manifest is not None else 0),
-            prefill_engine_duration=nanoseconds(manifest.engine_ns if manifest is not None else 0),
+            prefill_engine_duration=nanoseconds(
+                manifest.engine_ns if manifest is not None else int(transfer.engine_seconds * 1e9)
+            ),
             seed=req.sampling.seed,
             prefix_cached_tokens=cached_tokens,
             prefix_state_reused=transfer.restored,

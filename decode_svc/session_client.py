@@ -71,7 +71,7 @@ class SessionClient:
         self._holding: set[str] = set()  # manifests received, blocks still needed
         self._parted: set[str] = set()  # of those, the ones a manifest part arrived for (the caller releases them)
         self._part_sinks: dict[str, Callable[[Manifest], None]] = {}  # requests taking manifest parts
-        self._token_sinks: dict[str, Callable[[int], None]] = {}  # requests taking the first token early
+        self._token_sinks: dict[str, Callable[[int, float], None]] = {}  # requests taking the first token early
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = 0.0
@@ -120,12 +120,13 @@ class SessionClient:
         on_part: Callable[[Manifest], None] | None = None,
         *,
         cached_tokens: int = 0,
-        on_first_token: Callable[[int], None] | None = None,
+        on_first_token: Callable[[int, float], None] | None = None,
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
         `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
         `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds.
-        `on_first_token`: the job asks for its first token early (full-N), given to it on arrival."""
+        `on_first_token`: the job asks for its first token early (full-N), given to it on arrival
+        with the prefill engine's seconds computing the prompt (0: a prefill that does not say)."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -339,7 +340,7 @@ class SessionClient:
         sink = self._token_sinks.get(msg.request_id)
         waiting = self._waiting.get(msg.request_id)
         if sink is not None and waiting is not None and not waiting.done():
-            sink(msg.token_id)
+            sink(msg.token_id, seconds(msg.engine_duration))
 
     def _part_arrived(self, request_id: str, part: Manifest) -> None:
         sink = self._part_sinks.get(request_id)

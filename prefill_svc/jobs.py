@@ -123,9 +123,10 @@ def check_cached_tokens(cached: int, computed: int) -> None:
 PartSink = Callable[[Manifest], None]
 """Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
 
-TokenSink = Callable[[int], None]
-"""Takes the first output token of a job that asked for it, on the event loop, the moment the
-compute thread drew it: before the digests, the pin and the manifest."""
+TokenSink = Callable[[int, float], None]
+"""Takes the first output token of a job that asked for it, with the engine's seconds computing
+the prompt, on the event loop, the moment the compute thread drew it: before the digests, the
+pin and the manifest."""
 
 
 class JobRunner:
@@ -256,13 +257,19 @@ class JobRunner:
             if on_end is not None:
                 on_end(reason)
 
+        engine_before = [0.0]  # the engine seconds of the spans done (spans run in order, all on the compute thread)
+
         def span_work(index: int) -> tuple[int | None, list[SectionDigest], float, float]:
             if stop.is_set():
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
             try:
                 last = index == len(spans) - 1
-                return self._compute_span(job, run, blocks, start, spans[index], last, announce if last else None)
+                done = self._compute_span(
+                    job, run, blocks, start, spans[index], last, engine_before[0], announce if last else None
+                )
+                engine_before[0] += done[3]
+                return done
             except BaseException:
                 stop.set()  # before the span queued behind this one starts on a broken run
                 raise
@@ -352,11 +359,13 @@ class JobRunner:
         start: int,
         span: PartSpan,
         last: bool,
+        engine_before: float,
         announce: TokenSink | None,
     ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the chunks up to the span's end, then the digests of what the
         part makes final (its tokens' K/V; the last part also conv and SSM). Returns the first
-        token (or None, also given to `announce` before the digests), the digests, and the
+        token (or None; the last span gives it to `announce` before the digests, with the engine
+        seconds of every span, `engine_before` those before this one), the digests, and the
         seconds the digests and the engine took."""
         first_token = None
         computing = time.monotonic()
@@ -364,7 +373,7 @@ class JobRunner:
             first_token = run.compute(end)
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
-            announce(first_token)
+            announce(first_token, engine_before + computing)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
         began = time.monotonic()
@@ -388,7 +397,7 @@ class JobRunner:
         first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
-            announce(first_token)
+            announce(first_token, computing)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
         started = time.monotonic()
@@ -407,8 +416,8 @@ def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
         return None
     sink, loop = on_first_token, asyncio.get_running_loop()
 
-    def announce(token: int) -> None:
-        loop.call_soon_threadsafe(sink, token)
+    def announce(token: int, engine_seconds: float) -> None:
+        loop.call_soon_threadsafe(sink, token, engine_seconds)
 
     return announce
 

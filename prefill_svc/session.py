@@ -324,8 +324,9 @@ class PrefillSession:
                 credit_taken = False  # pinned before its first part: the pin returns the credit
                 self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(part)))
 
-            def send_first_token(token: int) -> None:
-                self._out.put_nowait(pb.SessionResponse(first_token=pb.FirstToken(request_id=rid, token_id=token)))
+            def send_first_token(token: int, engine_seconds: float) -> None:
+                first = pb.FirstToken(request_id=rid, token_id=token, engine_duration=duration(engine_seconds))
+                self._out.put_nowait(pb.SessionResponse(first_token=first))
 
             manifest = await self.runner.run(job, on_end=self._credit_back, on_part=send_part, on_first_token=send_first_token)
             credit_taken = False  # now owned by the pin: returned when it ends

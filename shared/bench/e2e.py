@@ -116,6 +116,11 @@ class LevelResult:
                 [seconds(t.summary.read_duration) / t.ttft for t in ok if t.summary is not None and t.ttft > 0]
             ).as_dict(6),
             "itl_ms": Summary.of([t.itl for t in ok if not math.isnan(t.itl)]).scaled(1e3).as_dict(),
+            # From the last token to the end of the stream: what the request still waits for once
+            # its tokens are out (the summary; at max_tokens 1, anything that waits for prefill's manifest).
+            "after_last_token_ms": Summary.of([t.done - t.last_token for t in ok if t.last_token is not None])
+            .scaled(1e3)
+            .as_dict(),
             "tokens": tokens,
             "wall_s": json_number(self.wall),
             "tokens_per_s": json_number(rate),
@@ -329,6 +334,11 @@ def format_e2e(result: dict[str, Any]) -> str:
     lines.append(
         "(engine: the prefill engine's own model calls; -engine: median TTFT minus them, all the setup adds to the compute)"
     )
+    for r in result["levels"]:
+        after = r.get("after_last_token_ms", {}).get("median")
+        lines.append(
+            f"{r['setup']} at concurrency {r['concurrency']}: the stream ends {fixed(after, 2)} ms after the last token (p50)"
+        )
     for r in result["levels"]:
         if r["setup"] == "disaggregated" and r["read_ms"]["median"] is not None:
             lines.append(

@@ -110,6 +110,8 @@ async def test_a_first_token_that_ends_the_request_needs_no_manifest(
             assert (summary.finish_reason, summary.generated_token_count) == (reason, 1), (rid, summary)
             assert summary.prefill_engine_id == "early-a" and summary.transfer.read_count == 0, (rid, summary)
             assert not summary.prefix_state_reused and not summary.digests_verified, (rid, summary)
+            engine_ns = summary.prefill_engine_duration.ToNanoseconds()  # as the early token said, with no manifest
+            assert 0 < engine_ns < summary.prefill_duration.ToNanoseconds(), (rid, summary)
             await held.wait_line(f"job {rid} finished: CANCELLED", timeout=10)
     for service in (held, solo):
         await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)

@@ -179,10 +179,12 @@ async def test_the_first_token_comes_early_and_a_prefill_that_sends_none_still_s
     prompt = [(11 * i) % 170 + 4 for i in range(19)]
     want, _ = await asyncio.to_thread(transformers_generate, checkpoint(directory).model, prompt, MAX_TOKENS)
     early_tokens: list[int] = []
+    early_engine_ns: list[int] = []  # the engine time each early token carried
     heard = SessionClient._first_token
 
     def counted(self: SessionClient, msg: Any) -> None:
         early_tokens.append(msg.token_id)
+        early_engine_ns.append(msg.engine_duration.ToNanoseconds())
         heard(self, msg)
 
     monkeypatch.setattr(SessionClient, "_first_token", counted)
@@ -190,9 +192,13 @@ async def test_the_first_token_comes_early_and_a_prefill_that_sends_none_still_s
         if not sends_early:
             monkeypatch.setattr(jobs, "_announcer", lambda job, sink: None)
         early_tokens.clear()
+        early_engine_ns.clear()
         async with hf_pair(directory, directory, 1, 2) as (prefill, decode):
             for _ in range(2):
                 ids, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
                 assert ids == want and summary.transfer.read_count > 0 and summary.generated_token_count == MAX_TOKENS
+                if sends_early:  # the same engine time as the manifest's (one clock reading, two encodings)
+                    manifest_ns = summary.prefill_engine_duration.ToNanoseconds()
+                    assert manifest_ns > 0 and abs(early_engine_ns[-1] - manifest_ns) <= 1, (early_engine_ns, manifest_ns)
             await until(lambda: nothing_held(prefill, decode), "blocks and pins freed")
         assert early_tokens == (want[:1] * 2 if sends_early else []), sends_early

@@ -13,8 +13,8 @@ from shared.bench.setups import SetupConfig
 pytestmark = pytest.mark.timeout(30)
 
 
-def timed(sent: float, first: float, last: float, tokens: list[int]) -> Timed:
-    return Timed(sent=sent, token_ids=tokens, first_token=first, last_token=last, done=last)
+def timed(sent: float, first: float, last: float, tokens: list[int], after: float = 0.0) -> Timed:
+    return Timed(sent=sent, token_ids=tokens, first_token=first, last_token=last, done=last + after)
 
 
 CROSSOVER = {
@@ -25,13 +25,15 @@ CROSSOVER = {
 
 def test_ratios_and_token_equality() -> None:
     cfg = E2EConfig(concurrency=(1,), max_tokens=3)
-    disagg = LevelResult("disaggregated", 1, [timed(0.0, 0.22, 0.42, [1, 2, 3]), timed(1.0, 1.22, 1.42, [4, 5, 6])], 2.0, 1.0)
+    first, second = timed(0.0, 0.22, 0.42, [1, 2, 3], after=0.004), timed(1.0, 1.22, 1.42, [4, 5, 6], after=0.006)
+    disagg = LevelResult("disaggregated", 1, [first, second], 2.0, 1.0)
     coloc = LevelResult("colocated", 1, [timed(0.0, 0.2, 0.4, [1, 2, 3]), timed(1.0, 1.2, 1.4, [4, 5, 7])], 1.5, 1.5)
     r = build_e2e_result(cfg, [disagg, coloc], CROSSOVER, "hybrid-pd bench e2e")
     assert r["schema"] == SCHEMA
     d, c = r["levels"]
     assert d["ttft_ms"]["median"] == 220.0 and c["ttft_ms"]["median"] == 200.0
     assert d["itl_ms"]["median"] == 100.0  # (0.42 - 0.22) / 2 gaps
+    assert d["after_last_token_ms"]["median"] == pytest.approx(5.0) and c["after_last_token_ms"]["median"] == 0.0
     assert d["tokens_per_s"] == 3.0 and d["cpu_cores_used"] == 0.5 and d["tokens_per_s_per_core"] == 6.0
     cmp = r["comparisons"][0]
     assert cmp["ttft_ratio"] == 1.1 and cmp["tokens_per_s_ratio"] == 0.75
@@ -40,6 +42,7 @@ def test_ratios_and_token_equality() -> None:
     json.dumps(r)
     text = format_e2e(r)
     assert "disaggregated" in text and "1/2" in text
+    assert "disaggregated at concurrency 1: the stream ends 5.00 ms after the last token (p50)" in text
     assert [tag for tag, _ in e2e_charts(r)] == ["throughput", "ttft", "itl", "crossover"]
 
 

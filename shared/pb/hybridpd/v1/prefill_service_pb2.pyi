@@ -429,17 +429,26 @@ class FirstToken(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     token_id: _builtins.int
+    @_builtins.property
+    def engine_duration(self) -> _duration_pb2.Duration:
+        """The prefill engine's own model calls for the prompt, up to the draw (what the manifest's
+        engine_duration says too); decode reports it when the token ends the request before any
+        manifest. Absent (zero) from a prefill that predates it.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
+        engine_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
