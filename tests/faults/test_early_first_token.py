@@ -65,6 +65,12 @@ async def reference(decode: Service) -> list[int]:
     return ref.tokens
 
 
+async def nothing_held(held: Service, solo: Service) -> None:
+    for service in (held, solo):
+        await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
+    assert (await held.metrics())["hybrid_pd_pinned_requests"] == 0
+
+
 def jobs_logged(prefill: Service, prefix: str, status: str) -> int:
     return sum(f"job {prefix}" in line and f"finished: {status}" in line for line in prefill.output)
 
@@ -83,9 +89,7 @@ async def test_the_first_token_leaves_while_prefill_holds_its_manifest(
         await held.wait_line("TEST PAUSE before_manifest held-1", timeout=CLIENT_WAIT_SECONDS)
         call.cancel()  # the client goes away while the job is still held before its manifest
     await held.wait_line("job held-1 finished: CANCELLED", timeout=10)
-    for service in (held, solo):
-        await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
-    assert (await held.metrics())["hybrid_pd_pinned_requests"] == 0
+    await nothing_held(held, solo)
 
 
 async def test_a_first_token_that_ends_the_request_needs_no_manifest(
@@ -113,9 +117,7 @@ async def test_a_first_token_that_ends_the_request_needs_no_manifest(
             engine_ns = summary.prefill_engine_duration.ToNanoseconds()  # as the early token said, with no manifest
             assert 0 < engine_ns < summary.prefill_duration.ToNanoseconds(), (rid, summary)
             await held.wait_line(f"job {rid} finished: CANCELLED", timeout=10)
-    for service in (held, solo):
-        await service.wait_metric("hybrid_pd_blocks_in_use", lambda v: v == 0)
-    assert (await held.metrics())["hybrid_pd_pinned_requests"] == 0
+    await nothing_held(held, solo)
 
 
 async def test_a_job_failed_after_its_first_token_moves_and_the_token_is_sent_once(
