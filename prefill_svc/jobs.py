@@ -257,18 +257,17 @@ class JobRunner:
             if on_end is not None:
                 on_end(reason)
 
-        engine_before = [0.0]  # the engine seconds of the spans done (spans run in order, all on the compute thread)
+        engine_before = 0.0  # the engine seconds of the spans done (spans run in order, all on the compute thread)
 
         def span_work(index: int) -> tuple[int | None, list[SectionDigest], float, float]:
+            nonlocal engine_before
             if stop.is_set():
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             start = 0 if index == 0 else spans[index - 1].compute_to
             try:
                 last = index == len(spans) - 1
-                done = self._compute_span(
-                    job, run, blocks, start, spans[index], last, engine_before[0], announce if last else None
-                )
-                engine_before[0] += done[3]
+                done = self._compute_span(job, run, blocks, start, spans[index], last, engine_before, announce if last else None)
+                engine_before += done[3]
                 return done
             except BaseException:
                 stop.set()  # before the span queued behind this one starts on a broken run

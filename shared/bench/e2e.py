@@ -335,7 +335,7 @@ def format_e2e(result: dict[str, Any]) -> str:
         "(engine: the prefill engine's own model calls; -engine: median TTFT minus them, all the setup adds to the compute)"
     )
     for r in result["levels"]:
-        after = r.get("after_last_token_ms", {}).get("median")
+        after = r["after_last_token_ms"]["median"]
         lines.append(
             f"{r['setup']} at concurrency {r['concurrency']}: the stream ends {fixed(after, 2)} ms after the last token (p50)"
         )

@@ -227,7 +227,7 @@ async def test_restores_need_no_ready_prefill(hf_checkpoint: Callable[[str], str
         assert all(c.users == 0 for c in reuse.states._entries.values())
         telemetry = decode.servicer.generation.telemetry
         assert telemetry is not None
-        served = f"hybrid_pd_prefix_state_without_prefill_total {2:.1f}"  # greedy-again and greedy-one, the first-token path too
+        served = "hybrid_pd_prefix_state_without_prefill_total 2.0"  # greedy-again and greedy-one, the first-token path too
         assert served in telemetry.exposition().splitlines()
     assert jobs == ["greedy"]
     greedy, _ = runs["greedy"]
