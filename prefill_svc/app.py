@@ -45,6 +45,7 @@ class PrefillApp:
                 lease_seconds=settings.lease_seconds,
                 max_pinned_requests=settings.max_pinned_requests,
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                manifest_part_tokens=settings.manifest_part_tokens,
             ),
             self.metrics,
         )

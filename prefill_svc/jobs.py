@@ -130,10 +130,11 @@ pin and the manifest."""
 
 
 class JobRunner:
-    def __init__(self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0) -> None:
+    def __init__(self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0, part_tokens: int = 0) -> None:
         self.host = host
         self.pins = pins
         self.chunk_tokens = chunk_tokens  # --prefill-chunk-tokens (0: off)
+        self.part_tokens = part_tokens  # --manifest-part-tokens (0: a part per chunk)
         self._ids = itertools.count(1)
         # TEST-ONLY: awaited after each manifest part but the last left, with the request id and
         # the part's index, before the next chunk computes (tests hold prefill there).
@@ -146,7 +147,7 @@ class JobRunner:
         if on_part is None or not job.accepts_parts or self.chunk_tokens <= 0 or not offers_chunks(engine, self.chunk_tokens):
             return [PartSpan(computed, job.cached_tokens, computed)]
         block_tokens = layout.block_size if layout.attention_group_ids else 0
-        return part_spans(computed, self.chunk_tokens, block_tokens, tokens_from=job.cached_tokens)
+        return part_spans(computed, self.chunk_tokens, block_tokens, tokens_from=job.cached_tokens, part_tokens=self.part_tokens)
 
     def next_transfer_id(self) -> str:
         return f"t{next(self._ids):x}"

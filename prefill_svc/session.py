@@ -66,6 +66,7 @@ class SessionConfig:
     lease_seconds: float
     max_pinned_requests: int = DEFAULT_MAX_PINNED
     prefill_chunk_tokens: int = 0  # --prefill-chunk-tokens: manifest parts for jobs that accept them (0: off)
+    manifest_part_tokens: int = 0  # --manifest-part-tokens: the least tokens a part carries (0: one per chunk)
 
 
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:

@@ -83,6 +83,7 @@ class ServiceSettings:
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
+    manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
     prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
     prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
@@ -432,6 +433,18 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
     ),
     Flag(
+        "manifest-part-tokens",
+        non_negative_int,
+        "prefill, with --prefill-chunk-tokens: send a manifest part only once at least N more tokens' attention "
+        "blocks are final, and always after the chunk before the last (so what moves after the prompt stays one "
+        "chunk). Every part costs both sides the same fixed work (a digest call, a message, a READ, a check), so "
+        "fewer, larger parts pay it less often where a chunk computes quickly. 0: a part after every chunk that "
+        "completes a block",
+        0,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
         "advertise-address",
         advertise_address,
         "prefill: the gRPC address decode engines dial, named in the kv_transfer_params the HTTP prefill leg "
@@ -686,6 +699,16 @@ def _prefix_cache_states(values: dict[str, object]) -> int:
     return states
 
 
+def _manifest_part_tokens(values: dict[str, object]) -> int:
+    """--manifest-part-tokens, refused without the chunks whose parts it spaces."""
+    tokens = _opt(values, "manifest_part_tokens", int) or 0
+    if tokens and not _opt(values, "prefill_chunk_tokens", int):
+        raise SettingsError(
+            "--manifest-part-tokens needs --prefill-chunk-tokens > 0: parts leave only between the chunks a prefill computes"
+        )
+    return tokens
+
+
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
@@ -740,6 +763,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
+        manifest_part_tokens=_manifest_part_tokens(values) if role == "prefill" else 0,
         manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),

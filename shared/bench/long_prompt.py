@@ -280,8 +280,9 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
     c = result["config"]
     lines = [
         "",
-        f"pipelined transfer, prefill chunks of {c['prefill_chunk_tokens']} tokens (disaggregated: manifest parts READ while "
-        "prefill computes; unpipelined: one manifest at the end, same prefill):",
+        f"pipelined transfer, prefill chunks of {c['prefill_chunk_tokens']} tokens"
+        + (f", parts of at least {c['manifest_part_tokens']}" if c.get("manifest_part_tokens") else "")
+        + " (disaggregated: manifest parts READ while prefill computes; unpipelined: one manifest at the end, same prefill):",
         f"{'prompt':>7} {'parts':>5} {'exposed pipe':>12} {'exposed unpipe':>14} {'hidden':>7} "
         f"{'-prefill pipe':>13} {'-prefill unpipe':>15} {'hidden':>7} {'-engine pipe':>12} {'-engine unpipe':>14} "
         f"{'hidden':>7} {'state pipe':>10} {'state unpipe':>12} {'hidden':>7} {'same':>5}",

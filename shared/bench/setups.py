@@ -46,6 +46,7 @@ class SetupConfig:
     decode_tp: int = 1
     kernel_block_size: int = 16
     prefill_chunk_tokens: int = 0  # 0: prefill in one pass, one manifest
+    manifest_part_tokens: int = 0  # prefill's --manifest-part-tokens (0: a part per chunk)
     boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
 
     @property
@@ -171,6 +172,8 @@ async def start_setups(
     common += ["--boundary", setup.resolved_boundary]
     quiet = ["--log-level", "WARNING"]
     chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
+    if prefill_chunk_tokens and setup.manifest_part_tokens:
+        chunks += ["--manifest-part-tokens", str(setup.manifest_part_tokens)]
     decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
     cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(

@@ -267,15 +267,15 @@ E2E_FLAGS = (
 )  # fmt: skip
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens", "boundary",
+    "prefill-chunk-tokens", "manifest-part-tokens", "boundary",
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
-    "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens",
+    "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens", "manifest-part-tokens",
 )  # fmt: skip
 REPEAT_FLAGS = (
     "workload", "model", "engine", "prompts", "repeats", "prompt-tokens", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens", "boundary",
+    "prefill-chunk-tokens", "manifest-part-tokens", "boundary",
 )  # fmt: skip
 WORKLOADS = ("concurrency", "long-prompt", "multi-turn", "repeat")
 
@@ -306,6 +306,7 @@ def _setup_config(args: argparse.Namespace, flags: Sequence[str]) -> SetupConfig
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         prefill_chunk_tokens=args.prefill_chunk_tokens if "prefill-chunk-tokens" in flags else 0,
+        manifest_part_tokens=args.manifest_part_tokens if "manifest-part-tokens" in flags else 0,
         boundary=(args.boundary or "") if "boundary" in flags else "",
     )
 
@@ -597,6 +598,15 @@ def register(subparsers: Any) -> None:
         "0: off",
         type=_non_negative,
         metavar="N",
+    )
+    _add(
+        e,
+        "manifest-part-tokens",
+        0,
+        "with --prefill-chunk-tokens: prefill sends a manifest part only once M more tokens are final, and after the "
+        "chunk before the last (fewer parts, each paying the per-part costs once); 0: a part after every chunk",
+        type=_non_negative,
+        metavar="M",
     )
     _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
     _add(e, "prompts", 3, "repeat: distinct prompts, each sent --repeats times", type=_positive, metavar="N")

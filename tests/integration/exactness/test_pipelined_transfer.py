@@ -208,6 +208,47 @@ def test_part_spans_cover_the_computed_tokens_in_whole_blocks() -> None:
     assert all(s.tokens_to % 48 == 0 and s.compute_to >= s.tokens_to for s in spans[:-1])
 
 
+def test_part_tokens_send_fewer_parts_and_always_the_one_before_the_last_chunk() -> None:
+    def plan(computed: int, **kw: int) -> list[tuple[int, int, int]]:
+        return [(s.compute_to, s.tokens_from, s.tokens_to) for s in part_spans(computed, 64, 16, **kw)]
+
+    assert plan(1000, part_tokens=256) == [
+        (256, 0, 256), (512, 256, 512), (768, 512, 768), (960, 768, 960), (1000, 960, 1000),
+    ]  # fmt: skip
+    assert plan(1000, part_tokens=10**6) == [(960, 0, 960), (1000, 960, 1000)]  # one part before the last chunk
+    assert plan(1000, tokens_from=320, part_tokens=256) == [
+        (576, 320, 576), (832, 576, 832), (960, 832, 960), (1000, 960, 1000),
+    ]  # fmt: skip
+    assert plan(1000, part_tokens=0) == plan(1000) and len(plan(1000)) == 16  # 0: a part after every chunk
+    assert plan(1000, part_tokens=1) == plan(1000)
+    # Blocks larger than chunks: the chunk before the last leaves a part only if it completed a new block.
+    assert [(s.compute_to, s.tokens_from, s.tokens_to) for s in part_spans(99, 20, 48, part_tokens=10**6)] == [
+        (80, 0, 48), (99, 48, 99),
+    ]  # fmt: skip
+    assert [(s.compute_to, s.tokens_from, s.tokens_to) for s in part_spans(99, 20, 48, part_tokens=48)] == [
+        (60, 0, 48), (99, 48, 99),
+    ]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_parts_of_at_least_part_tokens_equal_colocated() -> None:
+    """--manifest-part-tokens: fewer, larger parts, the same tokens; decode READs each part once."""
+    model, part_tokens = "tiny-mamba2", 64
+    block_size = build_engine_layout(TINY_PRESETS[model], 1, kernel_block_size=16).block_size
+    lengths = [3 * block_size + 7, 6 * block_size + 1, 9 * block_size + 5]
+    flags = ["--prefill-chunk-tokens", str(CHUNK), "--manifest-part-tokens", str(part_tokens)]
+    async with service_pair(model, 1, 1, extra_prefill=flags) as pair:
+        got = await asyncio.gather(*(pair.generate(prompt_of(n), MAX_TOKENS) for n in lengths))
+        assert await all_freed(pair)
+    for n, g in zip(lengths, got):
+        parts = len(part_spans(n - 1, CHUNK, block_size, part_tokens=part_tokens))
+        assert tuple(g.token_ids) == expected(model, n), f"prompt of {n} tokens"
+        assert g.summary.digests_verified
+        assert g.summary.transfer.read_count == parts, f"prompt of {n} tokens"
+    longest = lengths[-1] - 1
+    assert 3 <= len(part_spans(longest, CHUNK, block_size, part_tokens=part_tokens)) < parts_of(lengths[-1], block_size)
+
+
 @pytest.mark.asyncio
 async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """TEST-ONLY: decode drops the READ of the first part (digests off, so nothing else notices):

@@ -204,3 +204,13 @@ def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_ca
             parse_settings("prefill", argv, environ=env)
         assert e.value.code == 2
         assert needle in capsys.readouterr().err, argv
+
+
+def test_manifest_part_tokens_need_the_chunks_they_space(capsys: pytest.CaptureFixture[str]) -> None:
+    s = parse_settings("prefill", ["--prefill-chunk-tokens", "1024", "--manifest-part-tokens", "8192"], environ={})
+    assert (s.prefill_chunk_tokens, s.manifest_part_tokens) == (1024, 8192)
+    assert parse_settings("prefill", [], environ={}).manifest_part_tokens == 0
+    with pytest.raises(SystemExit) as e:
+        parse_settings("prefill", [], environ={"HYBRID_PD_MANIFEST_PART_TOKENS": "8192"})
+    assert e.value.code == 2
+    assert "--manifest-part-tokens needs --prefill-chunk-tokens > 0" in capsys.readouterr().err
