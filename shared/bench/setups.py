@@ -172,12 +172,24 @@ async def start_setups(
     common += ["--boundary", setup.resolved_boundary]
     quiet = ["--log-level", "WARNING"]
     chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
-    if prefill_chunk_tokens and setup.manifest_part_tokens:
-        chunks += ["--manifest-part-tokens", str(setup.manifest_part_tokens)]
+    parts = (
+        ["--manifest-part-tokens", str(setup.manifest_part_tokens)] if prefill_chunk_tokens and setup.manifest_part_tokens else []
+    )
     decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
     cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(
-        [*common, "--tp", str(prefill_tp), "--num-blocks", str(p_blocks), "--engine-id", f"{name}-prefill", *chunks, *quiet],
+        [
+            *common,
+            "--tp",
+            str(prefill_tp),
+            "--num-blocks",
+            str(p_blocks),
+            "--engine-id",
+            f"{name}-prefill",
+            *chunks,
+            *parts,
+            *quiet,
+        ],
         [*cached, "--engine-id", f"{name}-decode", "--prefix-cache-blocks", str(prefix_cache_blocks)],
     )
     colocated: Colocated | None = None

@@ -9,11 +9,14 @@ import json
 
 import pytest
 
+from prefill_svc.part_plan import part_spans
 from shared.bench.client import Timed
 from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
 from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
 from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
 from shared.bench.setups import SetupConfig
+from shared.layout.page import build_engine_layout
+from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.proto_time import duration
 
@@ -131,6 +134,20 @@ def test_long_prompt_runs_both_setups_at_each_length() -> None:
         assert row["read_ms"]["count"] == 1
     assert long["bytes"]["attention"] > short["bytes"]["attention"]  # K/V grows with the prompt
     assert long["bytes"]["ssm"] == short["bytes"]["ssm"]  # the recurrent state does not
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_long_prompt_prefill_sends_parts_of_at_least_manifest_part_tokens() -> None:
+    setup = SetupConfig("tiny-mamba2", "reference", prefill_chunk_tokens=20, manifest_part_tokens=64)
+    cfg = LongPromptConfig(setup, prompt_lengths=(240,), requests_per_length=1, max_tokens=3, warmup=0)
+    r = asyncio.run(run_long_prompt(cfg, command="test", show_progress=False))
+    row = r["lengths"][0]
+    assert row["errors"] == [] and row["tokens_match"] == row["unpipelined_tokens_match"] == "1/1"
+    block_size = build_engine_layout(TINY_PRESETS["tiny-mamba2"], 1).block_size
+    parts = len(part_spans(239, 20, block_size, part_tokens=64))
+    assert row["reads_pipelined"] == parts < len(part_spans(239, 20, block_size))  # the flag reached prefill
+    assert r["config"]["manifest_part_tokens"] == 64 and "parts of at least 64" in format_long_prompt(r)
 
 
 @pytest.mark.integration
