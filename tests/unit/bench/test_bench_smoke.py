@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,7 @@ from shared import tracing
 from shared.bench.control import PHASES, ControlConfig, format_control, run_control
 from shared.bench.control_trace import STEPS
 from shared.bench.transfer import TransferConfig, run_transfer
+from shared.transport.owner_thread import OwnerThread
 
 
 @pytest.mark.integration
@@ -77,22 +80,42 @@ def test_transfer_baselines_move_the_services_descriptors() -> None:
     assert result["seconds"]["ours"]["count"] == 2
 
 
+def _post_inline_always(self: OwnerThread, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """TEST-ONLY `OwnerThread.try_inline` that waits for a busy owner thread instead of handing
+    the call over: where a READ is posted would otherwise depend on whether the owner thread
+    happened to be pumping at that instant."""
+    with self._busy:
+        result = fn(*args)
+    self.wake()
+    return True, result
+
+
+def _post_on_the_owner_thread(self: OwnerThread, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """TEST-ONLY `OwnerThread.try_inline` that always hands the call over, as when the owner is busy."""
+    return False, None
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_control_breakdown_times_every_step_and_unwraps_the_services() -> None:
+@pytest.mark.parametrize("post", ["inline", "owner thread"])
+def test_control_breakdown_times_every_step_and_unwraps_the_services(post: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import decode_svc.reader as reader
     from decode_svc.session_client import SessionClient
     from prefill_svc.session import PrefillSession
     from shared.layout.read_lists import read_indices
 
+    monkeypatch.setattr(OwnerThread, "try_inline", _post_inline_always if post == "inline" else _post_on_the_owner_thread)
     originals = (SessionClient._send, SessionClient._resolve, PrefillSession._start_job, reader._pair_bytes)
     cfg = ControlConfig(requests=5, warmup=1, breakdown=True, calls=True)
     result = asyncio.run(run_control(cfg, command="test", show_progress=False))
     steps = result["breakdown"]["steps"]
     assert len(steps) == len(STEPS)
-    # Marked on other threads: the compute thread's, and the owner thread's notification fetch
-    # (a READ this small is posted inline on the loop, so its post marks lie on the loop).
+    # Marked on other threads: the compute thread's, and the owner thread's notification fetch;
+    # the READ's post marks too where the post was handed to the owner thread (a READ this small
+    # is posted inline on the loop whenever the owner thread is idle).
     off_loop = {tracing.Step.COMPUTE, tracing.Step.NOTIFICATION_FETCHED}
+    if post == "owner thread":
+        off_loop |= {tracing.Step.POST_START, tracing.Step.POST_END}
     on_loop = {label for label, start, stop in STEPS if not {start, stop} & off_loop}
     for step in steps:
         assert step["count"] == 5, step  # every mark of every request was seen
