@@ -122,6 +122,25 @@ def _minus_engine(t: Timed) -> float:
     return t.ttft - engine if engine > 0 else math.nan
 
 
+def _where(ts: Sequence[Timed]) -> dict[str, Any]:
+    """Where a setup's TTFT beyond the prefill engine goes (medians over its requests): prefill's
+    digests, the rest of prefill's time (queueing, the parts' and the manifest's work on its
+    loop), and after prefill's time decode's state wait (READ + check) and the rest (the hops,
+    decode's first step, streaming)."""
+    done = [t.summary for t in ts if t.summary is not None]
+    prefill = [seconds(s.prefill_duration) for s in done]
+    digest = [seconds(s.prefill_digest_duration) for s in done]
+    engine = [seconds(s.prefill_engine_duration) for s in done]
+    after = [t.ttft - seconds(t.summary.prefill_duration) for t in ts if t.summary is not None]
+    state = [seconds(s.read_duration) + seconds(s.digest_check_duration) for s in done]
+    return {
+        "prefill_digest_ms": ms_summary(digest),
+        "prefill_other_ms": ms_summary([p - d - e for p, d, e in zip(prefill, digest, engine) if e > 0]),
+        "state_ms": ms_summary(state),
+        "after_prefill_other_ms": ms_summary([a - w for a, w in zip(after, state)]),
+    }
+
+
 def _finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if not math.isnan(v)]
 
@@ -227,6 +246,7 @@ def _unpipelined(
             _hidden(Summary.of(_finite(exposed_minus_engine)), Summary.of(_finite(u_minus_engine)))
         ),
         "unpipelined_tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(u, c))}/{count}",
+        "where_ms": {"pipelined": _where(d), "unpipelined": _where(u)},
     }
 
 
@@ -301,7 +321,18 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
             f"{fixed(r['state_exposed_ms']['median'], 2):>10} {fixed(r['unpipelined_state_exposed_ms']['median'], 2):>12} "
             f"{_percent(r.get('hidden_share_state')):>7} {r['unpipelined_tokens_match']:>5}"
         )
+    lines += ["", "where TTFT beyond the prefill engine goes, medians in ms (pipelined / unpipelined):"]
+    lines.append(f"{'prompt':>7} {'prefill digests':>17} {'prefill other':>15} {'decode state':>15} {'after prefill, other':>21}")
+    for r in result["lengths"]:
+        p, u = r["where_ms"]["pipelined"], r["where_ms"]["unpipelined"]
+        cells = [
+            f"{fixed(p[k]['median'], 1)} / {fixed(u[k]['median'], 1)}"
+            for k in ("prefill_digest_ms", "prefill_other_ms", "state_ms", "after_prefill_other_ms")
+        ]
+        lines.append(f"{r['prompt_tokens']:>7} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15} {cells[3]:>21}")
     lines += [
+        "prefill other: prefill's time beyond its engine and digests (queueing, the parts' and the manifest's work);",
+        "after prefill, other: TTFT after prefill's time beyond decode's READ and check (hops, decode's first step).",
         "parts: READs of the pipelined request (one per part and rank pair); hidden: 1 - pipe / unpipe, medians; state: READ +",
         "digest check after the (last) manifest, as decode reports them (not touched by the prefill compute's spread). At the",
         "full-N boundary the first token leaves before the READ, so TTFT holds no transfer in either setup (use --boundary n-1).",

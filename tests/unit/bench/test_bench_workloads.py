@@ -78,6 +78,29 @@ def test_long_prompt_report_sets_pipelined_against_unpipelined() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_long_prompt_says_where_ttft_beyond_the_engine_goes() -> None:
+    cfg = LongPromptConfig(SetupConfig("m", "hf", prefill_chunk_tokens=16), prompt_lengths=(64,), requests_per_length=1)
+    pipelined = summary(64, 4096, prefill=1.05, read=0.002, engine=1.0)
+    pipelined.prefill_digest_duration.CopyFrom(duration(0.02))
+    pipelined.digest_check_duration.CopyFrom(duration(0.001))
+    unpipelined = summary(64, 4096, prefill=1.04, read=0.01, engine=1.0)
+    unpipelined.prefill_digest_duration.CopyFrom(duration(0.03))
+    unpipelined.digest_check_duration.CopyFrom(duration(0.02))
+    samples = [
+        Sample(64, {"disaggregated": timed(1.06, [1, 2], pipelined), "unpipelined": timed(1.08, [1, 2], unpipelined),
+                    "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=1.0, engine=1.0))}),
+    ]  # fmt: skip
+    r = build_long_prompt_result(cfg, samples, "test")
+    p, u = r["lengths"][0]["where_ms"]["pipelined"], r["lengths"][0]["where_ms"]["unpipelined"]
+    assert p["prefill_digest_ms"]["median"] == pytest.approx(20.0) and u["prefill_digest_ms"]["median"] == pytest.approx(30.0)
+    assert p["prefill_other_ms"]["median"] == pytest.approx(30.0) and u["prefill_other_ms"]["median"] == pytest.approx(10.0)
+    assert p["state_ms"]["median"] == pytest.approx(3.0) and u["state_ms"]["median"] == pytest.approx(30.0)
+    assert p["after_prefill_other_ms"]["median"] == pytest.approx(7.0)  # 1.06 - 1.05 - 0.003
+    assert u["after_prefill_other_ms"]["median"] == pytest.approx(10.0)
+    assert "20.0 / 30.0" in format_long_prompt(r) and "3.0 / 30.0" in format_long_prompt(r)
+
+
+@pytest.mark.timeout(30)
 def test_long_prompt_minus_engine_takes_the_compute_spread_out_of_the_hidden_share() -> None:
     # The engines' times differ by prompt (another tenant's load): on TTFT alone the pipelined request
     # looks no better than the unpipelined one; minus each side's engine time, 4 ms against 20 ms.
