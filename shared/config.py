@@ -427,7 +427,8 @@ FLAGS: tuple[Flag, ...] = (
         "prefill: compute prompts in chunks of N tokens and, for a decode engine that accepts manifest parts, "
         "send the attention blocks each chunk made final while the next chunk computes, so decode READs them "
         "meanwhile (pipelined transfer; the SSM state follows with the last part). 0: off, one manifest after "
-        "the whole prompt. The hf engine then prefills in these chunks even for one manifest (bits equal to a colocated run with the same chunks, no longer to one forward); the synthetic engine ignores it",
+        "the whole prompt. The hf engine then prefills in these chunks even for one manifest (bits equal to a colocated run with the same chunks, no longer to one forward); the reference and synthetic "
+        "engines write the same bytes in any chunks",
         0,
         roles=("prefill",),
         metavar="N",

@@ -1,10 +1,12 @@
 """The synthetic engine: real-model-sized state filled with a verifiable deterministic pattern.
 
 No model math. Prefill writes, for every layer, K/V of the first N-1 prompt tokens and the conv
-and SSM state, drawn from a generator seeded by (prompt, layer, kind). The values are defined on
-the GLOBAL (unsharded) state, so they do not depend on TP, and decode can regenerate them and
-check every byte it received, whatever the two sides' TP sizes and block sizes. Tokens are
-derived from a checksum of the state decode holds, so corrupted bytes change them too.
+and SSM state, drawn from a generator seeded by (prompt, layer, kind; for K/V also the tile of
+`KV_TILE_TOKENS` positions). The values are defined on the GLOBAL (unsharded) state, so they do
+not depend on TP, and decode can regenerate them and check every byte it received, whatever the
+two sides' TP sizes and block sizes. K/V is drawn per tile of positions, so a prefill in chunks
+of any size writes the same bytes as one pass (pipelined transfer at real-model sizes). Tokens
+are derived from a checksum of the state decode holds, so corrupted bytes change them too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from shared.layout.boundary import Boundary
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import global_conv_dim, global_ssm_shape
 
+# Positions per K/V draw: a position's K/V is the same whatever range a call asks for, and a
+# decode step draws one tile, not the whole prompt.
+KV_TILE_TOKENS = 16
+
 
 def _seed(prompt: Sequence[int], *parts: object) -> int:
     h = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8)
@@ -31,11 +37,29 @@ def _seed(prompt: Sequence[int], *parts: object) -> int:
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
+class SyntheticPrefillRun:
+    """A prefill in chunks: K/V of each chunk's positions, the conv and SSM state with the last."""
+
+    def __init__(self, engine: SyntheticEngine, prompt: list[int], store: PagedStateStore) -> None:
+        self._engine, self._prompt, self._store = engine, prompt, store
+        self._computed = engine.num_prefill_tokens(len(prompt))
+        self._pos = 0
+
+    def compute(self, end: int) -> None:
+        if not self._pos < end <= self._computed:
+            raise ValueError(f"chunk [{self._pos}, {end}) outside the {self._computed} tokens prefill computes")
+        self._engine.write_kv(self._prompt, self._store, self._pos, end)
+        self._pos = end
+        if end == self._computed:
+            self._engine.write_ssm(self._prompt, self._store)
+
+
 class SyntheticEngine:
     eos_token_ids: frozenset[int] = frozenset()
     samples = False  # tokens come from a state checksum, not logits: greedy only
     boundary: Boundary = "n-1"
     tokenizer = None  # the byte tokenizer
+    exact_chunk_tokens: int | None = None  # K/V drawn per position tile: any chunking, the same bytes
 
     def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews]) -> None:
         self.spec = layout.spec
@@ -55,9 +79,11 @@ class SyntheticEngine:
         return torch.randn(tuple(shape), generator=g).to(dtype).to(torch.float32)
 
     def expected_kv(self, prompt: Sequence[int], layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (count, *self._kv_shape)
-        seed = _seed(prompt, "kv", layer, start, count)
-        kv = self._pattern((2, *shape), self._kv_dtype, seed)
+        """K and V of positions [start, start + count), `[count, kv heads, head_dim]` each."""
+        first, last = start // KV_TILE_TOKENS, (start + count - 1) // KV_TILE_TOKENS
+        shape = (2, KV_TILE_TOKENS, *self._kv_shape)
+        tiles = [self._pattern(shape, self._kv_dtype, _seed(prompt, "kv", layer, t)) for t in range(first, last + 1)]
+        kv = torch.cat(tiles, dim=1)[:, start - first * KV_TILE_TOKENS :][:, :count]
         return kv[0], kv[1]
 
     def expected_ssm(self, prompt: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,15 +97,24 @@ class SyntheticEngine:
     def num_prefill_tokens(self, prompt_len: int) -> int:
         return boundary.num_prefill_tokens(self.spec, prompt_len)
 
-    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> None:
-        store = PagedStateStore(self.layout, self.ranks, blocks)
-        n = self.num_prefill_tokens(len(prompt))
+    def write_kv(self, prompt: Sequence[int], store: PagedStateStore, start: int, end: int) -> None:
         for layer in self.spec.attention_layers:
-            if n:
-                k, v = self.expected_kv(prompt, layer, 0, n)
-                store.write_kv_range(layer, 0, k, v)
+            if end > start:
+                store.write_kv_range(layer, start, *self.expected_kv(prompt, layer, start, end - start))
+
+    def write_ssm(self, prompt: Sequence[int], store: PagedStateStore) -> None:
         for layer in self.spec.ssm_layers:
             store.write_ssm(layer, *self.expected_ssm(prompt, layer))
+
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> None:
+        store = PagedStateStore(self.layout, self.ranks, blocks)
+        self.write_kv(prompt, store, 0, self.num_prefill_tokens(len(prompt)))
+        self.write_ssm(prompt, store)
+
+    def start_prefill(
+        self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY
+    ) -> SyntheticPrefillRun:
+        return SyntheticPrefillRun(self, list(prompt), PagedStateStore(self.layout, self.ranks, blocks))
 
     def start_decode(
         self,

@@ -8,7 +8,7 @@ import pytest
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.paged_state import PagedStateStore
-from shared.engine.protocol import RequestBlocks
+from shared.engine.protocol import ChunkedPrefill, RequestBlocks
 from shared.engine.reference.colocated import cached_model, colocated_generate
 from shared.engine.reference.state_store import read_global_state
 from shared.engine.reference_engine import ReferenceEngine
@@ -132,3 +132,40 @@ def test_replicated_kv_heads_that_disagree_are_reported() -> None:
     first_block = int(blocks.block_ids[layout.group_of("attention", layer)][0])
     ranks[1].fa[layout.region_of("attention", layer)][first_block * layout.physical_per_logical, 0, 0, 0, 0] += 1.0
     assert "layer 1: KV head 0 differs on rank 1" in engine.check_state(PROMPT, n, blocks)
+
+
+@pytest.mark.parametrize("chunks", [[1, 16, 17, 33, 70], [5, 70], [70]])
+def test_synthetic_prefill_in_chunks_writes_the_bytes_of_one_pass(chunks: list[int]) -> None:
+    spec = TINY_PRESETS["tiny-mamba2"]
+    layout = build_engine_layout(spec, 2)
+    prompt = list(range(71))  # 70 computed at the n-1 boundary
+    blocks = request_blocks(layout, len(prompt))
+    whole, parts = make_ranks(layout), make_ranks(layout)
+    SyntheticEngine(layout, whole).prefill(prompt, blocks)
+    engine = SyntheticEngine(layout, parts)
+    assert isinstance(engine, ChunkedPrefill) and engine.exact_chunk_tokens is None
+    run = engine.start_prefill(prompt, blocks)
+    for end in chunks:
+        run.compute(end)
+    for a, b in zip(whole, parts):
+        assert all(x.equal(y) for x, y in zip(a.cache.regions, b.cache.regions))
+    assert engine.check_state(prompt, 70, blocks) == []
+    with pytest.raises(ValueError, match="outside the 70 tokens"):
+        run.compute(71)
+
+
+def test_synthetic_chunks_that_skip_positions_or_stop_early_are_caught() -> None:
+    spec = TINY_PRESETS["tiny-mamba2"]
+    layout = build_engine_layout(spec, 1)
+    prompt = list(range(71))
+    blocks = request_blocks(layout, len(prompt))
+    engine = SyntheticEngine(layout, make_ranks(layout))
+    run = engine.start_prefill(prompt, blocks)
+    run.compute(40)  # stopped before the last chunk: positions 40..69 and the SSM state unwritten
+    problems = engine.check_state(prompt, 70, blocks)
+    assert any("K/V of 30 positions differ (first at 40)" in p for p in problems)
+    assert any("SSM state differs" in p for p in problems)
+    # One position's K/V drawn for another position's tile would differ: tiles are per position.
+    k_a, _ = engine.expected_kv(prompt, spec.attention_layers[0], 16, 1)
+    k_b, _ = engine.expected_kv(prompt, spec.attention_layers[0], 0, 17)
+    assert k_a.equal(k_b[16:]) and not k_a.equal(k_b[15:16])
