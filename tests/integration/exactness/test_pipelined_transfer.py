@@ -26,6 +26,7 @@ from decode_svc.reader import ReadStats
 from prefill_svc.part_plan import part_spans
 from shared.cache.manifest import Manifest
 from shared.engine.reference.colocated import colocated_generate
+from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.rpc import fault_hooks
@@ -247,6 +248,34 @@ async def test_parts_of_at_least_part_tokens_equal_colocated() -> None:
         assert g.summary.transfer.read_count == parts, f"prompt of {n} tokens"
     longest = lengths[-1] - 1
     assert 3 <= len(part_spans(longest, CHUNK, block_size, part_tokens=part_tokens)) < parts_of(lengths[-1], block_size)
+
+
+SYNTHETIC_CASES = [("qwen3.5-0.8b", 2, 1), ("granite-4.0-h-tiny", 1, 2), ("jamba-mini-1.7", 2, 2)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", SYNTHETIC_CASES, ids=[f"{m}-P{p}-D{d}" for m, p, d in SYNTHETIC_CASES])
+async def test_synthetic_engine_at_real_model_sizes_in_parts_every_byte_checked(
+    model: str, prefill_tp: int, decode_tp: int
+) -> None:
+    """The synthetic engine prefills in chunks too: real-model layouts in parts, every byte compared."""
+    block_size = build_engine_layout(load_model(model), prefill_tp).block_size
+    length, chunk = 2 * block_size + block_size // 2, block_size // 2
+    async with service_pair(
+        model,
+        prefill_tp,
+        decode_tp,
+        engine="synthetic",
+        num_blocks=32,
+        extra_prefill=["--prefill-chunk-tokens", str(chunk)],
+        extra_decode=["--check-state"],
+    ) as pair:
+        got = await pair.generate(list(range(length)), 3)
+        assert await all_freed(pair)
+        pairs_read = len(pair.decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
+    parts = len(part_spans(length - 1, chunk, block_size))
+    assert parts == 3 and got.summary.state_verified and got.summary.digests_verified
+    assert got.summary.transfer.read_count == parts * pairs_read
 
 
 @pytest.mark.asyncio
