@@ -80,6 +80,7 @@ from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import RequestBlocks
 from shared.engine.stopping import steps
+from shared.engine.timed import timed
 from shared.errors import (
     Aborted,
     AlreadyExists,
@@ -498,9 +499,11 @@ class Generation:
         loop = asyncio.get_running_loop()
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
         sampling, stop, deadline = req.sampling, req.stop, req.deadline
-        decode = await compute.run(
-            lambda: self.host.engine.start_decode(
-                req.prompt, num_computed, local, blocks.ensure, sampling=sampling, first_token=first_token
+        decode, start_seconds = await compute.run(
+            lambda: timed(
+                lambda: self.host.engine.start_decode(
+                    req.prompt, num_computed, local, blocks.ensure, sampling=sampling, first_token=first_token
+                )
             )
         )
         while out.finish is None:
@@ -510,7 +513,9 @@ class Generation:
             # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
             n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
             n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
-            ids, out.finish = await compute.run(functools.partial(steps, decode, n, stop, generated))
+            (ids, out.finish), seconds = await compute.run(functools.partial(timed, steps, decode, n, stop, generated))
+            if generated == 0:  # the request's first token is decode's own (n-1 boundary)
+                out.first_step_seconds = start_seconds + seconds
             yield out.chunk(ids)
 
     def _count_read(self, stats: ReadStats) -> None:

@@ -42,6 +42,8 @@ class ClientStream:
         self._telemetry = telemetry
         self.generated = 0
         self.first_token_at: float | None = None
+        # The decode engine's seconds for the request's first token, when decode computed it.
+        self.first_step_seconds = 0.0
         self.finish: FinishReason | None = None  # set by the step that ends the request
 
     def chunk(self, ids: list[int]) -> pb.GenerateResponse:
@@ -109,6 +111,7 @@ def summary(
             prefill_engine_duration=nanoseconds(
                 manifest.engine_ns if manifest is not None else int(transfer.engine_seconds * 1e9)
             ),
+            first_step_engine_duration=duration(out.first_step_seconds),
             seed=req.sampling.seed,
             prefix_cached_tokens=cached_tokens,
             prefix_state_reused=transfer.restored,

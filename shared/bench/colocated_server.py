@@ -36,6 +36,7 @@ from shared.cache.regions import RankCache
 from shared.engine.factory import ENGINE_KINDS, make_engine
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.engine.stopping import steps
+from shared.engine.timed import timed
 from shared.errors import InvalidArgument
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
@@ -50,14 +51,6 @@ T = TypeVar("T")
 
 
 MAX_TOKENS_PER_CHUNK = 16  # as the decode service
-
-
-def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-    """`fn(*args)` and the seconds it took (on the compute thread: the engine's own time, as the
-    prefill service reports it in the manifest)."""
-    began = time.monotonic()
-    result = fn(*args)
-    return result, time.monotonic() - began
 
 
 class ColocatedServicer(pb_grpc.DecodeServiceServicer):
@@ -93,7 +86,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         blocks = self._allocate(key, len(prompt) + request.max_tokens)
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
-            first, engine_seconds = await self._run(lambda: _timed(self.engine.prefill, prompt, blocks, options.sampling))
+            first, engine_seconds = await self._run(lambda: timed(self.engine.prefill, prompt, blocks, options.sampling))
             prefill_seconds = time.monotonic() - started
             generated = 0
             first_token_at: float | None = None
@@ -102,18 +95,22 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
                 first_token_at = time.monotonic()
                 generated, finish = 1, options.stop.finish(first, 1)
                 yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[first]))
+            start_seconds = first_step_seconds = 0.0
             if finish is None:
-                decode = await self._run(
-                    lambda: self.engine.start_decode(
-                        prompt, computed, blocks, lambda n: blocks, sampling=options.sampling, first_token=first
+                decode, start_seconds = await self._run(
+                    lambda: timed(
+                        lambda: self.engine.start_decode(
+                            prompt, computed, blocks, lambda n: blocks, sampling=options.sampling, first_token=first
+                        )
                     )
                 )
             while finish is None:
                 n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
-                ids, finish = await self._run(functools.partial(steps, decode, n, options.stop, generated))
+                (ids, finish), step_seconds = await self._run(functools.partial(timed, steps, decode, n, options.stop, generated))
                 generated += len(ids)
                 if first_token_at is None:
                     first_token_at = time.monotonic()
+                    first_step_seconds = start_seconds + step_seconds  # the first token is decode's own
                 yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids))
             yield pb.GenerateResponse(
                 summary=pb.GenerateSummary(
@@ -124,6 +121,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
                     seed=options.sampling.seed,
                     prefill_duration=duration(prefill_seconds),
                     prefill_engine_duration=duration(engine_seconds),
+                    first_step_engine_duration=duration(first_step_seconds),
                     time_to_first_token=duration((first_token_at or time.monotonic()) - started),
                     total_duration=duration(time.monotonic() - started),
                 )

@@ -122,22 +122,31 @@ def _minus_engine(t: Timed) -> float:
     return t.ttft - engine if engine > 0 else math.nan
 
 
+def _minus_engines(t: Timed) -> float:
+    """TTFT minus both engines' own time before the first token: prefill's model calls and, at the
+    n-1 boundary, decode's first step (NaN where the prefill engine's time is not reported)."""
+    first_step = seconds(t.summary.first_step_engine_duration) if t.summary is not None else 0.0
+    return _minus_engine(t) - first_step
+
+
 def _where(ts: Sequence[Timed]) -> dict[str, Any]:
     """Where a setup's TTFT beyond the prefill engine goes (medians over its requests): prefill's
     digests, the rest of prefill's time (queueing, the parts' and the manifest's work on its
-    loop), and after prefill's time decode's state wait (READ + check) and the rest (the hops,
-    decode's first step, streaming)."""
+    loop), and after prefill's time decode's state wait (READ + check), decode's first step
+    and the rest (the hops, streaming)."""
     done = [t.summary for t in ts if t.summary is not None]
     prefill = [seconds(s.prefill_duration) for s in done]
     digest = [seconds(s.prefill_digest_duration) for s in done]
     engine = [seconds(s.prefill_engine_duration) for s in done]
     after = [t.ttft - seconds(t.summary.prefill_duration) for t in ts if t.summary is not None]
     state = [seconds(s.read_duration) + seconds(s.digest_check_duration) for s in done]
+    first_step = [seconds(s.first_step_engine_duration) for s in done]
     return {
         "prefill_digest_ms": ms_summary(digest),
         "prefill_other_ms": ms_summary([p - d - e for p, d, e in zip(prefill, digest, engine) if e > 0]),
         "state_ms": ms_summary(state),
-        "after_prefill_other_ms": ms_summary([a - w for a, w in zip(after, state)]),
+        "decode_first_step_ms": ms_summary(first_step),
+        "after_prefill_other_ms": ms_summary([a - w - f for a, w, f in zip(after, state, first_step)]),
     }
 
 
@@ -222,6 +231,8 @@ def _unpipelined(
     u_exposed = [a.ttft - b.ttft for a, b in zip(u, c)]
     u_minus_prefill = [_minus_prefill(a) - _minus_prefill(b) for a, b in zip(u, c)]
     u_minus_engine = [_minus_engine(a) - _minus_engine(b) for a, b in zip(u, c)]
+    d_minus_engines = _finite([_minus_engines(a) - _minus_engines(b) for a, b in zip(d, c)])
+    u_minus_engines = _finite([_minus_engines(a) - _minus_engines(b) for a, b in zip(u, c)])
     u_summaries = [t.summary for t in u if t.summary is not None]
     d_summaries = [t.summary for t in d if t.summary is not None]
     return {
@@ -245,6 +256,10 @@ def _unpipelined(
         "hidden_share_minus_engine": json_number(
             _hidden(Summary.of(_finite(exposed_minus_engine)), Summary.of(_finite(u_minus_engine)))
         ),
+        # Both engines' compute taken out (prefill's and decode's first step): what each setup adds.
+        "exposed_minus_engines_ms": ms_summary(d_minus_engines),
+        "unpipelined_exposed_minus_engines_ms": ms_summary(u_minus_engines),
+        "hidden_share_minus_engines": json_number(_hidden(Summary.of(d_minus_engines), Summary.of(u_minus_engines))),
         "unpipelined_tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(u, c))}/{count}",
         "where_ms": {"pipelined": _where(d), "unpipelined": _where(u)},
     }
@@ -322,17 +337,28 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
             f"{_percent(r.get('hidden_share_state')):>7} {r['unpipelined_tokens_match']:>5}"
         )
     lines += ["", "where TTFT beyond the prefill engine goes, medians in ms (pipelined / unpipelined):"]
-    lines.append(f"{'prompt':>7} {'prefill digests':>17} {'prefill other':>15} {'decode state':>15} {'after prefill, other':>21}")
+    lines.append(
+        f"{'prompt':>7} {'prefill digests':>17} {'prefill other':>15} {'decode state':>15} {'decode first step':>19} "
+        f"{'after prefill, other':>21} {'-engines pipe / unpipe (hidden)':>32}"
+    )
     for r in result["lengths"]:
         p, u = r["where_ms"]["pipelined"], r["where_ms"]["unpipelined"]
         cells = [
             f"{fixed(p[k]['median'], 1)} / {fixed(u[k]['median'], 1)}"
-            for k in ("prefill_digest_ms", "prefill_other_ms", "state_ms", "after_prefill_other_ms")
+            for k in ("prefill_digest_ms", "prefill_other_ms", "state_ms", "decode_first_step_ms", "after_prefill_other_ms")
         ]
-        lines.append(f"{r['prompt_tokens']:>7} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15} {cells[3]:>21}")
+        engines = (
+            f"{fixed(r['exposed_minus_engines_ms']['median'], 1)} / {fixed(r['unpipelined_exposed_minus_engines_ms']['median'], 1)}"
+            f" ({_percent(r.get('hidden_share_minus_engines'))})"
+        )
+        lines.append(
+            f"{r['prompt_tokens']:>7} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15} {cells[3]:>19} {cells[4]:>21} {engines:>32}"
+        )
     lines += [
         "prefill other: prefill's time beyond its engine and digests (queueing, the parts' and the manifest's work);",
-        "after prefill, other: TTFT after prefill's time beyond decode's READ and check (hops, decode's first step).",
+        "decode first step: decode's engine starting from the state and computing the first token (n-1 boundary);",
+        "after prefill, other: TTFT after prefill's time beyond those (the hops, streaming). -engines: TTFT minus both",
+        "engines' model calls before the first token, paired against colocated (its own taken out too).",
         "parts: READs of the pipelined request (one per part and rank pair); hidden: 1 - pipe / unpipe, medians; state: READ +",
         "digest check after the (last) manifest, as decode reports them (not touched by the prefill compute's spread). At the",
         "full-N boundary the first token leaves before the READ, so TTFT holds no transfer in either setup (use --boundary n-1).",

@@ -276,6 +276,7 @@ async def test_synthetic_engine_at_real_model_sizes_in_parts_every_byte_checked(
     parts = len(part_spans(length - 1, chunk, block_size))
     assert parts == 3 and got.summary.state_verified and got.summary.digests_verified
     assert got.summary.transfer.read_count == parts * pairs_read
+    assert got.summary.first_step_engine_duration.ToNanoseconds() > 0  # n-1: the first token is decode's own
 
 
 @pytest.mark.asyncio

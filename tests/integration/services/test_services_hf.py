@@ -56,6 +56,7 @@ async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
             # prefill's engine time came through the manifest: part of the time prefill took
             engine = summary.prefill_engine_duration.ToNanoseconds()
             assert 0 < engine < summary.prefill_duration.ToNanoseconds()
+            assert summary.first_step_engine_duration.ToNanoseconds() == 0  # full-N: prefill drew the first token
 
 
 async def test_different_weights_are_refused_naming_the_fingerprint(hf_checkpoint: Callable[[str], str], tmp_path: Path) -> None:

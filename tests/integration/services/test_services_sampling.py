@@ -53,6 +53,9 @@ async def test_seeded_sampling_is_the_same_disaggregated_and_colocated(
                 ids, summary = await _generate(channel_to(port), prompt_token_ids=PROMPT, max_tokens=24, sampling=sampling)
                 assert len(ids) == 24 and summary.finish_reason == dpb.FINISH_REASON_LENGTH
                 assert summary.seed == seed
+                # n-1 boundary: the first token is decode's own step, on either server, within TTFT.
+                first_step = summary.first_step_engine_duration.ToNanoseconds()
+                assert 0 < first_step < summary.time_to_first_token.ToNanoseconds(), where
                 runs[where, seed] = ids
         greedy, _ = await _generate(channel_to(decode.port), prompt_token_ids=PROMPT, max_tokens=24)
     assert runs["disaggregated", 7] == runs["colocated", 7]

@@ -83,20 +83,29 @@ def test_long_prompt_says_where_ttft_beyond_the_engine_goes() -> None:
     pipelined = summary(64, 4096, prefill=1.05, read=0.002, engine=1.0)
     pipelined.prefill_digest_duration.CopyFrom(duration(0.02))
     pipelined.digest_check_duration.CopyFrom(duration(0.001))
+    pipelined.first_step_engine_duration.CopyFrom(duration(0.002))
     unpipelined = summary(64, 4096, prefill=1.04, read=0.01, engine=1.0)
     unpipelined.prefill_digest_duration.CopyFrom(duration(0.03))
     unpipelined.digest_check_duration.CopyFrom(duration(0.02))
+    unpipelined.first_step_engine_duration.CopyFrom(duration(0.001))
+    colocated = summary(64, 0, prefill=1.0, engine=0.99)
+    colocated.first_step_engine_duration.CopyFrom(duration(0.005))
     samples = [
         Sample(64, {"disaggregated": timed(1.06, [1, 2], pipelined), "unpipelined": timed(1.08, [1, 2], unpipelined),
-                    "colocated": timed(1.0, [1, 2], summary(64, 0, prefill=1.0, engine=1.0))}),
+                    "colocated": timed(1.0, [1, 2], colocated)}),
     ]  # fmt: skip
     r = build_long_prompt_result(cfg, samples, "test")
     p, u = r["lengths"][0]["where_ms"]["pipelined"], r["lengths"][0]["where_ms"]["unpipelined"]
     assert p["prefill_digest_ms"]["median"] == pytest.approx(20.0) and u["prefill_digest_ms"]["median"] == pytest.approx(30.0)
     assert p["prefill_other_ms"]["median"] == pytest.approx(30.0) and u["prefill_other_ms"]["median"] == pytest.approx(10.0)
     assert p["state_ms"]["median"] == pytest.approx(3.0) and u["state_ms"]["median"] == pytest.approx(30.0)
-    assert p["after_prefill_other_ms"]["median"] == pytest.approx(7.0)  # 1.06 - 1.05 - 0.003
-    assert u["after_prefill_other_ms"]["median"] == pytest.approx(10.0)
+    assert p["decode_first_step_ms"]["median"] == pytest.approx(2.0) and u["decode_first_step_ms"]["median"] == pytest.approx(1.0)
+    assert p["after_prefill_other_ms"]["median"] == pytest.approx(5.0)  # 1.06 - 1.05 - 0.003 - 0.002
+    assert u["after_prefill_other_ms"]["median"] == pytest.approx(9.0)
+    row = r["lengths"][0]  # minus both engines, against colocated's 1.0 - 0.99 - 0.005 = 5 ms
+    assert row["exposed_minus_engines_ms"]["median"] == pytest.approx(53.0)  # 1.06 - 1.0 - 0.002 = 58 ms
+    assert row["unpipelined_exposed_minus_engines_ms"]["median"] == pytest.approx(74.0)  # 1.08 - 1.0 - 0.001 = 79 ms
+    assert row["hidden_share_minus_engines"] == pytest.approx(1 - 53 / 74, abs=1e-4)  # 4 significant digits
     assert "20.0 / 30.0" in format_long_prompt(r) and "3.0 / 30.0" in format_long_prompt(r)
 
 

@@ -286,6 +286,7 @@ class GenerateSummary(_message.Message):
     PREFIX_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     PREFIX_STATE_REUSED_FIELD_NUMBER: _builtins.int
+    FIRST_STEP_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -340,6 +341,15 @@ class GenerateSummary(_message.Message):
         colocated baseline's model calls): TTFT minus it is what disaggregation adds. Zero: not reported.
         """
 
+    @_builtins.property
+    def first_step_engine_duration(self) -> _duration_pb2.Duration:
+        """The decode engine's own time before the request's first token when decode computed that
+        token itself (the n-1 boundary): starting its session from the state and the first step.
+        TTFT minus it and prefill_engine_duration is what the services add beyond both engines'
+        model calls. Zero at the full-N boundary (prefill drew the first token) and from a server
+        that does not report it.
+        """
+
     def __init__(
         self,
         *,
@@ -363,10 +373,11 @@ class GenerateSummary(_message.Message):
         prefix_cached_tokens: _builtins.int = ...,
         prefill_engine_duration: _duration_pb2.Duration | None = ...,
         prefix_state_reused: _builtins.bool = ...,
+        first_step_engine_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "first_step_engine_duration", b"first_step_engine_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "first_step_engine_duration", b"first_step_engine_duration", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
