@@ -162,8 +162,10 @@ async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.M
     first part would READ over the cache's blocks, so decode refuses it (INTERNAL) and frees all."""
     real = jobs_module.part_spans
 
-    def from_zero(computed: int, chunk_tokens: int, block_tokens: int, *, tokens_from: int = 0) -> list[PartSpan]:
-        return real(computed, chunk_tokens, block_tokens)
+    def from_zero(
+        computed: int, chunk_tokens: int, block_tokens: int, *, tokens_from: int = 0, part_tokens: int = 0
+    ) -> list[PartSpan]:
+        return real(computed, chunk_tokens, block_tokens, part_tokens=part_tokens)
 
     prompt = random_tokens(13, 130)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:

@@ -59,6 +59,13 @@ def test_an_error_inside_a_command_is_one_line(capsys: pytest.CaptureFixture[str
     assert code == 2 and "does not exist" in err and "Traceback" not in err
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT's default action. A test run started in the background
+    of a non-interactive shell has SIGINT ignored, which exec keeps and Python then honours (no
+    KeyboardInterrupt at all): the Ctrl-C tests would test the shell, not the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*argv: str, pythonpath: str = "") -> subprocess.Popen[str]:
     path = os.pathsep.join(p for p in (pythonpath, os.getcwd()) if p)
     return subprocess.Popen(
@@ -67,6 +74,7 @@ def _cli(*argv: str, pythonpath: str = "") -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": path},
+        preexec_fn=_sigint_as_at_a_terminal,
     )
 
 
