@@ -7,7 +7,10 @@ that can continue a prefill: `ChunkedPrefill`): the prompt is computed chunk by 
 final, with the digests of just those tokens; the pin is made before the first part (one READ
 notification expected per reader and part) and the last part brings the conv / SSM state.
 One span's chunks are always queued on the compute thread ahead of the span the event loop
-awaits, so the thread goes from chunk to chunk without waiting for the loop. From the first
+awaits, so the thread goes from chunk to chunk without waiting for the loop; on a host cache, a
+part's digests (but the last's) are taken on the host's digest thread, beside the next span's
+chunks, not before them (a device cache needs a copy ordered after the span's kernels: there
+the compute thread takes them). From the first
 part on, the pin owns the blocks: a job that fails later leaves them to decode's release, the
 cancel, or the lease; a job that stops (its pin ended, it failed) computes no span not started
 yet, and its blocks are freed only once the last span queued is done.
@@ -259,6 +262,8 @@ class JobRunner:
                 on_end(reason)
 
         engine_before = 0.0  # the engine seconds of the spans done (spans run in order, all on the compute thread)
+        aside = self.host.verify_transfer and self.host.device == "cpu"  # parts but the last: digests beside the compute
+        reading: asyncio.Future[tuple[list[SectionDigest], float]] | None = None  # a part's digests being taken aside
 
         def span_work(index: int) -> tuple[int | None, list[SectionDigest], float, float]:
             nonlocal engine_before
@@ -267,7 +272,10 @@ class JobRunner:
             start = 0 if index == 0 else spans[index - 1].compute_to
             try:
                 last = index == len(spans) - 1
-                done = self._compute_span(job, run, blocks, start, spans[index], last, engine_before, announce if last else None)
+                digest = last or not aside
+                done = self._compute_span(
+                    job, run, blocks, start, spans[index], last, engine_before, announce if last else None, digest
+                )
                 engine_before += done[3]
                 return done
             except BaseException:
@@ -298,6 +306,14 @@ class JobRunner:
                 compute = queued.popleft()
                 first_token, digests, took, computing = await asyncio.shield(compute)
                 tracing.mark(Step.COMPUTED)
+                if aside and not last:
+                    # Beside the next span, already queued on the compute thread; the blocks
+                    # are freed only once both are done with them.
+                    reading = self.host.digest_thread.submit(functools.partial(self._digest_span, job, blocks, span, last))
+                    if pin is not None:
+                        pin.writer = _all_done(latest, reading)
+                    digests, _ = await asyncio.shield(reading)  # not on the compute path: not in digest_seconds
+                    reading = None
                 digest_seconds += took
                 engine_seconds += computing
                 if deadline_passed(job.deadline, loop.time()):
@@ -345,9 +361,10 @@ class JobRunner:
             for ahead in queued:  # spans queued but never awaited: their outcome is taken, not logged
                 if ahead is not latest:
                     ahead.add_done_callback(_take_outcome)
-            # Unpinned, the blocks are the job's to free, once the compute thread is done with
-            # them (the last span queued); pinned, the pin frees them when it ends.
-            latest.add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
+            # Unpinned, the blocks are the job's to free, once the compute and digest threads are
+            # done with them (the last span queued, a part's digests); pinned, the pin frees them when it ends.
+            using = latest if reading is None else _all_done(latest, reading)
+            using.add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
             raise
         raise AssertionError("unreachable: the last span returns")
 
@@ -361,12 +378,12 @@ class JobRunner:
         last: bool,
         engine_before: float,
         announce: TokenSink | None,
+        digest: bool,
     ) -> tuple[int | None, list[SectionDigest], float, float]:
-        """On the compute thread: the chunks up to the span's end, then the digests of what the
-        part makes final (its tokens' K/V; the last part also conv and SSM). Returns the first
-        token (or None; the last span gives it to `announce` before the digests, with the engine
-        seconds of every span, `engine_before` those before this one), the digests, and the
-        seconds the digests and the engine took."""
+        """On the compute thread: the chunks up to the span's end, then (`digest`) the part's
+        digests (`_digest_span`). Returns the first token (or None; the last span gives it to
+        `announce` before the digests, with the engine seconds of every span, `engine_before`
+        those before this one), the digests, and the seconds the digests and the engine took."""
         first_token = None
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
@@ -374,8 +391,14 @@ class JobRunner:
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
             announce(first_token, engine_before + computing)
-        if not self.host.verify_transfer:
+        if not digest or not self.host.verify_transfer:
             return first_token, [], 0.0, computing
+        digests, took = self._digest_span(job, blocks, span, last)
+        return first_token, digests, took, computing
+
+    def _digest_span(self, job: Job, blocks: RequestBlocks, span: PartSpan, last: bool) -> tuple[list[SectionDigest], float]:
+        """The digests of what the part makes final (its tokens' K/V; the last part also conv and
+        SSM), and the seconds they took; nothing later writes those bytes, so any thread may take them."""
         began = time.monotonic()
         sections: tuple[Section, ...] = ("fa", "conv", "ssm") if last else ("fa",)
         digests = state_digests(
@@ -385,7 +408,7 @@ class JobRunner:
         section = fault_hooks.corruption_for(job.request_id)
         if section is not None and (last or section == "fa"):
             _flip_one_byte(self.host, blocks, section, span.tokens_from)
-        return first_token, digests, took, computing
+        return digests, took
 
     def _compute(
         self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
@@ -437,6 +460,11 @@ def _after_compute(host: EngineHost, tid: str | None, future: asyncio.Future[obj
     _take_outcome(future)
     if tid is not None:
         host.free(tid)
+
+
+def _all_done(*futures: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """Done once every one of `futures` is, whatever their outcomes (taken)."""
+    return asyncio.gather(*futures, return_exceptions=True)
 
 
 def _take_outcome(future: asyncio.Future[Any]) -> None:

@@ -123,6 +123,10 @@ class EngineHost:
     # Model compute is synchronous and CPU/GPU-bound: one thread, never the event loop, with its
     # torch thread count set before its first op (compute_threads).
     compute: ComputeThread = field(default_factory=lambda: ComputeThread("engine"))
+    # Prefill's digests of a manifest part, taken while the compute thread goes on to the next
+    # chunk (a host cache: the hash releases the GIL, so it runs beside the model). Started at
+    # its first call: a decode host never starts it.
+    digest_thread: ComputeThread = field(default_factory=lambda: ComputeThread("digest"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
@@ -362,6 +366,7 @@ class EngineHost:
         for agent in self.agents:
             await agent.aclose()
         self.compute.shutdown(wait=False)
+        self.digest_thread.shutdown(wait=False)
 
 
 def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> EngineFactory:

@@ -395,6 +395,98 @@ async def test_the_span_after_next_is_queued_before_the_loop_sees_a_result(monke
 
 
 @pytest.mark.asyncio
+async def test_a_part_is_digested_beside_the_next_chunk_not_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host cache, part 0's digests must not hold up the compute thread: they are taken on
+    the digest thread while span 1 computes (the digest of part 0 waits, at most 10 s, for span 1
+    to start; taken on the compute thread before span 1, it never would, and the request would
+    then equal colocated all the same: a pure ordering test). The last part's digests stay on
+    the compute thread, right after the last chunk."""
+    import threading
+
+    from prefill_svc.jobs import JobRunner
+
+    span_one_started = threading.Event()
+    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+    seen: list[tuple[bool, bool, str]] = []  # (last, span 1 had started, thread)
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        if start > 0:
+            span_one_started.set()
+        return compute_span(self, job, run, blocks, start, *rest)
+
+    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool) -> Any:
+        started = span_one_started.wait(10) if span.tokens_from == 0 else span_one_started.is_set()
+        seen.append((last, started, threading.current_thread().name))
+        return digest_span(self, job, blocks, span, last)
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        got = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert tuple(got.token_ids) == expected("tiny-mamba2", 120)
+    assert len(seen) == parts_of(120, 32) > 2, seen
+    assert seen[0][1], "part 0's digests were taken before span 1 started"
+    assert [thread.startswith("digest") for _, _, thread in seen] == [not last for last, _, _ in seen], seen
+
+
+@pytest.mark.asyncio
+async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_the_digest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client goes away while part 1's digests are held on the digest thread and the compute
+    thread is done with the span queued ahead: the pin ends, but the blocks stay until the
+    digests are done with them (freed then, everything ends free); the next request is exact."""
+    import threading
+
+    from prefill_svc.jobs import JobRunner
+
+    in_digest, go_on, ahead_done = threading.Event(), threading.Event(), threading.Event()
+    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+    digested: list[int] = []
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        result = compute_span(self, job, run, blocks, start, *rest)
+        if job.request_id == "gone-3" and in_digest.is_set():
+            ahead_done.set()  # the span queued ahead of part 1's digests is computed
+        return result
+
+    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool) -> Any:
+        if job.request_id == "gone-3":
+            digested.append(span.tokens_from)
+            if len(digested) == 2:
+                in_digest.set()
+                go_on.wait(30)
+        return digest_span(self, job, blocks, span, last)
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
+        call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-3"))
+        try:
+            for _ in range(6000):
+                if in_digest.is_set() and ahead_done.is_set() and pair.decode.host.allocator.num_used:
+                    break
+                await asyncio.sleep(0.01)
+            assert in_digest.is_set() and ahead_done.is_set()
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            for _ in range(1000):  # the release reaches prefill while part 1 is still digested
+                if pair.prefill.pins.ended.get("released"):
+                    break
+                await asyncio.sleep(0.01)
+            released = pair.prefill.pins.ended.get("released") == 1
+            held_while_released = pair.prefill.host.allocator.num_used > 0
+        finally:
+            go_on.set()
+        freed = await all_freed(pair)
+        healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
+    assert released and freed
+    assert held_while_released  # the digest thread was still reading them
+    assert len(digested) == 2, digested  # no part after the release was digested
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)
+
+
+@pytest.mark.asyncio
 async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
