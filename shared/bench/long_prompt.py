@@ -134,11 +134,12 @@ def _where(ts: Sequence[Timed]) -> dict[str, Any]:
     digests, the rest of prefill's time (queueing, the parts' and the manifest's work on its
     loop), and after prefill's time decode's state wait (READ + check), decode's first step
     and the rest (the hops, streaming)."""
-    done = [t.summary for t in ts if t.summary is not None]
+    pairs = [(t.ttft, t.summary) for t in ts if t.summary is not None]
+    done = [s for _, s in pairs]
     prefill = [seconds(s.prefill_duration) for s in done]
     digest = [seconds(s.prefill_digest_duration) for s in done]
     engine = [seconds(s.prefill_engine_duration) for s in done]
-    after = [t.ttft - seconds(t.summary.prefill_duration) for t in ts if t.summary is not None]
+    after = [ttft - p for (ttft, _), p in zip(pairs, prefill)]
     state = [seconds(s.read_duration) + seconds(s.digest_check_duration) for s in done]
     first_step = [seconds(s.first_step_engine_duration) for s in done]
     return {

@@ -98,9 +98,10 @@ class SyntheticEngine:
         return boundary.num_prefill_tokens(self.spec, prompt_len)
 
     def write_kv(self, prompt: Sequence[int], store: PagedStateStore, start: int, end: int) -> None:
+        if end <= start:
+            return
         for layer in self.spec.attention_layers:
-            if end > start:
-                store.write_kv_range(layer, start, *self.expected_kv(prompt, layer, start, end - start))
+            store.write_kv_range(layer, start, *self.expected_kv(prompt, layer, start, end - start))
 
     def write_ssm(self, prompt: Sequence[int], store: PagedStateStore) -> None:
         for layer in self.spec.ssm_layers:

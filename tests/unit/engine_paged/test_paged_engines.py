@@ -154,7 +154,7 @@ def test_synthetic_prefill_in_chunks_writes_the_bytes_of_one_pass(chunks: list[i
         run.compute(71)
 
 
-def test_synthetic_chunks_that_skip_positions_or_stop_early_are_caught() -> None:
+def test_a_synthetic_prefill_stopped_early_is_caught_and_tiles_are_per_position() -> None:
     spec = TINY_PRESETS["tiny-mamba2"]
     layout = build_engine_layout(spec, 1)
     prompt = list(range(71))
