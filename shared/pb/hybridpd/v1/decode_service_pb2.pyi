@@ -302,7 +302,8 @@ class GenerateSummary(_message.Message):
     """
     digests_verified: _builtins.bool
     """Decode checked the digests prefill took of the state against what its READs left
-    (--verify-transfer digest), and how long that took; and prefill's time taking them.
+    (--verify-transfer digest), and how long that took; and prefill's time taking them on its
+    compute path (the manifest's digest_duration).
     """
     seed: _builtins.int
     """The sampling seed used (decode's pick when the request gave none); 0 when greedy."""

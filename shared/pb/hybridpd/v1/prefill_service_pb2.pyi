@@ -676,7 +676,10 @@ class Manifest(_message.Message):
 
     @_builtins.property
     def digest_duration(self) -> _duration_pb2.Duration:
-        """Time prefill spent taking the digests (part of prefill_duration)."""
+        """Time prefill spent taking the digests on its compute path (part of prefill_duration; with
+        parts, the sum so far). A part's digests taken beside the next chunk's compute (pipelined, on
+        a host cache: every part but the last) do not delay the prompt and are not counted.
+        """
 
     @_builtins.property
     def part(self) -> Global___ManifestPart:
