@@ -103,8 +103,18 @@ class ControlConfig:
             raise ValueError("--calls counts both services' calls on one event loop: drop --separate-processes")
 
 
+def cache_blocks(cfg: ControlConfig) -> int:
+    """Logical blocks of each side's cache: NUM_BLOCKS, or as many as one request of the prompt needs."""
+    need = 0
+    for tp in (cfg.prefill_tp, cfg.decode_tp):
+        layout = layout_for(parse_settings("prefill", ["--model", cfg.model, "--tp", str(tp)], environ={}))
+        need = max(need, sum(layout.blocks_per_group(cfg.prompt_tokens + 1)))
+    return max(NUM_BLOCKS, need)
+
+
 async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool = True) -> dict[str, Any]:
-    base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(NUM_BLOCKS), "--log-level", "WARNING"]
+    num_blocks = cache_blocks(cfg)
+    base = ["--host", "127.0.0.1", "--port", "0", "--model", cfg.model, "--num-blocks", str(num_blocks), "--log-level", "WARNING"]
     prefill_flags = [*base, "--tp", str(cfg.prefill_tp), "--engine-id", "bench-control-prefill"]
     prefill_settings = parse_settings("prefill", prefill_flags, environ={})
     prefill_app: Any = None
@@ -131,7 +141,7 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         peer = decode_app.peers.pick()
         session, link = peer.session, peer.link
         owner = "" if prefill_app is None else _owner_key(prefill_app, decode_settings.engine_id, host.incarnation)
-        prompt = list(range(1, cfg.prompt_tokens + 1))
+        prompt = [1 + i % (host.spec.vocab_size - 1) for i in range(cfg.prompt_tokens)]  # ids in the vocabulary
         samples: dict[str, list[float]] = {p: [] for p in (*PHASES, *BASELINES)}
         loop_cpu: dict[str, list[float]] = {p: [] for p in PHASES if p != "ids"}  # ids: timed apart
         counter = CallCounter()
@@ -139,8 +149,8 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
         calls: dict[str, list[tuple[int, int]]] = {"request": [], "generate_rpc": []}
         trace = StepTrace()
         hops: list[float] = []  # bare thread hops, measured with --breakdown
-        raw_target = RawTarget(cfg.prefill_tp, prefill_layout.num_regions, prefill_layout.region_bytes(NUM_BLOCKS))
-        raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(NUM_BLOCKS))
+        raw_target = RawTarget(cfg.prefill_tp, prefill_layout.num_regions, prefill_layout.region_bytes(num_blocks))
+        raw_reader = RawReader(raw_target, cfg.decode_tp, host.layout.num_regions, host.layout.region_bytes(num_blocks))
         tokens = prefill_tokens(host.spec, cfg.prompt_tokens)
         raw_reads = [
             raw_reader.prepare(
@@ -151,8 +161,8 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
                     link.plan,
                     local_bases=[raw_reader.bases(d) for d in range(cfg.decode_tp)],
                     remote_bases=[t.bases for t in raw_target.ranks],
-                    local_num_blocks=NUM_BLOCKS,
-                    remote_num_blocks=NUM_BLOCKS,
+                    local_num_blocks=num_blocks,
+                    remote_num_blocks=num_blocks,
                 ),
                 request_blocks(host.layout, cfg.prompt_tokens + 1),
                 request_blocks(prefill_layout, tokens),

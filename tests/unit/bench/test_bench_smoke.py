@@ -23,8 +23,9 @@ from shared.transport.owner_thread import OwnerThread
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_control_runs_and_frees_everything() -> None:
-    cfg = ControlConfig(requests=5, warmup=1)
+@pytest.mark.parametrize("prompt_tokens", [8, 4000], ids=["short", "beyond-64-blocks-and-the-vocabulary"])
+def test_control_runs_and_frees_everything(prompt_tokens: int) -> None:
+    cfg = ControlConfig(requests=5, warmup=1, prompt_tokens=prompt_tokens)
     result = asyncio.run(run_control(cfg, command="test", show_progress=False))
     for phase in PHASES:
         assert result["ms"][phase]["count"] == 5
