@@ -17,6 +17,7 @@ from shared.engine.stopping import StopRule
 from shared.errors import InvalidArgument
 from shared.http.kv_transfer import RemotePrefill
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.token_ids import token_array
 from shared.runtime.engine_host import EngineHost
 
 DEFAULT_TIMEOUT_SECONDS = 300.0  # when the client set no deadline
@@ -46,11 +47,16 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     loop_now = asyncio.get_running_loop().time()
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
-    prompt = tokenizer.for_engine(host.engine).encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    if request.prompt:
+        prompt = tokenizer.for_engine(host.engine).encode(request.prompt)
+        ids = token_array(prompt)
+    else:
+        ids = token_array(request.prompt_token_ids)
+        prompt = ids.tolist()
     prompt_field = "prompt" if request.prompt else "prompt_token_ids"
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
-    host.check_token_ids(prompt, "prompt_token_ids")
+    host.check_token_ids(ids, "prompt_token_ids")
     if request.max_tokens < 1:
         raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
     total = len(prompt) + request.max_tokens

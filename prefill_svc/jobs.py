@@ -49,6 +49,7 @@ from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.proto_time import seconds
 from shared.rpc.sampling_message import sampling_of_job
+from shared.rpc.token_ids import token_list
 from shared.runtime.engine_host import EngineHost
 from shared.tracing import Step
 
@@ -73,7 +74,7 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
     deadline = now + seconds(job.timeout) if job.HasField("timeout") else None
     return Job(
         job.request_id,
-        list(job.prompt_token_ids),
+        token_list(job.prompt_token_ids),
         deadline,
         owner,
         readers_per_rank,

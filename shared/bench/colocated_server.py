@@ -45,6 +45,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.proto_time import duration
 from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
+from shared.rpc.token_ids import token_list
 from shared.runtime.compute_thread import ComputeThread
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         started = time.monotonic()
-        prompt = list(request.prompt_token_ids)
+        prompt = token_list(request.prompt_token_ids)
         if not prompt or request.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt_token_ids and max_tokens >= 1")
         try:

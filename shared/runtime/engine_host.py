@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from shared import tracing
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
@@ -32,6 +33,7 @@ from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.layout_message import RankMemory, engine_layout_message
 from shared.rpc.loopback import loopback_read
+from shared.rpc.token_ids import check_token_ids
 from shared.runtime.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.runtime.compute_thread import ComputeThread
 from shared.tracing import Step
@@ -226,13 +228,9 @@ class EngineHost:
         """Logical blocks each group needs for `num_tokens` tokens (Mamba groups: always 1)."""
         return self.layout.blocks_per_group(num_tokens)
 
-    def check_token_ids(self, prompt: Sequence[int], field: str) -> None:
+    def check_token_ids(self, prompt: Sequence[int] | npt.NDArray[np.int64], field: str) -> None:
         """InvalidArgument naming `field` when a token id is outside the model's vocabulary."""
-        vocab = self.spec.vocab_size
-        outside = np.flatnonzero(np.asarray(prompt, dtype=np.int64) >= vocab)
-        if outside.size:
-            i = int(outside[0])
-            raise InvalidArgument(f"token id {prompt[i]} at position {i} is outside the vocabulary [0, {vocab})", field=field)
+        check_token_ids(prompt, self.spec.vocab_size, field)
 
     def max_tokens(self) -> int:
         """The most tokens one request can hold if it had the whole cache."""
