@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sigterm import unwind_on_sigterm
+
 # Tiny tensor ops on 2 cores: intra-op threads only add overhead, and one thread keeps every
 # result independent of the machine's core count.
 torch.set_num_threads(1)
@@ -17,6 +19,10 @@ TESTS_ROOT = Path(__file__).resolve().parent
 # The first directory under tests/ decides a test's kind, so `-m unit` is the fast loop without
 # anyone remembering to mark a file.
 DIRECTORY_MARKERS = {"unit": "unit", "integration": "integration", "faults": "faults"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    unwind_on_sigterm()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
