@@ -8,6 +8,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from decode_svc import tokenizer
 from decode_svc.learned_peers import remote_prefill_of
 from decode_svc.peer_link import PeerLink
@@ -47,9 +50,9 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     loop_now = asyncio.get_running_loop().time()
     if request.prompt and request.prompt_token_ids:
         raise InvalidArgument("give either prompt or prompt_token_ids, not both", field="prompt")
+    ids: list[int] | npt.NDArray[np.int64]  # what the vocabulary check reads: the list itself, or the field's one numpy copy
     if request.prompt:
-        prompt = tokenizer.for_engine(host.engine).encode(request.prompt)
-        ids = token_array(prompt)
+        prompt = ids = tokenizer.for_engine(host.engine).encode(request.prompt)
     else:
         ids = token_array(request.prompt_token_ids)
         prompt = ids.tolist()

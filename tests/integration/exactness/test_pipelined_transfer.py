@@ -63,6 +63,18 @@ async def all_freed(pair: RunningPair) -> bool:
     return False
 
 
+async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) -> bool:
+    """The client goes away: cancel its call, then wait (polled, a while) until decode's release
+    reached prefill; whether it did, exactly once."""
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    for _ in range(1000):
+        if pair.prefill.pins.ended.get("released"):
+            break
+        await asyncio.sleep(0.01)
+    return pair.prefill.pins.ended.get("released") == 1
+
+
 def parts_of(length: int, block_size: int) -> int:
     return len(part_spans(length - 1, CHUNK, block_size))
 
@@ -468,13 +480,7 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
                     break
                 await asyncio.sleep(0.01)
             assert in_digest.is_set() and ahead_done.is_set()
-            call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
-            for _ in range(1000):  # the release reaches prefill while part 1 is still digested
-                if pair.prefill.pins.ended.get("released"):
-                    break
-                await asyncio.sleep(0.01)
-            released = pair.prefill.pins.ended.get("released") == 1
+            released = await cancel_until_released(pair, call)  # while part 1 is still digested
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()
@@ -518,12 +524,7 @@ async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_every
                     break
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)  # part 0 reaches decode
-            call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
-            for _ in range(1000):  # the release reaches prefill while span 1 still computes
-                if pair.prefill.pins.ended.get("released"):
-                    break
-                await asyncio.sleep(0.01)
+            await cancel_until_released(pair, call)  # while span 1 still computes
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()
