@@ -394,7 +394,7 @@ class Generation:
         `seconds`: from the last manifest to every READ done (the READ time left exposed)."""
         started = time.monotonic()
         try:
-            parts.check_chain(manifest, link.engine_id)
+            parts.check_chain(manifest, link.engine_id, link.plan.prefill.spec.num_layers)
             stats = await self._read(link, manifest, local, deadline, reads)
             stats.add(await parts.gather())
         except BaseException:

@@ -11,7 +11,8 @@ caller's release stops that job.
 
 With decode's prefix cache the parts cover only the tokens after the cached prefix (every
 part repeats `skipped_tokens`, and the first starts there); each part's READ moves just its
-own token range, so no READ of a part ever writes the cache's shared blocks.
+own token range, so no READ of a part ever writes the cache's shared blocks. Layer parts split
+the last chunk's token range by model layers: each READs (and checks) just its layers' state.
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class PartReads:
         if self._failure is not None and self.on_failure is not None:
             self.on_failure(self._failure)
 
-    def check_chain(self, last: Manifest, peer: str) -> None:
+    def check_chain(self, last: Manifest, peer: str, num_layers: int) -> None:
         """The parts and `last` must cover the computed tokens after the skipped prefix (decode's
-        prefix cache holds the K/V before it) once, in order, all skipping the same prefix: a
-        part that went missing would leave K/V unread (INTERNAL, BAD_MANIFEST: a peer bug),
-        checked before the last READ."""
+        prefix cache holds the K/V before it) once, in order, all skipping the same prefix, and
+        layer parts the `num_layers` layers of their token range once, in order: a part that
+        went missing would leave state unread (INTERNAL, BAD_MANIFEST: a peer bug), checked
+        before the last READ."""
         chain = [*self.parts, last]
         if last.part is None:
             if self.parts:
@@ -73,12 +75,13 @@ class PartReads:
                 reason="BAD_MANIFEST",
             )
         indices = [m.part.index if m.part is not None else -1 for m in chain]
-        edges = [(m.tokens_from, m.tokens_to) for m in chain]
+        edges = _token_ranges(chain, num_layers)
         start = last.skipped_tokens
-        contiguous = edges[0][0] == start and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
+        contiguous = edges is not None and edges[0][0] == start and all(a[1] == b[0] for a, b in itertools.pairwise(edges))
         if indices != list(range(last.part.count)) or not contiguous:
+            covered = [m.part.describe() for m in chain if m.part is not None]
             raise Internal(
-                f"prefill {peer} sent parts {indices} of {last.part.count} covering {edges}: not every token once, in order",
+                f"prefill {peer} sent parts {indices} of {last.part.count}: {covered}: not every token and layer once, in order",
                 field="manifest.part",
                 reason="BAD_MANIFEST",
             )
@@ -95,3 +98,22 @@ class PartReads:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _token_ranges(chain: list[Manifest], num_layers: int) -> list[tuple[int, int]] | None:
+    """The token ranges a chain of parts covers, one per range: a part of every layer, or layer
+    parts of one token range covering layers [0, num_layers) in order. None: layer parts that
+    do not (a gap, an overlap, a range left open, or another token range inside them)."""
+    ranges: list[tuple[int, int]] = []
+    next_layer = 0  # inside a token range's layer parts: the layer the next part starts at
+    for m in chain:
+        tokens, layers = (m.tokens_from, m.tokens_to), m.layers
+        if next_layer:
+            if layers is None or layers.start != next_layer or tokens != ranges[-1]:
+                return None
+        else:
+            if layers is not None and layers.start != 0:
+                return None
+            ranges.append(tokens)
+        next_layer = 0 if layers is None or layers.stop == num_layers else layers.stop
+    return None if next_layer else ranges

@@ -72,7 +72,12 @@ class PeerLink:
         """What a manifest from this peer must fit (its layout's groups and blocks)."""
         r = self.remote
         return ManifestSource(
-            r.engine_id, len(r.groups), r.num_logical_blocks, digests_required=digests_required, vocab_size=r.model.vocab_size
+            r.engine_id,
+            len(r.groups),
+            r.num_logical_blocks,
+            digests_required=digests_required,
+            vocab_size=r.model.vocab_size,
+            num_layers=r.model.num_layers,
         )
 
     def readers_per_prefill_rank(self) -> list[int]:

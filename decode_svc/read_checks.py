@@ -30,11 +30,15 @@ class StateChecks:
         expected = list(manifest.digests)
         layout, views, n, start = self.host.layout, self.host.views, manifest.tokens_to, manifest.tokens_from
         source = link.plan.prefill
-        sections: tuple[Section, ...] = SECTIONS if manifest.last else ("fa",)  # a part before the last: its K/V only
+        # A part before the last chunk: its K/V only; a layer part: its layers only.
+        sections: tuple[Section, ...] = SECTIONS if manifest.ends_prompt else ("fa",)
+        layers = manifest.layers
         got = await run(
-            lambda: state_digests(layout, views, local.block_ids, n, source=source, tokens_from=start, sections=sections)
+            lambda: state_digests(
+                layout, views, local.block_ids, n, source=source, tokens_from=start, sections=sections, layers=layers
+            )
         )
-        bad = compare_digests(layout, expected, got)
+        bad = compare_digests(layout, expected, got, layers=layers)
         if not bad:
             return
         if self.telemetry is not None:

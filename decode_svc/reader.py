@@ -69,7 +69,11 @@ def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, manifest: M
     group moves the same pieces), not summed over the ids."""
     read = link.plan.ranks[pair.decode_rank].read_from(pair.prefill_rank)
     fa, conv, ssm = pair.lists.bytes_for(
-        manifest.tokens_to, read.ssm is not None, tokens_from=manifest.tokens_from, mamba=manifest.last
+        manifest.tokens_to,
+        read.ssm is not None,
+        tokens_from=manifest.tokens_from,
+        mamba=manifest.ends_prompt,
+        layers=manifest.layers,
     )
     stats = ReadStats(attention_bytes=fa, conv_bytes=conv, ssm_bytes=ssm, read_count=1, descriptor_count=int(local_idx.size))
     return stats
@@ -123,11 +127,12 @@ async def read_request(
     fence: ReadFence,
 ) -> ReadStats:
     """Move the request's state for its `num_computed_tokens` tokens into `local`'s blocks (a
-    manifest part: the K/V of its tokens, and with the last part the conv and SSM state).
+    manifest part: the K/V of its tokens, and with a part that ends the prompt the conv and SSM
+    state; a layer part: of its layers only).
     Every READ is added to `fence`; on failure the fence is abandoned (see the module doc)."""
     remote_blocks = manifest.block_ids  # checked against the peer's layout when it arrived
     notif = manifest.transfer_id.encode()
-    num_tokens, tokens_from, mamba = manifest.tokens_to, manifest.tokens_from, manifest.last
+    num_tokens, tokens_from, mamba, layers = manifest.tokens_to, manifest.tokens_from, manifest.ends_prompt, manifest.layers
     if timeout <= 0:
         raise DeadlineExceeded("no time left to read the prefilled state (deadline or lease ran out)")
     stats = ReadStats()
@@ -138,7 +143,14 @@ async def read_request(
                 ids = link.id_buffers.claim()
                 try:
                     lidx, ridx = read_indices(
-                        pair.lists, local.block_ids, remote_blocks, num_tokens, buffers=ids, tokens_from=tokens_from, mamba=mamba
+                        pair.lists,
+                        local.block_ids,
+                        remote_blocks,
+                        num_tokens,
+                        buffers=ids,
+                        tokens_from=tokens_from,
+                        mamba=mamba,
+                        layers=layers,
                     )
                     tracing.mark(Step.IDS)
                 except LayoutError as e:

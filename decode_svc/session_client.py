@@ -132,6 +132,7 @@ class SessionClient:
             prompt_token_ids=list(prompt),
             sampling=job_sampling_message(sampling),
             accept_manifest_parts=on_part is not None,
+            accept_layer_parts=on_part is not None,
             cached_prompt_tokens=cached_tokens,
             accept_first_token=on_first_token is not None,
         )

@@ -46,6 +46,7 @@ class PrefillApp:
                 max_pinned_requests=settings.max_pinned_requests,
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
                 manifest_part_tokens=settings.manifest_part_tokens,
+                layer_parts=settings.layer_parts,
             ),
             self.metrics,
         )

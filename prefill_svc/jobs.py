@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.pins import Pin, PinTable
 from shared import tracing
@@ -44,6 +45,7 @@ from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, leaves_a_token
 from shared.errors import Aborted, DeadlineExceeded, FieldIssue, InvalidArgument
+from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
@@ -67,6 +69,7 @@ class Job:
     accepts_parts: bool = False  # decode takes the state in manifest parts (pipelined transfer)
     cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
     wants_first_token: bool = False  # full-N: the first token goes out the moment it is drawn
+    accepts_layer_parts: bool = False  # with parts: the last chunk's state may come in layer parts
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -82,6 +85,7 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         job.accept_manifest_parts,
         job.cached_prompt_tokens,
         job.accept_first_token,
+        job.accept_layer_parts,
     )
 
 
@@ -134,11 +138,14 @@ pin and the manifest."""
 
 
 class JobRunner:
-    def __init__(self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0, part_tokens: int = 0) -> None:
+    def __init__(
+        self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0, part_tokens: int = 0, layer_parts: int = 0
+    ) -> None:
         self.host = host
         self.pins = pins
         self.chunk_tokens = chunk_tokens  # --prefill-chunk-tokens (0: off)
         self.part_tokens = part_tokens  # --manifest-part-tokens (0: a part per chunk)
+        self.layer_parts = layer_parts  # --layer-parts (0: the last part covers every layer)
         self._ids = itertools.count(1)
         # TEST-ONLY: awaited after each manifest part but the last left, with the request id and
         # the part's index, before the next chunk computes (tests hold prefill there).
@@ -152,6 +159,14 @@ class JobRunner:
             return [PartSpan(computed, job.cached_tokens, computed)]
         block_tokens = layout.block_size if layout.attention_group_ids else 0
         return part_spans(computed, self.chunk_tokens, block_tokens, tokens_from=job.cached_tokens, part_tokens=self.part_tokens)
+
+    def last_layers_for(self, job: Job, spans: list[PartSpan]) -> list[range] | None:
+        """The layer ranges of the last span's parts; None (one last part of every layer) unless
+        the job comes in parts and accepts layer parts, and --layer-parts asks for several."""
+        if len(spans) < 2 or self.layer_parts < 2 or not job.accepts_layer_parts:
+            return None
+        num_layers = self.host.spec.num_layers
+        return layer_ranges(num_layers, min(self.layer_parts, num_layers))
 
     def next_transfer_id(self) -> str:
         return f"t{next(self._ids):x}"
@@ -264,7 +279,20 @@ class JobRunner:
 
         engine_before = 0.0  # the engine seconds of the spans done (spans run in order, all on the compute thread)
         aside = self.host.verify_transfer and self.host.device == "cpu"  # parts but the last: digests beside the compute
-        reading: asyncio.Future[tuple[list[SectionDigest], float]] | None = None  # a part's digests being taken aside
+        reading: list[asyncio.Future[Digests]] = []  # parts' digests being taken aside
+        last_span = spans[-1]
+        layers = self.last_layers_for(job, spans)
+        feed: LayerPartFeed | None = None
+        if layers is not None:
+            feed = LayerPartFeed(
+                job.request_id,
+                layers,
+                stop,
+                functools.partial(self._digest_span, job, blocks, last_span, True),
+                self._digest_aside(job, blocks, last_span, True) if aside else None,
+            )
+        # Token parts, then the last span's layer parts (one part of every layer without them).
+        count = len(spans) - 1 + (1 if layers is None else len(layers))
 
         def span_work(index: int) -> tuple[int | None, list[SectionDigest], float, float]:
             nonlocal engine_before
@@ -275,13 +303,28 @@ class JobRunner:
                 last = index == len(spans) - 1
                 digest = last or not aside
                 done = self._compute_span(
-                    job, run, blocks, start, spans[index], last, engine_before, announce if last else None, digest
+                    job,
+                    run,
+                    blocks,
+                    start,
+                    spans[index],
+                    last,
+                    engine_before,
+                    announce if last else None,
+                    digest,
+                    feed if last else None,
                 )
                 engine_before += done[3]
                 return done
             except BaseException:
                 stop.set()  # before the span queued behind this one starts on a broken run
                 raise
+
+        def writing(last_queued: asyncio.Future[Any]) -> asyncio.Future[Any]:
+            """Done once neither the compute thread (`last_queued`: the last span queued) nor the
+            digest thread uses the blocks any more."""
+            more = [*reading, *(feed.reading if feed is not None else [])]
+            return _all_done(last_queued, *more) if more else last_queued
 
         def queue(index: int) -> asyncio.Future[tuple[int | None, list[SectionDigest], float, float]]:
             """Span `index`'s chunks and digests, queued on the compute thread now; the pin (from
@@ -290,8 +333,44 @@ class JobRunner:
                 raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
             future = self.host.submit_compute(functools.partial(span_work, index))
             if pin is not None:
-                pin.writer = future  # type: ignore[assignment]
+                pin.writer = writing(future)
             return future
+
+        def cover() -> None:
+            if pin is not None:
+                pin.writer = writing(latest)
+
+        if feed is not None:
+            feed.on_reading = cover
+
+        def part_of(
+            index: int, span: PartSpan, digests: list[SectionDigest], first_token: int | None, layers: range | None
+        ) -> Manifest:
+            assert pin is not None
+            lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
+            return Manifest(
+                request_id=job.request_id,
+                transfer_id=tid,
+                block_ids=tuple(blocks.block_ids),
+                num_computed_tokens=computed,
+                prompt_token_count=len(job.prompt),
+                lease_ns=lease_ns,
+                lease_expire_time_ns=time.time_ns() + lease_ns,
+                prefill_ns=int((time.monotonic() - started) * 1e9),
+                digests=tuple(digests),
+                digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
+                digest_ns=int(digest_seconds * 1e9),
+                first_token=first_token,
+                part=ManifestPart(index, count, span.tokens_from, span.tokens_to, layers),
+                skipped_tokens=job.cached_tokens,
+                engine_ns=int(engine_seconds * 1e9),
+            )
+
+        def check_deadline() -> None:
+            if deadline_passed(job.deadline, loop.time()):
+                raise DeadlineExceeded(
+                    f"the job's deadline passed during prefill ({time.monotonic() - started:.3f}s)", field="job.timeout"
+                )
 
         # One span is always queued ahead of the one the loop awaits, so the compute thread goes
         # from span to span without waiting for the event loop. A TEST-ONLY hold between parts
@@ -305,48 +384,32 @@ class JobRunner:
             for index, span in enumerate(spans):
                 last = index == len(spans) - 1
                 compute = queued.popleft()
+                if last and feed is not None:
+                    # The last chunk's layer parts, each as the engine made its layers final.
+                    for k in range(len(feed.ranges) - 1):
+                        _, (digests, _) = await feed.next(compute)  # beside the compute: not in digest_seconds
+                        check_deadline()
+                        on_part(part_of(index + k, span, digests, None, feed.ranges[k]))
                 first_token, digests, took, computing = await asyncio.shield(compute)
                 tracing.mark(Step.COMPUTED)
                 if aside and not last:
                     # Beside the next span, already queued on the compute thread; the blocks
                     # are freed only once both are done with them.
-                    reading = self.host.digest_thread.submit(functools.partial(self._digest_span, job, blocks, span, last))
-                    if pin is not None:
-                        pin.writer = _all_done(latest, reading)
-                    digests, _ = await asyncio.shield(reading)  # not on the compute path: not in digest_seconds
-                    reading = None
+                    reading.append(self._digest_aside(job, blocks, span, False)(None))
+                    cover()
+                    digests, _ = await asyncio.shield(reading[-1])  # not on the compute path: not in digest_seconds
                 digest_seconds += took
                 engine_seconds += computing
-                if deadline_passed(job.deadline, loop.time()):
-                    raise DeadlineExceeded(
-                        f"the job's deadline passed during prefill ({time.monotonic() - started:.3f}s)", field="job.timeout"
-                    )
+                check_deadline()
                 if pin is None:
                     # Every part's READs notify with the transfer id: one notification per reader and part.
-                    readers = [count * len(spans) for count in job.readers_per_rank]
+                    readers = [n * count for n in job.readers_per_rank]
                     pin = self.pins.pin(tid, job.request_id, job.owner, readers, on_end=ended)
-                    pin.writer = latest  # type: ignore[assignment]
-                lease_ns = max(0, int((pin.lease_deadline - loop.time()) * 1e9))
-                part = Manifest(
-                    request_id=job.request_id,
-                    transfer_id=tid,
-                    block_ids=tuple(blocks.block_ids),
-                    num_computed_tokens=computed,
-                    prompt_token_count=len(job.prompt),
-                    lease_ns=lease_ns,
-                    lease_expire_time_ns=time.time_ns() + lease_ns,
-                    prefill_ns=int((time.monotonic() - started) * 1e9),
-                    digests=tuple(digests),
-                    digest_algorithm=DIGEST_ALGORITHM if self.host.verify_transfer else "",
-                    digest_ns=int(digest_seconds * 1e9),
-                    first_token=first_token,
-                    part=ManifestPart(index, len(spans), span.tokens_from, span.tokens_to),
-                    skipped_tokens=job.cached_tokens,
-                    engine_ns=int(engine_seconds * 1e9),
-                )
+                    pin.writer = writing(latest)
                 if last:
                     tracing.mark(Step.MANIFEST_BUILT)
-                    return part
+                    return part_of(count - 1, span, digests, first_token, None if feed is None else feed.ranges[-1])
+                part = part_of(index, span, digests, first_token, None)
                 if not held and index + 2 < len(spans):
                     latest = queue(index + 2)
                     queued.append(latest)
@@ -363,11 +426,21 @@ class JobRunner:
                 if ahead is not latest:
                     ahead.add_done_callback(_take_outcome)
             # Unpinned, the blocks are the job's to free, once the compute and digest threads are
-            # done with them (the last span queued, a part's digests); pinned, the pin frees them when it ends.
-            using = latest if reading is None else _all_done(latest, reading)
-            using.add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
+            # done with them (the last span queued, the parts' digests); pinned, the pin frees them when it ends.
+            writing(latest).add_done_callback(functools.partial(_after_compute, self.host, None if pin is not None else tid))
             raise
         raise AssertionError("unreachable: the last span returns")
+
+    def _digest_aside(
+        self, job: Job, blocks: RequestBlocks, span: PartSpan, ends: bool
+    ) -> Callable[[range | None], asyncio.Future[Digests]]:
+        """Queues a part's digests on the digest thread (called on the loop): of `span`, of a
+        layer range or of every layer (None)."""
+
+        def submit(layers: range | None) -> asyncio.Future[Digests]:
+            return self.host.digest_thread.submit(functools.partial(self._digest_span, job, blocks, span, ends, layers))
+
+        return submit
 
     def _compute_span(
         self,
@@ -380,34 +453,52 @@ class JobRunner:
         engine_before: float,
         announce: TokenSink | None,
         digest: bool,
+        feed: LayerPartFeed | None = None,
     ) -> tuple[int | None, list[SectionDigest], float, float]:
-        """On the compute thread: the chunks up to the span's end, then (`digest`) the part's
-        digests (`_digest_span`). Returns the first token (or None; the last span gives it to
-        `announce` before the digests, with the engine seconds of every span, `engine_before`
-        those before this one), the digests, and the seconds the digests and the engine took."""
+        """On the compute thread: the chunks up to the span's end (the last chunk reporting its
+        layers to `feed`, the last span's layer parts), then (`digest`) the part's digests
+        (`_digest_span`; with layer parts, of the last range). Returns the first token (or None;
+        the last span gives it to `announce` before the digests, with the engine seconds of every
+        span, `engine_before` those before this one), the digests, and the seconds the digests
+        on this thread and the engine took."""
         first_token = None
+        on_layer = None if feed is None else feed.on_layer
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
-            first_token = run.compute(end)
-        computing = time.monotonic() - computing
+            first_token = run.compute(end, on_layer) if end == span.compute_to else run.compute(end)
+        aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
+        computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:
             announce(first_token, engine_before + computing)
         if not digest or not self.host.verify_transfer:
-            return first_token, [], 0.0, computing
-        digests, took = self._digest_span(job, blocks, span, last)
-        return first_token, digests, took, computing
+            return first_token, [], aside_of_engine, computing
+        digests, took = self._digest_span(job, blocks, span, last, None if feed is None else feed.ranges[-1])
+        return first_token, digests, took + aside_of_engine, computing
 
-    def _digest_span(self, job: Job, blocks: RequestBlocks, span: PartSpan, last: bool) -> tuple[list[SectionDigest], float]:
-        """The digests of what the part makes final (its tokens' K/V; the last part also conv and
-        SSM), and the seconds they took; nothing later writes those bytes, so any thread may take them."""
+    def _digest_span(self, job: Job, blocks: RequestBlocks, span: PartSpan, ends: bool, layers: range | None = None) -> Digests:
+        """The digests of what the part makes final (its tokens' K/V; a part that ends the prompt
+        also conv and SSM; a layer part of its layers only), and the seconds they took; nothing
+        later writes those bytes, so any thread may take them."""
         began = time.monotonic()
-        sections: tuple[Section, ...] = ("fa", "conv", "ssm") if last else ("fa",)
+        if not self.host.verify_transfer:
+            return [], 0.0
+        sections: tuple[Section, ...] = ("fa", "conv", "ssm") if ends else ("fa",)
         digests = state_digests(
-            self.host.layout, self.host.views, blocks.block_ids, span.tokens_to, tokens_from=span.tokens_from, sections=sections
+            self.host.layout,
+            self.host.views,
+            blocks.block_ids,
+            span.tokens_to,
+            tokens_from=span.tokens_from,
+            sections=sections,
+            layers=layers,
         )
         took = time.monotonic() - began
         section = fault_hooks.corruption_for(job.request_id)
-        if section is not None and (last or section == "fa"):
+        if (
+            section is not None
+            and (ends or section == "fa")
+            and (layers is None or _corrupted_layer(self.host, section) in layers)
+        ):
             _flip_one_byte(self.host, blocks, section, span.tokens_from)
         return digests, took
 
@@ -472,6 +563,12 @@ def _take_outcome(future: asyncio.Future[Any]) -> None:
     """Retrieve a result nobody awaits, so asyncio does not log its exception as lost."""
     if not future.cancelled():
         future.exception()
+
+
+def _corrupted_layer(host: EngineHost, section: str) -> int:
+    """TEST-ONLY: the model layer whose byte `_flip_one_byte` flips for `section`."""
+    kind = "attention" if section == "fa" else "mamba"
+    return next(grp.layers[0] for grp in host.layout.groups if grp.kind == kind)
 
 
 def _flip_one_byte(host: EngineHost, blocks: RequestBlocks, section: str, first_token: int = 0) -> None:

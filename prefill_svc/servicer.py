@@ -40,7 +40,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.config = config
         self.metrics = metrics or ServiceMetrics("prefill")
         self.peers = DecodePeers()
-        self.runner = JobRunner(host, pins, config.prefill_chunk_tokens, config.manifest_part_tokens)
+        self.runner = JobRunner(host, pins, config.prefill_chunk_tokens, config.manifest_part_tokens, config.layer_parts)
         self.load = LoadBoard(pins)  # what every session reports to its decode engine
         self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 

@@ -67,6 +67,7 @@ class SessionConfig:
     max_pinned_requests: int = DEFAULT_MAX_PINNED
     prefill_chunk_tokens: int = 0  # --prefill-chunk-tokens: manifest parts for jobs that accept them (0: off)
     manifest_part_tokens: int = 0  # --manifest-part-tokens: the least tokens a part carries (0: one per chunk)
+    layer_parts: int = 0  # --layer-parts: the last chunk's state in this many layer parts (0: one part)
 
 
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:

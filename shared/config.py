@@ -84,6 +84,7 @@ class ServiceSettings:
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
+    layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
     prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
     prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
@@ -446,6 +447,18 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
     ),
     Flag(
+        "layer-parts",
+        non_negative_int,
+        "prefill, with --prefill-chunk-tokens: send the last chunk's state in N parts of consecutive model layers, "
+        "each as soon as the last chunk computed its layers, so decode READs the first layers' K/V and SSM state "
+        "while the later layers still compute (for a decode engine that accepts layer parts; capped at the "
+        "model's layer count). The SSM state is final only after the last chunk, so without them it all moves "
+        "after the prompt. 0: one last part of every layer",
+        0,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
         "advertise-address",
         advertise_address,
         "prefill: the gRPC address decode engines dial, named in the kv_transfer_params the HTTP prefill leg "
@@ -710,6 +723,16 @@ def _manifest_part_tokens(values: dict[str, object]) -> int:
     return tokens
 
 
+def _layer_parts(values: dict[str, object]) -> int:
+    """--layer-parts, refused without the chunks whose last one it splits."""
+    parts = _opt(values, "layer_parts", int) or 0
+    if parts and not _opt(values, "prefill_chunk_tokens", int):
+        raise SettingsError(
+            "--layer-parts needs --prefill-chunk-tokens > 0: layer parts split the last chunk of a prefill in chunks"
+        )
+    return parts
+
+
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
     values, sources = resolve(role, args, environ)
     num_blocks, memory_budget = _cache_size(values, sources)
@@ -765,6 +788,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
         manifest_part_tokens=_manifest_part_tokens(values) if role == "prefill" else 0,
+        layer_parts=_layer_parts(values) if role == "prefill" else 0,
         manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),

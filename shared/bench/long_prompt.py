@@ -318,6 +318,7 @@ def _pipelining_table(result: dict[str, Any]) -> list[str]:
         "",
         f"pipelined transfer, prefill chunks of {c['prefill_chunk_tokens']} tokens"
         + (f", parts of at least {c['manifest_part_tokens']}" if c.get("manifest_part_tokens") else "")
+        + (f", the last chunk in {c['layer_parts']} layer parts" if c.get("layer_parts") else "")
         + " (disaggregated: manifest parts READ while prefill computes; unpipelined: one manifest at the end, same prefill):",
         f"{'prompt':>7} {'parts':>5} {'exposed pipe':>12} {'exposed unpipe':>14} {'hidden':>7} "
         f"{'-prefill pipe':>13} {'-prefill unpipe':>15} {'hidden':>7} {'-engine pipe':>12} {'-engine unpipe':>14} "

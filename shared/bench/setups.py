@@ -47,6 +47,7 @@ class SetupConfig:
     kernel_block_size: int = 16
     prefill_chunk_tokens: int = 0  # 0: prefill in one pass, one manifest
     manifest_part_tokens: int = 0  # prefill's --manifest-part-tokens (0: a part per chunk)
+    layer_parts: int = 0  # prefill's --layer-parts (0: the last chunk in one part)
     boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
 
     @property
@@ -175,6 +176,7 @@ async def start_setups(
     parts = (
         ["--manifest-part-tokens", str(setup.manifest_part_tokens)] if prefill_chunk_tokens and setup.manifest_part_tokens else []
     )
+    parts += ["--layer-parts", str(setup.layer_parts)] if prefill_chunk_tokens and setup.layer_parts else []
     decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
     cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(

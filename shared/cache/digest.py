@@ -12,6 +12,10 @@ what comes from the layout's index functions, so a decode engine of another TP s
 size finds the same bytes in its own ranks (each global index from the lowest local rank holding
 it) and gets the same digest. Padding and bytes outside the request are never digested.
 
+A layer part of a pipelined transfer (`layers=`, a contiguous range of model layers) has
+digests of the same keys, each covering the group's layers in the range only, in the same
+order; a group with no layer in the range has none.
+
 That order is the one the cache keeps within a kernel block (`[K|V, head, slot, head_dim]`), so
 every piece is hashed where it lies, one contiguous slab per (layer, K|V, head, kernel block):
 nothing is copied (a device cache: one host copy per layer of just the request's kernel blocks),
@@ -39,6 +43,7 @@ from torch import Tensor
 from shared.cache.model_views import RankViews
 from shared.layout.page import EngineLayout
 from shared.layout.shapes import conv_channel_index, kv_head_index, ssm_row_index
+from shared.layout.spec import check_layer_range, regions_in_layers
 
 DIGEST_ALGORITHM = "xxh3-128"
 Section = Literal["fa", "conv", "ssm"]
@@ -177,22 +182,26 @@ def state_digests(
     source: EngineLayout | None = None,
     tokens_from: int = 0,
     sections: Sequence[Section] = SECTIONS,
+    layers: range | None = None,
 ) -> list[SectionDigest]:
     """Digests of one request's state in `ranks` (this engine's, in rank order), as the ranks of
     `source` hold it: K/V of tokens `[tokens_from, num_tokens)`, and the conv and SSM state (the
     state after `num_tokens`), for the sections in `sections`. `source=None`: this engine is the
     source, and each rank digests its own bytes (prefill); else the bytes are found in the local
     ranks (decode). Everything is hashed where it lies; every source rank's digest of a group is
-    taken in the same pass over its layers, so each layer's bytes are fetched once."""
+    taken in the same pass over its layers, so each layer's bytes are fetched once. `layers` (a
+    layer part; None: every layer): only the regions whose layer is in that range."""
     if not 0 <= tokens_from <= num_tokens:
         raise ValueError(f"tokens [{tokens_from}, {num_tokens}) is not a token range")
     plan = digest_plan(layout, source)
     per_rank: list[list[SectionDigest]] = [[] for _ in range(plan.source_tp)]
-    for g, group in enumerate(layout.groups):
+    for g, (group, regions) in enumerate(zip(layout.groups, _regions(layout, layers), strict=True)):
+        if not regions:
+            continue  # no layer of this group in the part
         if group.kind == "attention":
             if "fa" in sections:
                 spans = token_spans(layout, block_ids[g], tokens_from, num_tokens)
-                digests = _fa_digests(ranks, spans, plan.runs["fa"], plan.local_ranks("fa"), len(group.layers))
+                digests = _fa_digests(ranks, spans, plan.runs["fa"], plan.local_ranks("fa"), regions)
                 for p, digest in enumerate(digests):
                     per_rank[p].append(SectionDigest(p, "fa", g, digest))
             continue
@@ -200,10 +209,18 @@ def state_digests(
         for section in ("conv", "ssm"):
             if section not in sections:
                 continue
-            digests = _mamba_digests(ranks, block, section, plan.runs[section], plan.local_ranks(section), len(group.layers))
+            digests = _mamba_digests(ranks, block, section, plan.runs[section], plan.local_ranks(section), regions)
             for p, digest in enumerate(digests):
                 per_rank[p].append(SectionDigest(p, section, g, digest))
     return [d for digests in per_rank for d in digests]
+
+
+def _regions(layout: EngineLayout, layers: range | None) -> list[range]:
+    """Per group: its regions whose layer is in `layers` (None: all of them)."""
+    if layers is None:
+        return [range(len(group.layers)) for group in layout.groups]
+    check_layer_range(layout.spec.num_layers, layers)
+    return [range(len(group.layers))[regions_in_layers(group.layers, layers)] for group in layout.groups]
 
 
 def _mamba_digests(
@@ -212,12 +229,12 @@ def _mamba_digests(
     section: Section,
     runs: Sequence[Sequence[_Run]],
     local_ranks: Sequence[int],
-    num_layers: int,
+    regions: range,
 ) -> list[bytes]:
-    """One Mamba group's conv or SSM state for every source rank: layer by layer, the rows the
-    source rank holds, each run a byte slice of the local rank's state of that layer."""
+    """One Mamba group's conv or SSM state for every source rank: layer by layer (`regions`), the
+    rows the source rank holds, each run a byte slice of the local rank's state of that layer."""
     hashers = [xxhash.xxh3_128() for _ in runs]
-    for region in range(num_layers):
+    for region in regions:
         rows = {}  # local rank -> (that layer's state as bytes, bytes per row)
         for r in local_ranks:
             state = (ranks[r].conv if section == "conv" else ranks[r].ssm)[region][block]
@@ -270,13 +287,13 @@ def _fa_digests(
     spans: _TokenSpans,
     runs: Sequence[Sequence[_Run]],
     local_ranks: Sequence[int],
-    num_layers: int,
+    regions: range,
 ) -> list[bytes]:
-    """One attention group's K/V for every source rank: layer by layer, K then V, head by head,
-    the head's tokens in order, each kernel block's rows hashed where they lie."""
+    """One attention group's K/V for every source rank: layer by layer (`regions`), K then V,
+    head by head, the head's tokens in order, each kernel block's rows hashed where they lie."""
     hashers = [xxhash.xxh3_128() for _ in runs]
     fa = {r: _FaBytes(spans) for r in local_ranks}
-    for region in range(num_layers):
+    for region in regions:
         layer = {r: fa[r].layer(ranks[r].fa[region]) for r in local_ranks}
         for h, source_runs in zip(hashers, runs):
             update = h.update
@@ -329,10 +346,12 @@ class _FaBytes:
 
 
 def compare_digests(
-    layout: EngineLayout, expected: Sequence[SectionDigest], got: Sequence[SectionDigest]
+    layout: EngineLayout, expected: Sequence[SectionDigest], got: Sequence[SectionDigest], layers: range | None = None
 ) -> list[DigestMismatch]:
-    """Every (rank, section, group) whose digests differ, or that only one side has."""
+    """Every (rank, section, group) whose digests differ, or that only one side has; each names
+    the group's layers the digests cover (those in `layers`, a layer part's range; None: all)."""
     want = {(d.rank, d.section, d.group): d.digest for d in expected}
     have = {(d.rank, d.section, d.group): d.digest for d in got}
     bad = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
-    return [DigestMismatch(r, s, g, layout.groups[g].layers) for r, s, g in bad]
+    regions = _regions(layout, layers)
+    return [DigestMismatch(r, s, g, layout.groups[g].layers[regions[g].start : regions[g].stop]) for r, s, g in bad]

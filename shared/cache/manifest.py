@@ -22,19 +22,23 @@ IntArray = npt.NDArray[np.int64]
 class ManifestPart:
     """Which part of the state a manifest carries (pipelined transfer): the attention K/V of
     tokens [tokens_from, tokens_to) of every attention group, final; the last part also the
-    conv and SSM state. See `hybridpd.v1.ManifestPart`."""
+    conv and SSM state. A layer part (`layers`) covers only those model layers of the last
+    chunk's tokens: their K/V, and the conv and SSM state of its SSM layers. See
+    `hybridpd.v1.ManifestPart`."""
 
     index: int
     count: int
     tokens_from: int
     tokens_to: int
+    layers: range | None = None  # None: every layer
 
     @property
     def last(self) -> bool:
         return self.index == self.count - 1
 
     def describe(self) -> str:
-        return f"part {self.index + 1} of {self.count} (tokens {self.tokens_from}..{self.tokens_to})"
+        layers = "" if self.layers is None else f", layers {self.layers.start}..{self.layers.stop}"
+        return f"part {self.index + 1} of {self.count} (tokens {self.tokens_from}..{self.tokens_to}{layers})"
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,17 @@ class Manifest:
     def last(self) -> bool:
         """Whether this manifest completes the state (a whole-state manifest, or the last part)."""
         return self.part is None or self.part.last
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Whether this manifest's token range reaches the end of the computed tokens, so it
+        carries the conv and SSM state of its layers (every layer part, the last token part)."""
+        return self.tokens_to == self.num_computed_tokens
+
+    @property
+    def layers(self) -> range | None:
+        """The model layers whose state this manifest carries (None: every layer)."""
+        return None if self.part is None else self.part.layers
 
     @property
     def tokens_from(self) -> int:

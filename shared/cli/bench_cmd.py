@@ -267,7 +267,7 @@ E2E_FLAGS = (
 )  # fmt: skip
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens", "manifest-part-tokens", "boundary",
+    "prefill-chunk-tokens", "manifest-part-tokens", "layer-parts", "boundary",
 )  # fmt: skip
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
@@ -307,6 +307,7 @@ def _setup_config(args: argparse.Namespace, flags: Sequence[str]) -> SetupConfig
         decode_tp=args.decode_tp,
         prefill_chunk_tokens=args.prefill_chunk_tokens if "prefill-chunk-tokens" in flags else 0,
         manifest_part_tokens=args.manifest_part_tokens if "manifest-part-tokens" in flags else 0,
+        layer_parts=args.layer_parts if "layer-parts" in flags else 0,
         boundary=(args.boundary or "") if "boundary" in flags else "",
     )
 
@@ -607,6 +608,16 @@ def register(subparsers: Any) -> None:
         "chunk before the last (fewer parts, each paying the per-part costs once); 0: a part after every chunk",
         type=_non_negative,
         metavar="M",
+    )
+    _add(
+        e,
+        "layer-parts",
+        0,
+        "long-prompt, with --prefill-chunk-tokens: prefill sends the last chunk's state in L parts of consecutive "
+        "model layers, each as soon as its layers are computed (the SSM state is final only in the last chunk); "
+        "0: one last part",
+        type=_non_negative,
+        metavar="L",
     )
     _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
     _add(e, "prompts", 3, "repeat: distinct prompts, each sent --repeats times", type=_positive, metavar="N")

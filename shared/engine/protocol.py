@@ -98,10 +98,17 @@ class Engine(Protocol):
 class PrefillRun(Protocol):
     """One request's prefill, computed chunk by chunk (`ChunkedPrefill.start_prefill`)."""
 
-    def compute(self, end: int) -> int | None:
+    def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
         """Compute the prompt's tokens from where the last call stopped (0 first) to `end`,
         writing their K/V into the blocks; the call that reaches num_prefill_tokens also writes
-        the conv / SSM state and returns what `prefill` returns."""
+        the conv / SSM state and returns what `prefill` returns.
+
+        Layer parts: in that last call only, `on_layer(layer)` is called once per model layer,
+        0 .. num_layers - 1 in order, as soon as the layer's bytes in the blocks are final (K/V
+        of every computed token; conv and SSM state for SSM and parallel layers; layers caching
+        nothing are reported too): nothing writes them afterwards in this call. An exception
+        it raises propagates out of `compute` (the run is then unusable). With or without it,
+        the bits written are `prefill`'s."""
         ...
 
 

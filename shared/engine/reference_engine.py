@@ -8,7 +8,7 @@ unsharded state, so tokens cannot depend on either side's TP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -71,12 +71,14 @@ class ReferencePrefillRun:
         self._engine, self._tokens, self._store = engine, tokens, store
         self._pos = 0
 
-    def compute(self, end: int) -> None:
+    def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> None:
         if not self._pos < end <= len(self._tokens):
             raise ValueError(f"chunk [{self._pos}, {end}) outside the {len(self._tokens)} tokens prefill computes")
         if self._pos == 0:
             self._store.reset_ssm()  # its blocks may still hold an earlier request's state
-        self._engine.model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos)
+        # Layer parts: only the last token's step leaves a layer's state final, layer by layer.
+        report = on_layer if end == len(self._tokens) else None
+        self._engine.model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos, on_layer=report)
         self._pos = end
 
 

@@ -12,7 +12,7 @@ are derived from a checksum of the state decode holds, so corrupted bytes change
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,20 +38,32 @@ def _seed(prompt: Sequence[int], *parts: object) -> int:
 
 
 class SyntheticPrefillRun:
-    """A prefill in chunks: K/V of each chunk's positions, the conv and SSM state with the last."""
+    """A prefill in chunks: K/V of each chunk's positions, the conv and SSM state with the last
+    (which writes layer by layer: each layer's K/V, then its conv and SSM state)."""
 
     def __init__(self, engine: SyntheticEngine, prompt: list[int], store: PagedStateStore) -> None:
         self._engine, self._prompt, self._store = engine, prompt, store
         self._computed = engine.num_prefill_tokens(len(prompt))
         self._pos = 0
 
-    def compute(self, end: int) -> None:
-        if not self._pos < end <= self._computed:
-            raise ValueError(f"chunk [{self._pos}, {end}) outside the {self._computed} tokens prefill computes")
-        self._engine.write_kv(self._prompt, self._store, self._pos, end)
+    def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> None:
+        start, engine = self._pos, self._engine
+        if not start < end <= self._computed:
+            raise ValueError(f"chunk [{start}, {end}) outside the {self._computed} tokens prefill computes")
+        if end < self._computed:
+            engine.write_kv(self._prompt, self._store, start, end)
+            self._pos = end
+            return
         self._pos = end
-        if end == self._computed:
-            self._engine.write_ssm(self._prompt, self._store)
+        # The bytes of write_kv + write_ssm, layer by layer (each layer's are its own).
+        spec, prompt, store = engine.spec, self._prompt, self._store
+        for layer in range(spec.num_layers):
+            if layer in spec.attention_layers:
+                store.write_kv_range(layer, start, *engine.expected_kv(prompt, layer, start, end - start))
+            if layer in spec.ssm_layers:
+                store.write_ssm(layer, *engine.expected_ssm(prompt, layer))
+            if on_layer is not None:
+                on_layer(layer)
 
 
 class SyntheticEngine:

@@ -52,6 +52,12 @@ descriptors of contiguously allocated blocks. One READ per (d, p) then moves FA 
 state of every layer at once. Code that classifies ids (FA, conv, SSM) asks the lists
 (`fa_part`, `mamba_piece_of`) rather than re-deriving this order.
 
+A layer part of a pipelined transfer (`layers=`: a contiguous range of model layers) reads the
+same ids restricted to the regions whose layer is in the range: a group's regions hold its
+layers in increasing order, so that is one slice of regions per group (none for a group with
+no layer in the range), and the ids keep their relative order and pairing. Parts over a
+partition of the model's layers list each id of the whole read exactly once.
+
 Pieces of a padded (short) group's unused regions are never referenced: they hold nothing.
 """
 
@@ -68,7 +74,7 @@ import numpy.typing as npt
 from shared.layout.descriptors import region_descriptors
 from shared.layout.page import EngineLayout, LayerGroup
 from shared.layout.plan import SourceRead, TransferPlan
-from shared.layout.spec import LayoutError
+from shared.layout.spec import LayoutError, check_layer_range, regions_in_layers
 
 IntArray = npt.NDArray[np.int64]
 IdArray = npt.NDArray[np.int32]
@@ -96,6 +102,7 @@ class ReadLists:
     decode_rank: int
     prefill_rank: int
     groups: tuple[LayerGroup, ...]
+    num_layers: int  # the model's layers: the bounds of a layer part's range
     fa_unit_tokens: int
     fa_pieces: int  # pieces per region in the FA part (2·F; 0: no FA from this source)
     mamba_pieces: int  # pieces per region in the Mamba part
@@ -141,19 +148,34 @@ class ReadLists:
         is_ssm = self.mamba_piece_of(local_ids[~is_fa]) == self.mamba_pieces - 1
         return fa, int(mamba[~is_ssm].sum()), int(mamba[is_ssm].sum())
 
-    def bytes_for(self, num_tokens: int, reads_ssm: bool, *, tokens_from: int = 0, mamba: bool = True) -> tuple[int, int, int]:
-        """(FA, conv, SSM) bytes that `read_indices(..., num_tokens, tokens_from=, mamba=)`
-        moves: what `bytes_by_section` sums over its ids, from counts alone (no per-id work),
-        since every region of a group moves the same pieces."""
+    def region_slices(self, layers: range | None) -> tuple[slice, ...]:
+        """Per group: the slice of its regions whose layer is in `layers` (None: all of them)."""
+        if layers is None:
+            return tuple(slice(0, len(group.layers)) for group in self.groups)
+        check_layer_range(self.num_layers, layers)
+        return tuple(regions_in_layers(group.layers, layers) for group in self.groups)
+
+    def bytes_for(
+        self,
+        num_tokens: int,
+        reads_ssm: bool,
+        *,
+        tokens_from: int = 0,
+        mamba: bool = True,
+        layers: range | None = None,
+    ) -> tuple[int, int, int]:
+        """(FA, conv, SSM) bytes that `read_indices(..., num_tokens, tokens_from=, mamba=,
+        layers=)` moves: what `bytes_by_section` sums over its ids, from counts alone (no per-id
+        work), since every region of a group moves the same pieces."""
         num_units = -(-num_tokens // self.fa_unit_tokens) - tokens_from // self.fa_unit_tokens
         fa_unit_bytes, mamba_sizes = self._piece_bytes
         conv_bytes = sum(mamba_sizes[:-1]) if reads_ssm else sum(mamba_sizes)
         ssm_bytes = mamba_sizes[-1] if reads_ssm and mamba_sizes else 0
         fa = conv = ssm = 0
-        for group, starts in zip(self.groups, self.region_starts):
+        for group, starts, selected in zip(self.groups, self.region_starts, self.region_slices(layers)):
             if starts is None:
                 continue
-            regions = len(starts.local)
+            regions = selected.stop - selected.start
             if group.kind == "attention":
                 fa += regions * num_units * fa_unit_bytes
             elif mamba:
@@ -264,6 +286,7 @@ def build_read_lists(
         decode_rank=decode_rank,
         prefill_rank=prefill_rank,
         groups=dec.groups,
+        num_layers=dec.spec.num_layers,
         fa_unit_tokens=c,
         fa_pieces=fa_pieces,
         mamba_pieces=len(mamba),
@@ -328,13 +351,16 @@ def read_indices(
     buffers: Callable[[int], tuple[IdArray, IdArray]] | None = None,
     tokens_from: int = 0,
     mamba: bool = True,
+    layers: range | None = None,
 ) -> tuple[IdArray, IdArray]:
     """Paired descriptor ids (local, remote) moving one request's state for `num_tokens` tokens.
 
     `tokens_from` (a multiple of the FA unit) leaves out the FA units of the tokens before it:
     decode's prefix cache holds their K/V already (in the same local blocks), or an earlier part
     of a pipelined transfer moved it. `mamba=False` (a part before the last) leaves out the conv
-    and SSM state.
+    and SSM state. `layers` (a layer part; None: every layer) keeps only the regions whose model
+    layer is in that range, of every group: the K/V of its attention layers and, with `mamba`,
+    the state of its SSM layers.
 
     Runs on every request: the per-peer part (region starts) is cached on the lists, and each id
     is written once, straight into the two output arrays (long prompts give millions of ids), as
@@ -357,12 +383,18 @@ def read_indices(
     lg, rg = lists.local_geometry, lists.remote_geometry
     num_units = -(-num_tokens // lists.fa_unit_tokens)
     first_unit = tokens_from // lists.fa_unit_tokens
+    selected = None if layers is None else lists.region_slices(layers)
     # (region starts, local offsets, remote offsets) per group that moves bytes: one row of ids
     # per region, `start + offset` for every offset (the pieces of its units or its one block).
     parts: list[tuple[_RegionStarts, IdArray, IdArray]] = []
     for g, (group, starts) in enumerate(zip(lists.groups, lists.region_starts)):
         if starts is None or (group.kind == "attention" and num_units == first_unit) or (group.kind != "attention" and not mamba):
             continue
+        if selected is not None:
+            regions = selected[g]
+            if regions.start == regions.stop:
+                continue  # no layer of this group in the part
+            starts = _RegionStarts(starts.local[regions], starts.remote[regions])
         lids = np.asarray(local_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         rids = np.asarray(remote_block_ids_per_group[g], dtype=np.int64).reshape(-1)
         if group.kind == "attention":

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from itertools import pairwise
 from typing import Literal
 
 Family = Literal["mamba1", "mamba2", "gdn"]
@@ -129,3 +132,29 @@ class ModelSpec:
             del fields["checkpoint_digest"]
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_layer_range(num_layers: int, layers: range) -> None:
+    """Raise `LayoutError` unless `layers` is a contiguous, non-empty range of the model's layers
+    (what a layer part of a pipelined transfer covers)."""
+    if layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+        raise LayoutError(
+            f"layers {layers}: must be a non-empty range of step 1 within the model's {num_layers} layers [0, {num_layers})"
+        )
+
+
+def layer_ranges(num_layers: int, parts: int) -> list[range]:
+    """`range(num_layers)` cut into `parts` contiguous ranges whose lengths differ by at most one
+    (the first ones the longer): the layer parts of a pipelined transfer, in order."""
+    if not 1 <= parts <= num_layers:
+        raise LayoutError(f"layer parts {parts}: must be in [1, {num_layers}] (one layer at least per part)")
+    size, longer = divmod(num_layers, parts)
+    edges = [part * size + min(part, longer) for part in range(parts + 1)]
+    return [range(start, stop) for start, stop in pairwise(edges)]
+
+
+def regions_in_layers(region_layers: Sequence[int], layers: range) -> slice:
+    """The regions of a KV-cache group (`region_layers[j]`: the layer in region j, increasing, as
+    the layout groups them) whose layer is in `layers`: one contiguous slice, since a range of
+    increasing numbers is. Bisection: a group has few regions, and every request asks."""
+    return slice(bisect_left(region_layers, layers.start), bisect_left(region_layers, layers.stop))

@@ -12,6 +12,9 @@
 `simulate_transfer` runs a plan end to end on real bytes: a random global state is sharded into
 prefill pages with the index functions, moved with the read lists and `read_indices` (the data
 path the transport executes), and unsharded from the decode pages; any difference is reported.
+With `layer_parts`, decode reads as a pipelined transfer whose last chunk goes in layer parts:
+the K/V before the chunk, then one read per contiguous range of layers (its K/V of the chunk
+and its conv/SSM state); every byte must still be written exactly once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy.typing as npt
 
 from shared.layout.page import EngineLayout
 from shared.layout.plan import ByteRead, TransferPlan, candidate_ranks
-from shared.layout.read_lists import build_read_lists, read_indices
+from shared.layout.read_lists import IdArray, ReadLists, build_read_lists, read_indices
 from shared.layout.shapes import (
     conv_channel_index,
     global_conv_dim,
@@ -31,6 +34,7 @@ from shared.layout.shapes import (
     kv_head_index,
     ssm_row_index,
 )
+from shared.layout.spec import layer_ranges
 
 IntArray = npt.NDArray[np.int64]
 Interval = tuple[int, int, int]  # (start, end, source rank)
@@ -207,6 +211,33 @@ def _token_slots(layout: EngineLayout, ids: IntArray, num_tokens: int) -> tuple[
     return kernel, in_block % layout.kernel_block_size
 
 
+def last_chunk_start(num_tokens: int, fa_unit_tokens: int) -> int:
+    """Where the simulated pipelined transfer's last chunk starts: the prompt's second half, from
+    an FA unit boundary (a part's `tokens_from` must be one), so short prompts have a first part."""
+    return num_tokens // 2 // fa_unit_tokens * fa_unit_tokens
+
+
+def _read_parts(
+    plan: TransferPlan,
+    lists: ReadLists,
+    local_ids: list[IntArray],
+    remote_ids: list[IntArray],
+    num_tokens: int,
+    layer_parts: int,
+) -> list[tuple[IdArray, IdArray]]:
+    """The (local, remote) ids of each READ of one (decode, source) pair: the whole request at
+    once, or with `layer_parts` the parts of a pipelined transfer: the K/V of the tokens before
+    the last chunk, then the last chunk one layer range at a time, each with its conv/SSM state."""
+    if not layer_parts:
+        return [read_indices(lists, local_ids, remote_ids, num_tokens)]
+    start = last_chunk_start(num_tokens, plan.fa_unit_tokens)
+    before = read_indices(lists, local_ids, remote_ids, start, mamba=False)
+    return [before] + [
+        read_indices(lists, local_ids, remote_ids, num_tokens, tokens_from=start, layers=layers)
+        for layers in layer_ranges(plan.decode.spec.num_layers, layer_parts)
+    ]
+
+
 def simulate_transfer(
     plan: TransferPlan,
     *,
@@ -214,8 +245,11 @@ def simulate_transfer(
     seed: int = 0,
     spare_blocks: int = 2,
     contiguous: bool = False,
+    layer_parts: int = 0,
 ) -> list[str]:
-    """Move a random request's state through `plan` on simulated memory; list every mismatch."""
+    """Move a random request's state through `plan` on simulated memory; list every mismatch.
+
+    `layer_parts` > 0: read it in parts, as a pipelined transfer does (`_read_parts`)."""
     rng = np.random.default_rng(seed)
     pre, dec = plan.prefill, plan.decode
     spec = dec.spec
@@ -277,22 +311,22 @@ def simulate_transfer(
                 local_num_blocks=dst.num_blocks,
                 remote_num_blocks=src.num_blocks,
             )
-            li, ri = read_indices(lists, d_ids, p_ids, num_tokens)
             pair = f"decode rank {d} <- prefill rank {read.prefill_rank}"
-            if len(li) != len(ri):
-                errors.append(f"{pair}: {len(li)} local vs {len(ri)} remote ids")
-                continue
-            local, remote = lists.local[li], lists.remote[ri]
-            if np.any(local[:, 1] != remote[:, 1]):
-                errors.append(f"{pair}: paired descriptors differ in length")
-                continue
-            for (la, n), (ra, _) in zip(local.tolist(), remote.tolist()):
-                lo, ro = la - dst.base, ra - src.base
-                if lo < 0 or lo + n > len(dst.memory) or ro < 0 or ro + n > len(src.memory):
-                    errors.append(f"{pair}: descriptor outside registered memory")
+            for li, ri in _read_parts(plan, lists, d_ids, p_ids, num_tokens, layer_parts):
+                if len(li) != len(ri):
+                    errors.append(f"{pair}: {len(li)} local vs {len(ri)} remote ids")
                     continue
-                dst.memory[lo : lo + n] = src.memory[ro : ro + n]
-                written[d][lo : lo + n] += 1
+                local, remote = lists.local[li], lists.remote[ri]
+                if np.any(local[:, 1] != remote[:, 1]):
+                    errors.append(f"{pair}: paired descriptors differ in length")
+                    continue
+                for (la, n), (ra, _) in zip(local.tolist(), remote.tolist()):
+                    lo, ro = la - dst.base, ra - src.base
+                    if lo < 0 or lo + n > len(dst.memory) or ro < 0 or ro + n > len(src.memory):
+                        errors.append(f"{pair}: descriptor outside registered memory")
+                        continue
+                    dst.memory[lo : lo + n] = src.memory[ro : ro + n]
+                    written[d][lo : lo + n] += 1
 
     for d, w in enumerate(written):
         if int(w.max(initial=0)) > 1:

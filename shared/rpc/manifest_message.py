@@ -5,7 +5,8 @@ the message into a domain manifest once, when it arrives (`manifest_from_message
 one that does not fit the prefill engine it came from, naming the field: group count and block
 ids against the peer's layout, a first token outside the vocabulary or without the whole prompt
 computed, a skipped prefix longer than the computed tokens, a part whose token range does not
-fit or starts inside the skipped prefix (INTERNAL, BAD_MANIFEST: a peer bug), digests missing
+fit or starts inside the skipped prefix, a layer part outside the model's layers or before the
+last chunk (INTERNAL, BAD_MANIFEST: a peer bug), digests missing
 or of another kind while decode checks them (FAILED_PRECONDITION, NO_DIGESTS: a configuration
 mismatch). Nothing of a refused manifest is read.
 """
@@ -39,6 +40,7 @@ class ManifestSource:
     num_logical_blocks: int
     digests_required: bool  # this decode engine checks digests (--verify-transfer digest)
     vocab_size: int = 0  # the model's; a first token must be below it (0: unchecked)
+    num_layers: int = 0  # the model's; a layer part's range must lie inside it (0: layer parts refused)
 
 
 def manifest_message(m: Manifest) -> pb.Manifest:
@@ -65,6 +67,8 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     if m.part is not None:
         p = m.part
         msg.part.CopyFrom(pb.ManifestPart(index=p.index, count=p.count, tokens_from=p.tokens_from, tokens_to=p.tokens_to))
+        if p.layers is not None:
+            msg.part.layers_from, msg.part.layers_to = p.layers.start, p.layers.stop
     return msg
 
 
@@ -131,13 +135,35 @@ def _first_token(msg: pb.Manifest, source: ManifestSource) -> int | None:
     return int(token)
 
 
+def _layers(p: pb.ManifestPart, msg: pb.Manifest, source: ManifestSource) -> range | None:
+    """A layer part's range lies inside the model's layers, and its tokens reach the end of the
+    computed ones (layer parts split the last chunk only)."""
+    if p.layers_from == p.layers_to == 0:
+        return None
+    peer = source.engine_id
+    if not p.layers_from < p.layers_to <= source.num_layers:
+        raise _bad(
+            f"prefill {peer} sent a part of layers {p.layers_from}..{p.layers_to}; the model has {source.num_layers} layers",
+            "manifest.part.layers_to",
+        )
+    if p.tokens_to != msg.num_computed_tokens:
+        raise _bad(
+            f"prefill {peer} sent a part of layers {p.layers_from}..{p.layers_to} ending at token {p.tokens_to}, "
+            f"before the {msg.num_computed_tokens} computed (layer parts split the last chunk)",
+            "manifest.part.layers_from",
+        )
+    return range(p.layers_from, p.layers_to)
+
+
 def _part(msg: pb.Manifest, source: ManifestSource) -> ManifestPart | None:
-    """A part's range must lie inside the computed tokens, and only the last part carries the
-    first token or reaches the end."""
+    """A part's range must lie inside the computed tokens (a layer part's layers inside the
+    model's), and only the last part carries the first token or reaches the end: of the tokens,
+    and of the layers for a layer part."""
     if not msg.HasField("part"):
         return None
     peer, p = source.engine_id, msg.part
-    part = ManifestPart(p.index, p.count, p.tokens_from, p.tokens_to)
+    layers = _layers(p, msg, source)
+    part = ManifestPart(p.index, p.count, p.tokens_from, p.tokens_to, layers)
     if not 0 <= p.index < p.count:
         raise _bad(f"prefill {peer} sent part index {p.index} of {p.count} parts", "manifest.part.index")
     if not p.tokens_from < p.tokens_to <= msg.num_computed_tokens:
@@ -149,8 +175,11 @@ def _part(msg: pb.Manifest, source: ManifestSource) -> ManifestPart | None:
             f"prefill {peer} sent {part.describe()}, but skipped the first {msg.skipped_prompt_tokens} prompt tokens",
             "manifest.part.tokens_from",
         )
-    if part.last != (p.tokens_to == msg.num_computed_tokens):
-        raise _bad(f"prefill {peer} sent {part.describe()}: only the last part ends the computed tokens", "manifest.part")
+    ends = p.tokens_to == msg.num_computed_tokens and (layers is None or layers.stop == source.num_layers)
+    if part.last != ends:
+        raise _bad(
+            f"prefill {peer} sent {part.describe()}: only the last part ends the computed tokens and layers", "manifest.part"
+        )
     if not part.last and msg.HasField("first_token_id"):
         raise _bad(f"prefill {peer} sent a first token with {part.describe()}", "manifest.first_token_id")
     return part

@@ -53,16 +53,18 @@ def extract_state(cache: Any, spec: ModelSpec, length: int) -> HfState:
 
 def extract_ssm_state(cache: Any, spec: ModelSpec) -> dict[int, tuple[Tensor, Tensor]]:
     """Copies of every SSM layer's (conv, recurrent) state, in our layouts."""
-    ssm: dict[int, tuple[Tensor, Tensor]] = {}
-    for i in spec.ssm_layers:
-        conv, rec = cache.get_conv_state(i), cache.get_recurrent_state(i)
-        if conv is None or rec is None:
-            raise RuntimeError(f"layer {i}: transformers' cache holds no SSM state")
-        if conv.shape[-1] != spec.ssm.conv_kernel:
-            raise RuntimeError(f"layer {i}: conv state has {conv.shape[-1]} columns, the config says {spec.ssm.conv_kernel}")
-        state = rec[0].transpose(-1, -2) if _is_gdn(spec) else rec[0]
-        ssm[i] = (conv[0, :, 1:].clone(), state.contiguous().clone())
-    return ssm
+    return {i: extract_ssm_layer(cache, spec, i) for i in spec.ssm_layers}
+
+
+def extract_ssm_layer(cache: Any, spec: ModelSpec, i: int) -> tuple[Tensor, Tensor]:
+    """A copy of SSM layer i's (conv, recurrent) state, in our layouts."""
+    conv, rec = cache.get_conv_state(i), cache.get_recurrent_state(i)
+    if conv is None or rec is None:
+        raise RuntimeError(f"layer {i}: transformers' cache holds no SSM state")
+    if conv.shape[-1] != spec.ssm.conv_kernel:
+        raise RuntimeError(f"layer {i}: conv state has {conv.shape[-1]} columns, the config says {spec.ssm.conv_kernel}")
+    state = rec[0].transpose(-1, -2) if _is_gdn(spec) else rec[0]
+    return conv[0, :, 1:].clone(), state.contiguous().clone()
 
 
 def build_cache(config: Any, spec: ModelSpec, state: HfState) -> Any:

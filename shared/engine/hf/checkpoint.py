@@ -12,6 +12,7 @@ bit-identical to generate().
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,19 @@ def _eos_ids(directory: str, config: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def decoder_layers(model: Any) -> list[Any] | None:
+    """The model's decoder layers in execution order (one per cache layer), found generically:
+    `get_decoder().layers`, else `model.model.layers`; None where neither is a module list."""
+    holders = [getattr(model, "model", None)]
+    with contextlib.suppress(AttributeError, NotImplementedError, ValueError):  # no get_decoder, or no rule
+        holders.insert(0, model.get_decoder())
+    for holder in holders:
+        layers = getattr(holder, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return list(layers)
+    return None
 
 
 class HfCheckpoint:

@@ -18,14 +18,14 @@ Two boundaries (`boundary`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from shared.cache.model_views import RankViews, torch_dtype
-from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_ssm_state, extract_state
-from shared.engine.hf.checkpoint import HfCheckpoint
+from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_ssm_layer, extract_state
+from shared.engine.hf.checkpoint import HfCheckpoint, decoder_layers
 from shared.engine.hf.tokenizer import HfTokenizer
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
@@ -218,7 +218,11 @@ def read_state(
 
 class HfPrefillRun:
     """A prefill in chunks: one forward per chunk on one transformers cache, each chunk's K/V
-    mirrored into the blocks as it is computed, the conv / SSM state with the last chunk."""
+    mirrored into the blocks as it is computed, the conv / SSM state with the last chunk.
+
+    The last chunk writes layer by layer from forward hooks on the decoder layers: a layer's
+    cache entry is final once its forward returns (no family touches it later in the forward),
+    so its bytes are written and reported (`on_layer`) while the later layers still compute."""
 
     def __init__(self, engine: HfEngine, prompt: Sequence[int], store: PagedStateStore, sampling: SamplingParams) -> None:
         if not prompt:
@@ -228,23 +232,61 @@ class HfPrefillRun:
         self._cache = engine.checkpoint.new_cache()
         self._pos = 0
 
-    def compute(self, end: int) -> int | None:
-        start, engine = self._pos, self._engine
+    def _write_kv(self, layer: int, start: int, end: int) -> None:
+        """Mirror K/V of positions [start, end) of attention layer `layer` into the blocks."""
+        entry = self._cache.layers[layer]
+        k = entry.keys[0, :, start:end].transpose(0, 1)
+        v = entry.values[0, :, start:end].transpose(0, 1)
+        self._store.write_kv_range(layer, start, k, v)
+
+    def _write_layer(self, layer: int, start: int, end: int) -> None:
+        """The last chunk: layer `layer`'s K/V of [start, end) and its conv / SSM state."""
+        spec = self._engine.spec
+        if layer in spec.attention_layers:
+            self._write_kv(layer, start, end)
+        if layer in spec.ssm_layers:
+            self._store.write_ssm(layer, *extract_ssm_layer(self._cache, spec, layer))
+
+    def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
+        start, engine, spec = self._pos, self._engine, self._engine.spec
         if not start < end <= self._end:
             raise ValueError(f"chunk [{start}, {end}) outside the {self._end} tokens prefill computes")
         if start == 0:
             self._store.reset_ssm()  # its blocks may still hold an earlier request's state
-        logits = engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
-        for layer in engine.spec.attention_layers:
-            entry = self._cache.layers[layer]
-            k = entry.keys[0, :, start:end].transpose(0, 1)
-            v = entry.values[0, :, start:end].transpose(0, 1)
-            self._store.write_kv_range(layer, start, k, v)
-        self._pos = end
         if end < self._end:
+            engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
+            for layer in spec.attention_layers:
+                self._write_kv(layer, start, end)
+            self._pos = end
             return None
-        for layer, (conv, ssm) in extract_ssm_state(self._cache, engine.spec).items():
-            self._store.write_ssm(layer, conv, ssm)
+        done = 0  # layers written and reported from the hooks
+
+        def finish(layer: int) -> None:  # decoder layer `layer`'s forward returned
+            nonlocal done
+            if layer != done:
+                raise RuntimeError(f"decoder layer {layer} ran its forward when layer {done} was due")
+            self._write_layer(layer, start, end)
+            if on_layer is not None:
+                on_layer(layer)
+            done += 1
+
+        layers = decoder_layers(engine.checkpoint.model)
+        if layers is None or len(layers) != spec.num_layers:
+            layers = []
+        hooks = [module.register_forward_hook(lambda *_, i=i: finish(i)) for i, module in enumerate(layers)]
+        try:
+            logits = engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # Layers no hook finished (no decoder layers found): written after the forward, then reported.
+        rest = range(done, spec.num_layers)
+        for layer in rest:
+            self._write_layer(layer, start, end)
+        for layer in rest:
+            if on_layer is not None:
+                on_layer(layer)
+        self._pos = end
         return sample(logits, self._sampling, 0) if engine.boundary == "full" else None
 
 

@@ -8,7 +8,7 @@ Each request is computed on its own: no batching across requests, fp32 throughou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +105,12 @@ class ReferenceModel:
         """A dense store for a new request (zero SSM state, no K/V)."""
         return DenseStateStore(self.spec, self.device)
 
-    def step(self, token: int, pos: int, store: StateStore) -> Tensor:
+    def step(self, token: int, pos: int, store: StateStore, on_layer: Callable[[int], None] | None = None) -> Tensor:
         """Run token `token` at position `pos` through every layer; return its logits `[vocab]`.
 
         Reads the state after positions `0..pos-1` from `store` and leaves the state after `pos`.
+        `on_layer(i)` is called after layer i (each layer writes only its own state, so layer
+        i's state after `pos` is then complete in `store`).
         Runs on one intra-op thread on whichever thread calls it (see compute_threads).
         """
         pin_intra_op_threads(1)
@@ -135,13 +137,23 @@ class ReferenceModel:
                 assert mixed is not None
                 x = x + mixed
             x = x + layer.mlp(rms_norm(x, layer.norm_mlp))
+            if on_layer is not None:
+                on_layer(layer.index)
         return torch.mv(self.lm_head, rms_norm(x, self.final_norm))
 
-    def prefill(self, tokens: Sequence[int], store: StateStore, start_pos: int = 0) -> Tensor | None:
-        """Step through `tokens` at positions `start_pos...`; logits of the last one (None if empty)."""
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        store: StateStore,
+        start_pos: int = 0,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> Tensor | None:
+        """Step through `tokens` at positions `start_pos...`; logits of the last one (None if empty).
+        `on_layer(i)`: called in the last token's step once layer i's state is final (`step`)."""
         logits = None
+        last = len(tokens) - 1
         for offset, token in enumerate(tokens):
-            logits = self.step(token, start_pos + offset, store)
+            logits = self.step(token, start_pos + offset, store, on_layer if offset == last else None)
         return logits
 
     def continue_greedy(self, logits: Tensor, next_pos: int, store: StateStore, max_tokens: int) -> list[int]:

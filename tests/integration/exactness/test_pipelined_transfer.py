@@ -426,10 +426,10 @@ async def test_a_part_is_digested_beside_the_next_chunk_not_before_it(monkeypatc
             span_one_started.set()
         return compute_span(self, job, run, blocks, start, *rest)
 
-    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool) -> Any:
+    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
         started = span_one_started.wait(10) if span.tokens_from == 0 else span_one_started.is_set()
         seen.append((last, started, threading.current_thread().name))
-        return digest_span(self, job, blocks, span, last)
+        return digest_span(self, job, blocks, span, last, layers)
 
     monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
     monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
@@ -462,13 +462,13 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
             ahead_done.set()  # the span queued ahead of part 1's digests is computed
         return result
 
-    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool) -> Any:
+    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
         if job.request_id == "gone-3":
             digested.append(span.tokens_from)
             if len(digested) == 2:
                 in_digest.set()
                 go_on.wait(30)
-        return digest_span(self, job, blocks, span, last)
+        return digest_span(self, job, blocks, span, last, layers)
 
     monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
     monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)

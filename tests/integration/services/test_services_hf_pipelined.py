@@ -93,3 +93,23 @@ async def test_a_first_token_that_ends_the_request_stops_the_reads_of_its_parts(
     assert len(ids) <= 1 and summary.finish_reason in (dpb.FINISH_REASON_LENGTH, dpb.FINISH_REASON_STOP)
     assert started and not pending  # parts arrived, and none of their READs outlived the request
     assert freed == (0, 0, 0)
+
+
+@pytest.mark.parametrize("family,p_tp,d_tp,layer_parts", [("nemotron_h", 1, 1, 3), ("falcon_h1", 1, 2, 2), ("qwen3_5", 2, 1, 4)])
+async def test_hf_layer_parts_tokens_equal_colocated_with_the_same_chunks(
+    hf_checkpoint: Callable[[str], str], family: str, p_tp: int, d_tp: int, layer_parts: int
+) -> None:
+    """--layer-parts: the last chunk's state leaves layer range by layer range, each as forward
+    hooks saw its layers computed; tokens still equal colocated with the same chunks."""
+    directory = hf_checkpoint(family)
+    ckpt = HfCheckpoint(directory, dtype="fp32")
+    prompt = [(7 * i) % 300 + 4 for i in range(233)]
+    flags = ("--prefill-chunk-tokens", str(CHUNK), "--layer-parts", str(layer_parts))
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False) as (prefill, decode):
+        ids, summary = await generate_ids(decode.port, prompt, 6)
+        unsplit = prefill.servicer.runner.layer_parts
+        prefill.servicer.runner.layer_parts = 0  # the same prefill, the last chunk in one part
+        _, whole_last = await generate_ids(decode.port, prompt, 6)
+    want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
+    assert ids == want and summary.digests_verified and unsplit == layer_parts
+    assert summary.transfer.read_count > whole_last.transfer.read_count  # more parts: the layer parts

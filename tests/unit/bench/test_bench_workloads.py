@@ -184,6 +184,20 @@ def test_long_prompt_prefill_sends_parts_of_at_least_manifest_part_tokens() -> N
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
+def test_long_prompt_prefill_sends_the_last_chunk_in_layer_parts() -> None:
+    setup = SetupConfig("tiny-mamba2", "reference", prefill_chunk_tokens=20, layer_parts=2)
+    cfg = LongPromptConfig(setup, prompt_lengths=(240,), requests_per_length=1, max_tokens=3, warmup=0)
+    r = asyncio.run(run_long_prompt(cfg, command="test", show_progress=False))
+    row = r["lengths"][0]
+    assert row["errors"] == [] and row["tokens_match"] == row["unpipelined_tokens_match"] == "1/1"
+    block_size = build_engine_layout(TINY_PRESETS["tiny-mamba2"], 1).block_size
+    parts = len(part_spans(239, 20, block_size)) - 1 + 2  # the last part in two: the flag reached prefill
+    assert row["reads_pipelined"] == parts
+    assert r["config"]["layer_parts"] == 2 and "the last chunk in 2 layer parts" in format_long_prompt(r)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 def test_multi_turn_extends_each_prompt_and_reads_it_all_again() -> None:
     cfg = MultiTurnConfig(
         SetupConfig("tiny-mamba2", "reference"), turns=3, conversations=1, first_turn_tokens=32, turn_tokens=16,

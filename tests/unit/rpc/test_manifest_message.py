@@ -14,7 +14,7 @@ from shared.errors import ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message, manifest_message
 
-SOURCE = ManifestSource("p0", num_groups=3, num_logical_blocks=16, digests_required=True, vocab_size=300)
+SOURCE = ManifestSource("p0", num_groups=3, num_logical_blocks=16, digests_required=True, vocab_size=300, num_layers=6)
 
 
 def manifest() -> Manifest:
@@ -166,3 +166,39 @@ def test_parts_after_a_cached_prefix_start_at_it() -> None:
     with pytest.raises(ServiceError) as inside:
         manifest_from_message(manifest_message(dataclasses.replace(whole, part=ManifestPart(0, 2, 0, 32))), SOURCE)
     assert inside.value.status == "INTERNAL" and inside.value.issues[0].field == "manifest.part.tokens_from"
+
+
+def test_a_layer_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> None:
+    """Layer parts split the last chunk's tokens by model layers; the one reaching the last layer
+    is the last part, and a range outside the model or before the last chunk is refused."""
+    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=0)
+    middle = dataclasses.replace(whole, part=ManifestPart(1, 3, 32, 40, range(0, 4)))
+    last = dataclasses.replace(whole, part=ManifestPart(2, 3, 32, 40, range(4, 6)))
+    for m in (middle, last):
+        msg = manifest_message(m)
+        assert (msg.part.layers_from, msg.part.layers_to) == (m.part.layers.start, m.part.layers.stop)  # type: ignore[union-attr]
+        back = manifest_from_message(msg, SOURCE)
+        assert back == m and back.layers == m.layers
+    assert not middle.last and last.last and middle.ends_prompt and last.ends_prompt
+    assert whole.layers is None and manifest_message(whole).part.layers_to == 0
+    token_part = dataclasses.replace(whole, part=ManifestPart(0, 3, 0, 32))
+    assert not token_part.ends_prompt and token_part.layers is None
+    assert dataclasses.replace(middle, part=ManifestPart(1, 3, 32, 40, range(0, 5))) != middle  # layers compare
+    bad = {
+        "manifest.part.layers_to": ManifestPart(2, 3, 32, 40, range(4, 7)),  # past the model's 6 layers
+        "manifest.part.layers_from": ManifestPart(0, 3, 0, 32, range(0, 4)),  # before the last chunk
+        "manifest.part": ManifestPart(2, 3, 32, 40, range(0, 4)),  # the last part, but not the last layer
+    }
+    for field, part in bad.items():
+        with pytest.raises(ServiceError) as refused:
+            manifest_from_message(manifest_message(dataclasses.replace(whole, part=part)), SOURCE)
+        assert refused.value.status == "INTERNAL" and refused.value.issues[0].field == field, field
+    msg = manifest_message(middle)
+    msg.part.layers_from = 4  # an empty range
+    msg.part.layers_to = 4
+    with pytest.raises(ServiceError) as empty:
+        manifest_from_message(msg, SOURCE)
+    assert empty.value.issues[0].field == "manifest.part.layers_to"
+    unknown = dataclasses.replace(SOURCE, num_layers=0)  # a source whose layer count decode does not know
+    with pytest.raises(ServiceError):
+        manifest_from_message(manifest_message(middle), unknown)

@@ -214,3 +214,16 @@ def test_manifest_part_tokens_need_the_chunks_they_space(capsys: pytest.CaptureF
         parse_settings("prefill", [], environ={"HYBRID_PD_MANIFEST_PART_TOKENS": "8192"})
     assert e.value.code == 2
     assert "--manifest-part-tokens needs --prefill-chunk-tokens > 0" in capsys.readouterr().err
+
+
+def test_layer_parts_need_the_chunks_whose_last_they_split(capsys: pytest.CaptureFixture[str]) -> None:
+    s = parse_settings("prefill", ["--prefill-chunk-tokens", "1024", "--layer-parts", "4"], environ={})
+    assert (s.prefill_chunk_tokens, s.layer_parts) == (1024, 4)
+    assert parse_settings("prefill", [], environ={}).layer_parts == 0
+    assert parse_settings("decode", [], environ={}).layer_parts == 0
+    with pytest.raises(SystemExit) as e:
+        parse_settings("prefill", [], environ={"HYBRID_PD_LAYER_PARTS": "4"})
+    assert e.value.code == 2
+    assert "--layer-parts needs --prefill-chunk-tokens > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", ["--prefill-chunk-tokens", "1024", "--layer-parts", "-1"], environ={})

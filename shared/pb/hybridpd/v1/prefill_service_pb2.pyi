@@ -357,6 +357,7 @@ class PrefillJob(_message.Message):
     ACCEPT_MANIFEST_PARTS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ACCEPT_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    ACCEPT_LAYER_PARTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -377,6 +378,12 @@ class PrefillJob(_message.Message):
     FirstToken message sent before the state's digests, the pin and the manifest (which still
     carries the same token). False (the default), or a prefill that ignores it: the token
     arrives with the manifest only, as before.
+    """
+    accept_layer_parts: _builtins.bool
+    """Decode takes the last chunk's state in layer parts (see ManifestPart.layers_from): prefill
+    may then send that chunk's state layer range by layer range while it still computes the
+    later layers. Only with accept_manifest_parts. False (the default), or a prefill that ignores
+    it: the last part covers every layer, as before.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -408,10 +415,11 @@ class PrefillJob(_message.Message):
         accept_manifest_parts: _builtins.bool = ...,
         cached_prompt_tokens: _builtins.int = ...,
         accept_first_token: _builtins.bool = ...,
+        accept_layer_parts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_first_token", b"accept_first_token", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -739,6 +747,14 @@ class ManifestPart(_message.Message):
     (the last). The lease of the first part starts the pin; heartbeats renew it from then on.
     Together the parts cover tokens [skipped_prompt_tokens, num_computed_tokens) once, in order:
     with decode's prefix cache the first part starts after the cached prefix.
+
+    Layer parts (a job with accept_layer_parts): the last chunk's state may come in several parts
+    of the same token range [tokens_from, num_computed_tokens), each naming a range of the model's
+    layers [layers_from, layers_to) whose state is final: the K/V of that token range for the
+    attention layers in it, and the conv and SSM state of its SSM layers (final once that layer
+    computed the last token). Their digests cover just those layers (each group's digest over its
+    layers in the range, in the group's order). The layer parts of a request cover the model's
+    layers once, in order; the one that reaches the last layer is the last part.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -747,12 +763,19 @@ class ManifestPart(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     TOKENS_FROM_FIELD_NUMBER: _builtins.int
     TOKENS_TO_FIELD_NUMBER: _builtins.int
+    LAYERS_FROM_FIELD_NUMBER: _builtins.int
+    LAYERS_TO_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """0, 1, ... in the order prefill sends them."""
     count: _builtins.int
     """Parts of this request (the last has index count - 1)."""
     tokens_from: _builtins.int
     tokens_to: _builtins.int
+    layers_from: _builtins.int
+    """A layer part: the model layers [layers_from, layers_to) only. Both 0: every layer (a part
+    of a job without accept_layer_parts, or a part before the last chunk).
+    """
+    layers_to: _builtins.int
     def __init__(
         self,
         *,
@@ -760,10 +783,12 @@ class ManifestPart(_message.Message):
         count: _builtins.int = ...,
         tokens_from: _builtins.int = ...,
         tokens_to: _builtins.int = ...,
+        layers_from: _builtins.int = ...,
+        layers_to: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "index", b"index", "tokens_from", b"tokens_from", "tokens_to", b"tokens_to"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "index", b"index", "layers_from", b"layers_from", "layers_to", b"layers_to", "tokens_from", b"tokens_from", "tokens_to", b"tokens_to"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,301 @@
+"""Layer parts (--layer-parts): the last chunk's state leaves in parts of consecutive model
+layers, each as soon as the last chunk computed its layers, so decode READs the first layers'
+K/V and conv / SSM state while the later layers still compute.
+
+Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), reference
+engine unless named. Tokens must equal a colocated run bit for bit with every part's digests
+checked, at TP pairs and kernel block sizes that split groups differently; a layer part is shown
+READ (its notification counted by prefill) while the last chunk is held after its layers; a byte
+flipped in one layer fails the request naming that layer part; a layer part left unread changes
+the tokens (negative control); a request released inside the last chunk stops it at the next
+layer and frees both sides; a decode engine that does not ask gets one last part of every layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from functools import cache
+from typing import Any
+
+import grpc
+import pytest
+
+import prefill_svc.session as session
+from decode_svc.part_reads import PartReads
+from decode_svc.reader import ReadStats
+from prefill_svc.layer_parts import LayerPartFeed
+from prefill_svc.part_plan import part_spans
+from shared.cache.manifest import Manifest
+from shared.engine.reference.colocated import colocated_generate
+from shared.layout.models import load_model
+from shared.layout.page import build_engine_layout
+from shared.layout.presets import TINY_PRESETS
+from shared.layout.spec import layer_ranges
+from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc import fault_hooks
+from tests.integration.exactness.pair import RunningPair, service_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+TEXT = bytes(range(32, 127)) * 3
+CHUNK = 20
+MAX_TOKENS = 6
+LENGTH = 100  # 99 computed, blocks of 32, chunks of 20: token parts [0,32) [32,64), then the last chunk's layers
+
+
+def prompt_of(length: int) -> list[int]:
+    return list(TEXT[:length])
+
+
+@cache
+def expected(model: str, length: int) -> tuple[int, ...]:
+    return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), MAX_TOKENS))
+
+
+def flags(layer_parts: int) -> list[str]:
+    return ["--prefill-chunk-tokens", str(CHUNK), "--layer-parts", str(layer_parts)]
+
+
+@contextmanager
+def parts_sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int, int, int]]]:
+    """Every manifest part prefill sends: (index, count, tokens_from, layers_from, layers_to)."""
+    sent: list[tuple[int, int, int, int, int]] = []
+    to_message = session.manifest_message
+
+    def message_of(m: Manifest) -> pb.Manifest:
+        msg = to_message(m)
+        if msg.HasField("part"):
+            p = msg.part
+            sent.append((p.index, p.count, p.tokens_from, p.layers_from, p.layers_to))
+        return msg
+
+    monkeypatch.setattr(session, "manifest_message", message_of)
+    yield sent
+
+
+async def all_freed(pair: RunningPair) -> bool:
+    for _ in range(1000):
+        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+CASES = [
+    ("tiny-mamba2", 1, 1, 16, 16, 2),
+    ("tiny-gdn", 2, 1, 16, 16, 3),
+    ("tiny-mamba1", 1, 2, 16, 16, 99),  # capped at the model's layers: one part per layer
+    ("tiny-gdn", 1, 1, 16, 32, 2),  # decode blocks of 64 tokens, prefill's of 48
+    ("tiny-mamba2", 2, 2, 32, 16, 3),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "model,prefill_tp,decode_tp,prefill_kb,decode_kb,layer_parts",
+    CASES,
+    ids=[f"{m}-P{p}-D{d}-kb{a}-{b}-L{n}" for m, p, d, a, b, n in CASES],
+)
+async def test_layer_parts_tokens_equal_colocated(
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_kb: int,
+    decode_kb: int,
+    layer_parts: int,
+) -> None:
+    spec = TINY_PRESETS[model]
+    block_size = build_engine_layout(spec, prefill_tp, kernel_block_size=prefill_kb).block_size
+    lengths = [3 * block_size + 7, 2 * block_size + 1, CHUNK + 1]
+    with parts_sent(monkeypatch) as sent:
+        async with service_pair(
+            model,
+            prefill_tp,
+            decode_tp,
+            extra_prefill=[*flags(layer_parts), "--kernel-block-size", str(prefill_kb)],
+            extra_decode=["--check-state", "--kernel-block-size", str(decode_kb)],
+        ) as pair:
+            got = [await pair.generate(prompt_of(n), MAX_TOKENS) for n in lengths]  # one at a time: parts in order
+            assert await all_freed(pair)
+            ended = dict(pair.prefill.pins.ended)
+    ranges = layer_ranges(spec.num_layers, min(layer_parts, spec.num_layers))
+    for n, g in zip(lengths, got):
+        assert tuple(g.token_ids) == expected(model, n), f"prompt of {n} tokens"
+        assert g.summary.digests_verified and g.summary.state_verified
+    # Each prompt in parts: its token parts, then one part per layer range, all of the last chunk's tokens.
+    in_parts = [n for n in lengths if len(part_spans(n - 1, CHUNK, block_size)) > 1]
+    assert len(in_parts) == 2 and ended.get("read") == len(lengths), ended
+    at = 0
+    for n in in_parts:
+        spans = part_spans(n - 1, CHUNK, block_size)
+        count = len(spans) - 1 + len(ranges)
+        mine = sent[at : at + count]
+        at += count
+        assert [s[:2] for s in mine] == [(i, count) for i in range(count)]
+        assert [s[3:] for s in mine] == [(0, 0)] * (len(spans) - 1) + [(r.start, r.stop) for r in ranges]
+        assert {s[2] for s in mine[len(spans) - 1 :]} == {spans[-1].tokens_from}
+    assert at == len(sent)
+
+
+@pytest.mark.asyncio
+async def test_a_layer_part_is_read_while_the_last_chunk_still_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute thread, right after the engine reported the first range's last layer, waits
+    (at most 10 s) for prefill to count the NIXL notification of that layer part's READ. Sent
+    only after the last chunk (a pure ordering test: the tokens would equal colocated all the
+    same), it never would."""
+    model = "tiny-mamba2"
+    on_layer = LayerPartFeed.on_layer
+    seen: list[bool] = []
+    router: list[Any] = []
+
+    def spy(self: LayerPartFeed, layer: int) -> None:
+        before = router[0].received
+        on_layer(self, layer)
+        if layer == self.ranges[0].stop - 1:
+            for _ in range(1000):
+                if router[0].received > before:
+                    break
+                threading.Event().wait(0.01)
+            seen.append(router[0].received > before)
+
+    monkeypatch.setattr(LayerPartFeed, "on_layer", spy)
+    async with service_pair(model, 1, 1, extra_prefill=flags(2)) as pair:
+        router.append(pair.prefill.host.poller.router)
+        got = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+    assert seen == [True]
+    assert tuple(got.token_ids) == expected(model, LENGTH)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("section", ["ssm", "conv"])
+async def test_a_flipped_byte_in_a_layer_part_fails_naming_it(monkeypatch: pytest.MonkeyPatch, section: str) -> None:
+    """The byte flipped is in the first SSM layer's state, after its layer part's digests were
+    taken: decode's check of that part fails DATA_LOSS naming the part and its layers."""
+    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, f"{section}:victim-")
+    model = "tiny-mamba2"
+    spec = TINY_PRESETS[model]
+    first_ssm = spec.ssm_layers[0]
+    ranges = layer_ranges(spec.num_layers, 3)
+    k = next(i for i, r in enumerate(ranges) if first_ssm in r)
+    async with service_pair(model, 1, 1, extra_prefill=flags(3)) as pair:
+        healthy = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="victim-1")
+        assert await all_freed(pair)
+    assert tuple(healthy.token_ids) == expected(model, LENGTH)
+    assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+    details = failed.value.details() or ""
+    count = 2 + len(ranges)  # two token parts (see LENGTH)
+    name = f"part {2 + k + 1} of {count} (tokens 64..99, layers {ranges[k].start}..{ranges[k].stop})"
+    assert "victim-1" in details and name in details and f"{section} of layer group" in details, details
+
+
+@pytest.mark.asyncio
+async def test_negative_control_a_layer_part_left_unread_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST-ONLY: decode drops the READ of the first layer part (digests off, so nothing else
+    notices): the tokens must differ from colocated, so the exactness test above can fail."""
+    arrived = PartReads.arrived
+
+    def drop_first_layers(self: PartReads, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
+        if part.layers is not None and part.layers.start == 0:
+            self.parts.append(part)
+            read.close()
+            return
+        arrived(self, part, read)
+
+    monkeypatch.setattr(PartReads, "arrived", drop_first_layers)
+    off = ["--verify-transfer", "off"]
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=[*flags(2), *off], extra_decode=off) as pair:
+        got = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+    assert tuple(got.token_ids) != expected("tiny-mamba2", LENGTH)
+
+
+@pytest.mark.asyncio
+async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute thread is held right after the first layer range (its part already sent);
+    the client goes away and decode releases the request. Let go, the last chunk computes no
+    further layer (the next report raises), both sides free everything, and the next request
+    is exact."""
+    model = "tiny-mamba2"
+    on_layer = LayerPartFeed.on_layer
+    held, release = threading.Event(), threading.Event()
+    after_release: list[int] = []
+
+    def spy(self: LayerPartFeed, layer: int) -> None:
+        on_layer(self, layer)
+        if release.is_set():
+            after_release.append(layer)
+        if layer == self.ranges[0].stop - 1 and not release.is_set():
+            held.set()
+            release.wait(30)
+
+    monkeypatch.setattr(LayerPartFeed, "on_layer", spy)
+    async with service_pair(model, 1, 1, extra_prefill=flags(2)) as pair:
+        call = asyncio.ensure_future(pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="gone-1"))
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, held.wait, 60)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        for _ in range(1000):
+            if pair.prefill.pins.ended.get("released"):
+                break
+            await asyncio.sleep(0.01)
+        released = pair.prefill.pins.ended.get("released") == 1
+        release.set()
+        freed = await all_freed(pair)
+        stopped_after = list(after_release)
+        monkeypatch.setattr(LayerPartFeed, "on_layer", on_layer)
+        healthy = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+    assert released and freed
+    assert stopped_after == [], stopped_after  # no layer was reported final after the release
+    assert tuple(healthy.token_ids) == expected(model, LENGTH)
+
+
+@pytest.mark.asyncio
+async def test_a_decode_engine_that_does_not_ask_gets_one_last_part_of_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older decode engine never sets accept_layer_parts: prefill sends its parts as before."""
+    real = pb.PrefillJob
+
+    def older_job(**fields: Any) -> pb.PrefillJob:
+        fields.pop("accept_layer_parts", None)
+        return real(**fields)
+
+    monkeypatch.setattr(pb, "PrefillJob", older_job)
+    with parts_sent(monkeypatch) as sent:
+        async with service_pair("tiny-gdn", 1, 1, extra_prefill=flags(3)) as pair:
+            got = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+    assert tuple(got.token_ids) == expected("tiny-gdn", LENGTH)
+    assert sent and all(s[3:] == (0, 0) for s in sent) and sent[-1][:2] == (len(sent) - 1, len(sent))
+
+
+SYNTHETIC_CASES = [("qwen3.5-0.8b", 2, 1, 4), ("jamba-mini-1.7", 2, 2, 3), ("nemotron-h-8b", 1, 2, 8)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "model,prefill_tp,decode_tp,layer_parts", SYNTHETIC_CASES, ids=[f"{m}-P{p}-D{d}-L{n}" for m, p, d, n in SYNTHETIC_CASES]
+)
+async def test_synthetic_engine_at_real_model_sizes_in_layer_parts_every_byte_checked(
+    model: str, prefill_tp: int, decode_tp: int, layer_parts: int
+) -> None:
+    """Real-model layouts (groups spanning the model's layers) in layer parts, every byte compared."""
+    block_size = build_engine_layout(load_model(model), prefill_tp).block_size
+    length, chunk = 2 * block_size + block_size // 2, block_size // 2
+    async with service_pair(
+        model,
+        prefill_tp,
+        decode_tp,
+        engine="synthetic",
+        num_blocks=32,
+        extra_prefill=["--prefill-chunk-tokens", str(chunk), "--layer-parts", str(layer_parts)],
+        extra_decode=["--check-state"],
+    ) as pair:
+        got = await pair.generate(list(range(length)), 3)
+        assert await all_freed(pair)
+        ended = dict(pair.prefill.pins.ended)
+    assert got.summary.state_verified and got.summary.digests_verified
+    assert ended == {"read": 1}, ended  # every reader's notification of every part counted
