@@ -388,6 +388,8 @@ class JobRunner:
                     # The last chunk's layer parts, each as the engine made its layers final.
                     for k in range(len(feed.ranges) - 1):
                         _, (digests, _) = await feed.next(compute)  # beside the compute: not in digest_seconds
+                        if stop.is_set():  # released meanwhile: no more parts
+                            raise Aborted(f"request {job.request_id} was released during its prefill", reason="RELEASED")
                         check_deadline()
                         on_part(part_of(index + k, span, digests, None, feed.ranges[k]))
                 first_token, digests, took, computing = await asyncio.shield(compute)

@@ -256,6 +256,58 @@ async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_lay
 
 
 @pytest.mark.asyncio
+async def test_a_release_while_a_layer_part_is_digested_frees_the_blocks_only_after_the_digest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first layer part's digests are held on the digest thread while the last chunk is
+    computed to its end; the client goes away and decode releases the request (it has the token
+    parts). The pin ends, but the blocks stay until the digest thread is done with them; then
+    everything is free and the next request is exact."""
+    from prefill_svc.jobs import JobRunner
+
+    in_digest, go_on, computed = threading.Event(), threading.Event(), threading.Event()
+    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+
+    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+        result = compute_span(self, job, run, blocks, start, *rest)
+        if job.request_id == "gone-L" and in_digest.is_set():
+            computed.set()  # the last chunk is done: only the digest thread still reads the blocks
+        return result
+
+    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, ends: bool, layers: Any = None) -> Any:
+        if job.request_id == "gone-L" and layers is not None and layers.start == 0:
+            in_digest.set()
+            go_on.wait(30)
+        return digest_span(self, job, blocks, span, ends, layers)
+
+    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=flags(2)) as pair:
+        call = asyncio.ensure_future(pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="gone-L"))
+        try:
+            for _ in range(6000):
+                if computed.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert computed.is_set()
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            for _ in range(1000):
+                if pair.prefill.pins.ended.get("released"):
+                    break
+                await asyncio.sleep(0.01)
+            released = pair.prefill.pins.ended.get("released") == 1
+            held_while_released = pair.prefill.host.allocator.num_used > 0
+        finally:
+            go_on.set()
+        freed = await all_freed(pair)
+        healthy = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
+    assert released and freed
+    assert held_while_released  # the digest thread was still reading them
+    assert tuple(healthy.token_ids) == expected("tiny-mamba2", LENGTH)
+
+
+@pytest.mark.asyncio
 async def test_a_decode_engine_that_does_not_ask_gets_one_last_part_of_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """An older decode engine never sets accept_layer_parts: prefill sends its parts as before."""
     real = pb.PrefillJob
