@@ -36,6 +36,7 @@ from shared.layout.presets import TINY_PRESETS
 from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
+from tests.integration.exactness.multi_turn import random_tokens, run_turns
 from tests.integration.exactness.pair import RunningPair, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -322,6 +323,32 @@ async def test_a_decode_engine_that_does_not_ask_gets_one_last_part_of_every_lay
             got = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
     assert tuple(got.token_ids) == expected("tiny-gdn", LENGTH)
     assert sent and all(s[3:] == (0, 0) for s in sent) and sent[-1][:2] == (len(sent) - 1, len(sent))
+
+
+@pytest.mark.asyncio
+async def test_multi_turn_with_the_prefix_cache_in_layer_parts_equals_colocated() -> None:
+    """Decode's prefix cache and layer parts: every turn after the first READs only the K/V after
+    the cached prefix, the last chunk's in layer parts; per turn the same attention bytes as
+    with one last part, the same conv and SSM bytes, tokens equal colocated."""
+    model, cache = "tiny-mamba2", ["--prefix-cache-blocks", "64", "--check-state"]
+    moved: dict[int, list[tuple[int, int, int, int]]] = {}
+    for layer_parts in (0, 3):
+        async with service_pair(model, 1, 1, extra_prefill=flags(layer_parts), extra_decode=cache) as pair:
+            results = await run_turns(pair, model, random_tokens(11, 70), 100, 4, seed=11)
+        moved[layer_parts] = [
+            (
+                r.summary.prefix_cached_tokens,
+                r.summary.transfer.attention_bytes,
+                r.summary.transfer.conv_bytes,
+                r.summary.transfer.ssm_bytes,
+            )
+            for r in results
+        ]
+        reads = [r.summary.transfer.read_count for r in results]
+        assert all(r.summary.digests_verified and r.summary.state_verified for r in results)
+        if layer_parts:
+            assert all(n > 2 for n in reads[1:]), reads  # the turns after the first came in layer parts
+    assert moved[3] == moved[0] and all(cached > 0 for cached, *_ in moved[3][1:]), moved
 
 
 SYNTHETIC_CASES = [("qwen3.5-0.8b", 2, 1, 4), ("jamba-mini-1.7", 2, 2, 3), ("nemotron-h-8b", 1, 2, 8)]
