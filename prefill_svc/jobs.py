@@ -10,7 +10,9 @@ One span's chunks are always queued on the compute thread ahead of the span the 
 awaits, so the thread goes from chunk to chunk without waiting for the loop; on a host cache, a
 part's digests (but the last's) are taken on the host's digest thread, beside the next span's
 chunks, not before them (a device cache needs a copy ordered after the span's kernels: there
-the compute thread takes them). From the first
+the compute thread takes them). With --layer-parts, for a job that accepts them, the last
+span's state leaves in parts of consecutive layers as the engine reports them final
+(prefill_svc/layer_parts.py). From the first
 part on, the pin owns the blocks: a job that fails later leaves them to decode's release, the
 cancel, or the lease; a job that stops (its pin ended, it failed) computes no span not started
 yet, and its blocks are freed only once the last span queued is done.
@@ -336,7 +338,7 @@ class JobRunner:
                 pin.writer = writing(future)
             return future
 
-        def cover() -> None:
+        def cover() -> None:  # a layer part's digests went aside: the pin frees the blocks after them too
             if pin is not None:
                 pin.writer = writing(latest)
 

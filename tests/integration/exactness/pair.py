@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -85,3 +86,25 @@ async def service_pair(
             await asyncio.wait_for(decode.stop(), 30)
     finally:
         await asyncio.wait_for(prefill.stop(), 30)
+
+
+async def all_freed(pair: RunningPair) -> bool:
+    """Whether both sides' blocks and prefill's pins are all free, waiting a while for the last
+    notifications and decode's cleanup after its last response (polled, never timed)."""
+    for _ in range(1000):
+        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) -> bool:
+    """The client goes away: cancel its call, then wait (polled, a while) until decode's release
+    reached prefill; whether it did, exactly once."""
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    for _ in range(1000):
+        if pair.prefill.pins.ended.get("released"):
+            break
+        await asyncio.sleep(0.01)
+    return pair.prefill.pins.ended.get("released") == 1

@@ -37,7 +37,7 @@ from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from tests.integration.exactness.multi_turn import random_tokens, run_turns
-from tests.integration.exactness.pair import RunningPair, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -75,14 +75,6 @@ def parts_sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int,
 
     monkeypatch.setattr(session, "manifest_message", message_of)
     yield sent
-
-
-async def all_freed(pair: RunningPair) -> bool:
-    for _ in range(1000):
-        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
-            return True
-        await asyncio.sleep(0.01)
-    return False
 
 
 CASES = [
@@ -239,13 +231,7 @@ async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_lay
         call = asyncio.ensure_future(pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="gone-1"))
         loop = asyncio.get_running_loop()
         assert await loop.run_in_executor(None, held.wait, 60)
-        call.cancel()
-        await asyncio.gather(call, return_exceptions=True)
-        for _ in range(1000):
-            if pair.prefill.pins.ended.get("released"):
-                break
-            await asyncio.sleep(0.01)
-        released = pair.prefill.pins.ended.get("released") == 1
+        released = await cancel_until_released(pair, call)
         release.set()
         freed = await all_freed(pair)
         stopped_after = list(after_release)
@@ -291,13 +277,7 @@ async def test_a_release_while_a_layer_part_is_digested_frees_the_blocks_only_af
                     break
                 await asyncio.sleep(0.01)
             assert computed.is_set()
-            call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
-            for _ in range(1000):
-                if pair.prefill.pins.ended.get("released"):
-                    break
-                await asyncio.sleep(0.01)
-            released = pair.prefill.pins.ended.get("released") == 1
+            released = await cancel_until_released(pair, call)
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()

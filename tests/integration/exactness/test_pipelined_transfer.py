@@ -30,7 +30,7 @@ from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.rpc import fault_hooks
-from tests.integration.exactness.pair import RunningPair, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -51,28 +51,6 @@ def expected(model: str, length: int) -> tuple[int, ...]:
 def edge_lengths(block_size: int) -> list[int]:
     """One chunk, one past it, around the first and second block edges (prefill computes N-1)."""
     return [CHUNK, CHUNK + 1, block_size, block_size + 1, block_size + 2, 2 * block_size + 1, 3 * block_size + 7]
-
-
-async def all_freed(pair: RunningPair) -> bool:
-    """Whether both sides' blocks and prefill's pins are all free, waiting a while for the last
-    notifications and decode's cleanup after its last response (polled, never timed)."""
-    for _ in range(1000):
-        if not (pair.prefill.host.allocator.num_used or pair.decode.host.allocator.num_used or len(pair.prefill.pins)):
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
-async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) -> bool:
-    """The client goes away: cancel its call, then wait (polled, a while) until decode's release
-    reached prefill; whether it did, exactly once."""
-    call.cancel()
-    await asyncio.gather(call, return_exceptions=True)
-    for _ in range(1000):
-        if pair.prefill.pins.ended.get("released"):
-            break
-        await asyncio.sleep(0.01)
-    return pair.prefill.pins.ended.get("released") == 1
 
 
 def parts_of(length: int, block_size: int) -> int:
