@@ -469,7 +469,7 @@ class JobRunner:
         on_layer = None if feed is None else feed.on_layer
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
-            first_token = run.compute(end, on_layer) if end == span.compute_to else run.compute(end)
+            first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
         computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:

@@ -713,24 +713,13 @@ def _prefix_cache_states(values: dict[str, object]) -> int:
     return states
 
 
-def _manifest_part_tokens(values: dict[str, object]) -> int:
-    """--manifest-part-tokens, refused without the chunks whose parts it spaces."""
-    tokens = _opt(values, "manifest_part_tokens", int) or 0
-    if tokens and not _opt(values, "prefill_chunk_tokens", int):
-        raise SettingsError(
-            "--manifest-part-tokens needs --prefill-chunk-tokens > 0: parts leave only between the chunks a prefill computes"
-        )
-    return tokens
-
-
-def _layer_parts(values: dict[str, object]) -> int:
-    """--layer-parts, refused without the chunks whose last one it splits."""
-    parts = _opt(values, "layer_parts", int) or 0
-    if parts and not _opt(values, "prefill_chunk_tokens", int):
-        raise SettingsError(
-            "--layer-parts needs --prefill-chunk-tokens > 0: layer parts split the last chunk of a prefill in chunks"
-        )
-    return parts
+def _needs_chunks(values: dict[str, object], name: str, why: str) -> int:
+    """A prefill flag that shapes the parts of a prefill in chunks: refused without
+    --prefill-chunk-tokens (`why` says what it does with them)."""
+    value = _opt(values, name, int) or 0
+    if value and not _opt(values, "prefill_chunk_tokens", int):
+        raise SettingsError(f"--{name.replace('_', '-')} needs --prefill-chunk-tokens > 0: {why}")
+    return value
 
 
 def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) -> ServiceSettings:
@@ -787,8 +776,16 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
-        manifest_part_tokens=_manifest_part_tokens(values) if role == "prefill" else 0,
-        layer_parts=_layer_parts(values) if role == "prefill" else 0,
+        manifest_part_tokens=(
+            _needs_chunks(values, "manifest_part_tokens", "parts leave only between the chunks a prefill computes")
+            if role == "prefill"
+            else 0
+        ),
+        layer_parts=(
+            _needs_chunks(values, "layer_parts", "layer parts split the last chunk of a prefill in chunks")
+            if role == "prefill"
+            else 0
+        ),
         manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),

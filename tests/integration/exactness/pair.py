@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 
 from decode_svc.app import DecodeApp
+from decode_svc.part_reads import PartReads
+from decode_svc.reader import ReadStats
 from prefill_svc.app import PrefillApp
+from shared.cache.manifest import Manifest
 from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -108,3 +112,18 @@ async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) ->
             break
         await asyncio.sleep(0.01)
     return pair.prefill.pins.ended.get("released") == 1
+
+
+def drop_part_reads(monkeypatch: pytest.MonkeyPatch, which: Callable[[Manifest], bool]) -> None:
+    """TEST-ONLY (negative controls): decode takes every manifest part `which` picks as arrived
+    but never READs it, so its state is left unread in decode's blocks."""
+    arrived = PartReads.arrived
+
+    def dropping(self: PartReads, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
+        if which(part):
+            self.parts.append(part)
+            read.close()
+            return
+        arrived(self, part, read)
+
+    monkeypatch.setattr(PartReads, "arrived", dropping)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
@@ -24,8 +24,6 @@ import grpc
 import pytest
 
 import prefill_svc.session as session
-from decode_svc.part_reads import PartReads
-from decode_svc.reader import ReadStats
 from prefill_svc.layer_parts import LayerPartFeed
 from prefill_svc.part_plan import part_spans
 from shared.cache.manifest import Manifest
@@ -37,7 +35,7 @@ from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc import fault_hooks
 from tests.integration.exactness.multi_turn import random_tokens, run_turns
-from tests.integration.exactness.pair import all_freed, cancel_until_released, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -191,16 +189,7 @@ async def test_a_flipped_byte_in_a_layer_part_fails_naming_it(monkeypatch: pytes
 async def test_negative_control_a_layer_part_left_unread_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """TEST-ONLY: decode drops the READ of the first layer part (digests off, so nothing else
     notices): the tokens must differ from colocated, so the exactness test above can fail."""
-    arrived = PartReads.arrived
-
-    def drop_first_layers(self: PartReads, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
-        if part.layers is not None and part.layers.start == 0:
-            self.parts.append(part)
-            read.close()
-            return
-        arrived(self, part, read)
-
-    monkeypatch.setattr(PartReads, "arrived", drop_first_layers)
+    drop_part_reads(monkeypatch, lambda part: part.layers is not None and part.layers.start == 0)
     off = ["--verify-transfer", "off"]
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=[*flags(2), *off], extra_decode=off) as pair:
         got = await pair.generate(prompt_of(LENGTH), MAX_TOKENS)
@@ -339,22 +328,26 @@ SYNTHETIC_CASES = [("qwen3.5-0.8b", 2, 1, 4), ("jamba-mini-1.7", 2, 2, 3), ("nem
     "model,prefill_tp,decode_tp,layer_parts", SYNTHETIC_CASES, ids=[f"{m}-P{p}-D{d}-L{n}" for m, p, d, n in SYNTHETIC_CASES]
 )
 async def test_synthetic_engine_at_real_model_sizes_in_layer_parts_every_byte_checked(
-    model: str, prefill_tp: int, decode_tp: int, layer_parts: int
+    monkeypatch: pytest.MonkeyPatch, model: str, prefill_tp: int, decode_tp: int, layer_parts: int
 ) -> None:
     """Real-model layouts (groups spanning the model's layers) in layer parts, every byte compared."""
-    block_size = build_engine_layout(load_model(model), prefill_tp).block_size
+    spec = load_model(model)
+    block_size = build_engine_layout(spec, prefill_tp).block_size
     length, chunk = 2 * block_size + block_size // 2, block_size // 2
-    async with service_pair(
-        model,
-        prefill_tp,
-        decode_tp,
-        engine="synthetic",
-        num_blocks=32,
-        extra_prefill=["--prefill-chunk-tokens", str(chunk), "--layer-parts", str(layer_parts)],
-        extra_decode=["--check-state"],
-    ) as pair:
-        got = await pair.generate(list(range(length)), 3)
-        assert await all_freed(pair)
-        ended = dict(pair.prefill.pins.ended)
+    with parts_sent(monkeypatch) as sent:
+        async with service_pair(
+            model,
+            prefill_tp,
+            decode_tp,
+            engine="synthetic",
+            num_blocks=32,
+            extra_prefill=["--prefill-chunk-tokens", str(chunk), "--layer-parts", str(layer_parts)],
+            extra_decode=["--check-state"],
+        ) as pair:
+            got = await pair.generate(list(range(length)), 3)
+            assert await all_freed(pair)
+            ended = dict(pair.prefill.pins.ended)
     assert got.summary.state_verified and got.summary.digests_verified
     assert ended == {"read": 1}, ended  # every reader's notification of every part counted
+    ranges = layer_ranges(spec.num_layers, layer_parts)
+    assert [s[3:] for s in sent if s[3:] != (0, 0)] == [(r.start, r.stop) for r in ranges]  # the last chunk in layer parts

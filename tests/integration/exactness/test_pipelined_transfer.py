@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine
 from functools import cache
 from typing import Any
 
 import grpc
 import pytest
 
-from decode_svc.part_reads import PartReads
-from decode_svc.reader import ReadStats
 from prefill_svc.part_plan import part_spans
 from shared.cache.manifest import Manifest
 from shared.engine.reference.colocated import colocated_generate
@@ -30,7 +27,7 @@ from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.rpc import fault_hooks
-from tests.integration.exactness.pair import all_freed, cancel_until_released, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -273,16 +270,7 @@ async def test_synthetic_engine_at_real_model_sizes_in_parts_every_byte_checked(
 async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """TEST-ONLY: decode drops the READ of the first part (digests off, so nothing else notices):
     the tokens must differ from colocated, so the exactness test above can fail."""
-    arrived = PartReads.arrived
-
-    def drop_first(self: PartReads, part: Manifest, read: Coroutine[Any, Any, ReadStats]) -> None:
-        if part.part is not None and part.part.index == 0:
-            self.parts.append(part)
-            read.close()
-            return
-        arrived(self, part, read)
-
-    monkeypatch.setattr(PartReads, "arrived", drop_first)
+    drop_part_reads(monkeypatch, lambda part: part.part is not None and part.part.index == 0)
     off = ["--verify-transfer", "off"]
     length = 100
     async with service_pair(

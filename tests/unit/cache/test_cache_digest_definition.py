@@ -14,7 +14,7 @@ from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
-from shared.layout.shapes import kv_head_index
+from shared.layout.shapes import conv_channel_index, kv_head_index, ssm_row_index
 
 
 def _random_cache(layout: EngineLayout, num_blocks: int, seed: int) -> RankViews:
@@ -22,6 +22,34 @@ def _random_cache(layout: EngineLayout, num_blocks: int, seed: int) -> RankViews
     for region in cache.regions:
         region.copy_(torch.randint(0, 256, (region.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
     return RankViews(layout, cache)
+
+
+def write_global_state(
+    layout: EngineLayout,
+    views: list[RankViews],
+    ids: np.ndarray,
+    kv: torch.Tensor,
+    mamba: tuple[list[np.ndarray], torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Shard one global state into every rank of `layout`, as its engine would hold it: K/V
+    `kv[region, K|V, head, token]` of tokens 0.. into the attention blocks `ids`; with `mamba`
+    (block ids per group, conv and SSM `[group, region, ...]`), the conv and SSM state too."""
+    spec = layout.spec
+    kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(ids, np.arange(kv.shape[3])))
+    for r, view in enumerate(views):
+        for region, fa in enumerate(view.fa):
+            for pos, head in enumerate(kv_head_index(spec, layout.tp, r).tolist()):
+                fa[kernel, :, pos, slot, :] = kv[region, :, head].to(fa.dtype).permute(1, 0, 2)
+        if mamba is None:
+            continue
+        blocks, conv, ssm = mamba
+        chans = torch.from_numpy(conv_channel_index(spec, layout.tp, r))
+        rows = torch.from_numpy(ssm_row_index(spec, layout.tp, r))
+        for g in layout.mamba_group_ids:
+            block = int(blocks[g][0])
+            for region in range(len(layout.groups[g].layers)):
+                view.conv[region][block] = conv[g, region][chans].to(view.conv[region].dtype)
+                view.ssm[region][block] = ssm[g, region][rows].to(view.ssm[region].dtype)
 
 
 def _block_ids(layout: EngineLayout, attention: np.ndarray, mamba: int) -> list[np.ndarray]:
@@ -101,13 +129,8 @@ def test_engines_of_other_tp_and_block_sizes_holding_the_same_state_get_the_same
     src_ids, dst_ids = np.array([3, 0, 5, 1]), np.array([2, 6, 4, 0])
     src_views = [_random_cache(src, 8, seed=10 + r) for r in range(src.tp)]
     dst_views = [_random_cache(dst, 8, seed=20 + r) for r in range(dst.tp)]
-    for layout, views, ids in ((src, src_views, src_ids), (dst, dst_views, dst_ids)):
-        kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(ids, np.arange(n)))
-        for r, view in enumerate(views):
-            heads = torch.from_numpy(kv_head_index(spec, layout.tp, r))
-            for region, fa in enumerate(view.fa):
-                for pos, head in enumerate(heads.tolist()):
-                    fa[kernel, :, pos, slot, :] = kv[region, :, head].to(fa.dtype).permute(1, 0, 2)
+    write_global_state(src, src_views, src_ids, kv)
+    write_global_state(dst, dst_views, dst_ids, kv)
     prefill = state_digests(src, src_views, _block_ids(src, src_ids, 7), n, sections=("fa",))
     decode = state_digests(dst, dst_views, _block_ids(dst, dst_ids, 7), n, source=src, sections=("fa",))
     assert [d.digest for d in prefill] == [d.digest for d in decode] and len(prefill) == src.tp

@@ -14,9 +14,9 @@ from shared.cache.digest import SectionDigest, compare_digests, state_digests
 from shared.cache.model_views import RankViews
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
-from shared.layout.shapes import conv_channel_index, global_conv_dim, global_ssm_shape, kv_head_index, ssm_row_index
+from shared.layout.shapes import global_conv_dim, global_ssm_shape
 from shared.layout.spec import LayoutError, layer_ranges
-from tests.unit.cache.test_cache_digest_definition import _random_cache
+from tests.unit.cache.test_cache_digest_definition import _random_cache, write_global_state
 
 ATTENTION = np.array([5, 2, 6])  # out of order, as an allocator hands them out
 FIRST_MAMBA_BLOCK = 3
@@ -138,21 +138,8 @@ def test_decode_finds_a_parts_digests_in_its_own_layout(
     src_views = [_random_cache(src, 10, seed=10 + r) for r in range(src.tp)]
     dst_views = [_random_cache(dst, 10, seed=20 + r) for r in range(dst.tp)]
     prefill_ids, decode_ids = _block_ids(src, src_ids, 7), _block_ids(dst, dst_ids, 7)
-    for layout, views, ids, blocks in ((src, src_views, src_ids, prefill_ids), (dst, dst_views, dst_ids, decode_ids)):
-        kernel, slot = (torch.from_numpy(a) for a in layout.token_slots(ids, np.arange(n)))
-        for r, view in enumerate(views):
-            heads = kv_head_index(spec, layout.tp, r).tolist()
-            chans, rows = (
-                torch.from_numpy(a) for a in (conv_channel_index(spec, layout.tp, r), ssm_row_index(spec, layout.tp, r))
-            )
-            for region, fa in enumerate(view.fa):
-                for pos, head in enumerate(heads):
-                    fa[kernel, :, pos, slot, :] = kv[region, :, head].to(fa.dtype).permute(1, 0, 2)
-            for g in layout.mamba_group_ids:
-                for region in range(len(layout.groups[g].layers)):
-                    block = int(blocks[g][0])
-                    view.conv[region][block] = conv[g, region][chans].to(view.conv[region].dtype)
-                    view.ssm[region][block] = ssm[g, region][rows].to(view.ssm[region].dtype)
+    write_global_state(src, src_views, src_ids, kv, (prefill_ids, conv, ssm))
+    write_global_state(dst, dst_views, dst_ids, kv, (decode_ids, conv, ssm))
     for layers in (*layer_ranges(6, 3), range(1, 5), range(5, 6)):
         prefill = state_digests(src, src_views, prefill_ids, n, layers=layers)
         decode = state_digests(dst, dst_views, decode_ids, n, source=src, layers=layers)
