@@ -79,12 +79,10 @@ from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.protocol import RequestBlocks
-from shared.engine.stopping import steps
 from shared.engine.timed import timed
 from shared.errors import (
     Aborted,
     AlreadyExists,
-    DeadlineExceeded,
     Internal,
     ServiceError,
     Unavailable,
@@ -93,13 +91,12 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.step_loop import StepLoop
 from shared.telemetry import Telemetry
 from shared.transport.read_fence import ReadFence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-MAX_TOKENS_PER_CHUNK = 16
 
 
 def first_token_of(manifest: Manifest, host: EngineHost, peer: str) -> int | None:
@@ -123,11 +120,19 @@ class ComputeGuard:
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
-        self._last: asyncio.Future[object] | None = None
+        self._last: asyncio.Future[Any] | None = None
+
+    def after(self, call: asyncio.Future[Any] | None) -> None:
+        """A model call that reads the request's blocks and was queued elsewhere (a step of the
+        step loop): freeing waits for it too, unless a later call of the request was awaited."""
+        if call is None or call.done():
+            return
+        last = self._last
+        self._last = call if last is None or last.done() else asyncio.gather(last, call, return_exceptions=True)
 
     async def run(self, fn: Callable[[], T]) -> T:
         task: asyncio.Future[T] = asyncio.ensure_future(self.host.run_compute(fn))
-        self._last = task  # type: ignore[assignment]
+        self._last = task
         return await asyncio.shield(task)
 
     def free_when_idle(self, key: str, reads: ReadFence, hit: Hit | None = None) -> None:
@@ -167,6 +172,9 @@ class Generation:
         self._active: set[str] = set()
         self.checks = StateChecks(host, check_state, telemetry)
         self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, telemetry)
+        self.step_loop = StepLoop(host.engine, host.submit_compute)
+        if telemetry is not None:
+            self.step_loop.on_step = telemetry.observe_decode_step
 
     @property
     def in_flight(self) -> int:
@@ -495,10 +503,10 @@ class Generation:
         out: ClientStream,
         first_token: int | None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Decode steps from the state in `local` until the request finishes (`out.finish`)."""
-        loop = asyncio.get_running_loop()
+        """Decode steps from the state in `local` until the request finishes (`out.finish`): the
+        request joins the engine's step loop and streams each token as its step ends."""
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
-        sampling, stop, deadline = req.sampling, req.stop, req.deadline
+        sampling = req.sampling
         decode, start_seconds = await compute.run(
             lambda: timed(
                 lambda: self.host.engine.start_decode(
@@ -506,17 +514,16 @@ class Generation:
                 )
             )
         )
-        while out.finish is None:
-            generated = out.generated
-            if loop.time() > deadline:
-                raise DeadlineExceeded(f"deadline passed after {generated} of {req.max_tokens} tokens")
-            # The first token alone (time to first token), then chunks: fewer hops to the compute thread.
-            n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, req.max_tokens - generated)
-            n = await blocks.room_for(n, deadline)  # waits (on the loop) only while not one step fits
-            (ids, out.finish), seconds = await compute.run(functools.partial(timed, steps, decode, n, stop, generated))
-            if generated == 0:  # the request's first token is decode's own (n-1 boundary)
-                out.first_step_seconds = start_seconds + seconds
-            yield out.chunk(ids)
+        member = self.step_loop.join(decode, req.stop, req.deadline, blocks, generated=out.generated)
+        try:
+            async for token in member.tokens():
+                if out.generated == 0:  # the request's first token is decode's own (n-1 boundary)
+                    out.first_step_seconds = start_seconds + token.step_seconds
+                out.finish = token.finish
+                yield out.chunk([token.token_id])
+        finally:
+            self.step_loop.leave(member)
+            compute.after(member.last_step)  # its blocks stay until a step still running with it ends
 
     def _count_read(self, stats: ReadStats) -> None:
         if self.telemetry is None or not stats.read_count:

@@ -54,6 +54,18 @@ class GrowingBlocks:
     async def _grow(self, num_tokens: int) -> RequestBlocks:
         return self.host.grow(self.blocks, num_tokens)
 
+    def try_room(self, steps: int) -> bool:
+        """Whether the next `steps` decode steps fit now, the blocks grown when free ones are
+        there; False (nothing waited for) while the cache is full."""
+        held = max(self._asked, self._prompt_len)
+        if self.fits(held + steps):
+            return True
+        try:
+            self.blocks = self.host.grow(self.blocks, held + steps)
+        except ResourceExhausted:
+            return False
+        return True
+
     async def room_for(self, steps: int, deadline: float) -> int:
         """How many of the next `steps` decode steps may run now (at least 1), their blocks taken;
         while the cache is full and not one more step fits, wait for frees until shortly before

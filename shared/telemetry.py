@@ -26,6 +26,7 @@ LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
 REQUEST_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 # Between two tokens of one request: a decode step, or a chunk of them.
 TOKEN_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 SECTIONS = ("fa", "conv", "ssm")
 # gRPC statuses a request can end with here (pre-created on hybrid_pd_requests_total).
@@ -142,6 +143,18 @@ class Telemetry:
             buckets=TOKEN_BUCKETS,
             registry=decode,
         )
+        self.decode_batch_size = Histogram(
+            "hybrid_pd_decode_batch_size",
+            "Requests that computed their next token in one decode step (continuous batching)",
+            buckets=BATCH_BUCKETS,
+            registry=decode,
+        )
+        self.decode_step_seconds = Histogram(
+            "hybrid_pd_decode_step_seconds",
+            "Engine time of one decode step of every running request",
+            buckets=TOKEN_BUCKETS,
+            registry=decode,
+        )
         self.digest_mismatches = Counter(
             "hybrid_pd_digest_mismatches",
             "Transferred state whose digest differs from prefill's, by section",
@@ -195,6 +208,10 @@ class Telemetry:
             self.failures.labels(reason=reason)
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
+
+    def observe_decode_step(self, batch_size: int, seconds: float) -> None:
+        self.decode_batch_size.observe(batch_size)
+        self.decode_step_seconds.observe(seconds)
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

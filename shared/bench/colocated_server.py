@@ -3,10 +3,10 @@ DecodeService.Generate API as the decode service, so the same client measures bo
 
 Same engine, same cache layout (decode's TP), same boundary (at full, the first token is the
 one prefill sampled, sent before any decode step), same single compute thread for model calls,
-same streaming (the first token alone, then chunks of up to 16 tokens) and the same up-front
-allocation of prompt + max_tokens blocks as the decode service; no NIXL, no prefill peer.
-Prefill and decode steps of concurrent requests share the one compute thread, which is the
-interference disaggregation removes.
+same step loop (shared/runtime/step_loop.py: concurrent requests decode in one step, each token
+streamed as its step ends) as the decode service; blocks for prompt + max_tokens are allocated
+up front; no NIXL, no prefill peer. Prefills and the decode steps of concurrent requests share
+the one compute thread, which is the interference disaggregation removes.
 
     python -m shared.bench.colocated_server --model tiny-mamba2 --engine reference --tp 1 --num-blocks N
     python -m shared.bench.colocated_server --engine hf --model CHECKPOINT_DIR --tp 1 --num-blocks N
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import signal
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from decode_svc.request import DEFAULT_TIMEOUT_SECONDS
 from decode_svc.request_options import decode_options, finish_reason_message
 from shared.bench.sizing import blocks_per_group
 from shared.cache.allocator import BlockAllocator
@@ -35,7 +35,6 @@ from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.factory import ENGINE_KINDS, make_engine
 from shared.engine.protocol import Engine, RequestBlocks
-from shared.engine.stopping import steps
 from shared.engine.timed import timed
 from shared.errors import InvalidArgument
 from shared.layout.models import load_model
@@ -47,11 +46,9 @@ from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
 from shared.rpc.token_ids import token_list
 from shared.runtime.compute_thread import ComputeThread
+from shared.runtime.step_loop import AlwaysRoom, StepLoop
 
 T = TypeVar("T")
-
-
-MAX_TOKENS_PER_CHUNK = 16  # as the decode service
 
 
 class ColocatedServicer(pb_grpc.DecodeServiceServicer):
@@ -60,6 +57,7 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         self.engine = engine
         self.allocator = BlockAllocator(num_blocks)
         self.compute = ComputeThread("engine")  # the service's own compute thread: the same hop
+        self.step_loop = StepLoop(engine, self.compute.submit)  # the decode service's step loop
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await self.compute.submit(fn)
@@ -105,14 +103,20 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
                         )
                     )
                 )
-            while finish is None:
-                n = 1 if generated == 0 else min(MAX_TOKENS_PER_CHUNK, request.max_tokens - generated)
-                (ids, finish), step_seconds = await self._run(functools.partial(timed, steps, decode, n, options.stop, generated))
-                generated += len(ids)
-                if first_token_at is None:
-                    first_token_at = time.monotonic()
-                    first_step_seconds = start_seconds + step_seconds  # the first token is decode's own
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids))
+                deadline = asyncio.get_running_loop().time() + (context.time_remaining() or DEFAULT_TIMEOUT_SECONDS)
+                member = self.step_loop.join(decode, options.stop, deadline, AlwaysRoom(), generated=generated)
+                try:
+                    async for token in member.tokens():
+                        generated, finish = generated + 1, token.finish
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                            first_step_seconds = start_seconds + token.step_seconds  # the first token is decode's own
+                        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token.token_id]))
+                finally:
+                    self.step_loop.leave(member)
+                    if member.last_step is not None:  # the blocks are freed once no step reads them
+                        await asyncio.gather(member.last_step, return_exceptions=True)
+            assert finish is not None
             yield pb.GenerateResponse(
                 summary=pb.GenerateSummary(
                     request_id=key,

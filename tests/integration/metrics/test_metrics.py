@@ -53,6 +53,10 @@ async def test_metrics_after_requests() -> None:
     assert decode['hybrid_pd_requests_total{status="OK"}'] == 4
     assert decode["hybrid_pd_request_duration_seconds_count"] == 4
     assert decode["hybrid_pd_inter_token_latency_seconds_count"] == 4 * 2  # 3 tokens: 2 gaps each
+    # n-1 boundary: 3 decode steps a request; every step counts once, however many shared it.
+    steps = decode["hybrid_pd_decode_step_seconds_count"]
+    assert steps == decode["hybrid_pd_decode_batch_size_count"] and 3 <= steps <= 4 * 3
+    assert decode["hybrid_pd_decode_batch_size_sum"] == 4 * 3
     assert decode["hybrid_pd_queue_wait_seconds_count"] == 4 and prefill["hybrid_pd_queue_wait_seconds_count"] == 4
     # Nothing waits for blocks once every request ended (test_services_decode_blocks.py sees it at 1).
     assert decode["hybrid_pd_requests_queued_for_blocks"] == 0 and prefill["hybrid_pd_requests_queued_for_blocks"] == 0
