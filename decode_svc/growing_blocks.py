@@ -2,12 +2,11 @@
 
 Decode admits a request with blocks for its prompt and the first decode step (N + 1 tokens:
 every boundary's first step fits), not for prompt + max_tokens: a request that stops early
-never held what it did not use. Before each chunk of steps the service asks `room_for(n)` on
-the event loop: the blocks for the next `n` steps are taken there, or, while the cache is full,
-fewer steps run (those the held blocks still cover) and only a request that cannot take one
-more step waits for frees, until its deadline, then fails RESOURCE_EXHAUSTED. Waiting happens
-on the loop, never on the compute thread that every request shares, so a waiting request holds
-up nobody else.
+never held what it did not use. Before each step of the step loop (shared/runtime/step_loop.py)
+`try_room(1)` takes the next step's blocks on the event loop; while the cache is full that request
+alone sits the steps out and waits (`room_for`) for frees until its deadline, then fails
+RESOURCE_EXHAUSTED while the others carry on. Waiting happens on the loop, never on the compute
+thread that every request shares, so a waiting request holds up nobody else.
 
 How many tokens the next steps write is learnt from the engine itself: each step calls
 `ensure(n)` before it writes position n - 1, so after the first step the next one needs one

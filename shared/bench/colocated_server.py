@@ -18,24 +18,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
 from decode_svc.request import DEFAULT_TIMEOUT_SECONDS
 from decode_svc.request_options import decode_options, finish_reason_message
-from shared.bench.sizing import blocks_per_group
-from shared.cache.allocator import BlockAllocator
-from shared.cache.model_views import RankViews
-from shared.cache.regions import RankCache
 from shared.engine.factory import ENGINE_KINDS, make_engine
-from shared.engine.protocol import Engine, RequestBlocks
-from shared.engine.timed import timed
+from shared.engine.protocol import Engine
 from shared.errors import InvalidArgument
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
@@ -45,30 +41,14 @@ from shared.rpc.proto_time import duration
 from shared.rpc.server import build_server
 from shared.rpc.service import announce_port
 from shared.rpc.token_ids import token_list
-from shared.runtime.compute_thread import ComputeThread
-from shared.runtime.step_loop import AlwaysRoom, StepLoop
-
-T = TypeVar("T")
+from shared.runtime.colocated import Colocated, RunTimes
 
 
 class ColocatedServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, layout: EngineLayout, engine: Engine, num_blocks: int) -> None:
         self.layout = layout
         self.engine = engine
-        self.allocator = BlockAllocator(num_blocks)
-        self.compute = ComputeThread("engine")  # the service's own compute thread: the same hop
-        self.step_loop = StepLoop(engine, self.compute.submit)  # the decode service's step loop
-
-    async def _run(self, fn: Callable[[], T]) -> T:
-        return await self.compute.submit(fn)
-
-    def _allocate(self, key: str, num_tokens: int) -> RequestBlocks:
-        counts = blocks_per_group(self.layout, num_tokens)
-        ids = self.allocator.allocate(key, sum(counts))
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        return RequestBlocks(key, [ids[bounds[g] : bounds[g + 1]] for g in range(len(counts))])
+        self.colocated = Colocated(layout, engine, num_blocks)  # the decode service's step loop
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -82,57 +62,31 @@ class ColocatedServicer(pb_grpc.DecodeServiceServicer):
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         key = request.request_id or uuid.uuid4().hex
-        blocks = self._allocate(key, len(prompt) + request.max_tokens)
-        try:
-            computed = self.engine.num_prefill_tokens(len(prompt))
-            first, engine_seconds = await self._run(lambda: timed(self.engine.prefill, prompt, blocks, options.sampling))
-            prefill_seconds = time.monotonic() - started
-            generated = 0
-            first_token_at: float | None = None
-            finish = None
-            if first is not None:  # the full-N boundary: prefill sampled the first token
-                first_token_at = time.monotonic()
-                generated, finish = 1, options.stop.finish(first, 1)
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[first]))
-            start_seconds = first_step_seconds = 0.0
-            if finish is None:
-                decode, start_seconds = await self._run(
-                    lambda: timed(
-                        lambda: self.engine.start_decode(
-                            prompt, computed, blocks, lambda n: blocks, sampling=options.sampling, first_token=first
-                        )
-                    )
-                )
-                deadline = asyncio.get_running_loop().time() + (context.time_remaining() or DEFAULT_TIMEOUT_SECONDS)
-                member = self.step_loop.join(decode, options.stop, deadline, AlwaysRoom(), generated=generated)
-                try:
-                    async for token in member.tokens():
-                        generated, finish = generated + 1, token.finish
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                            first_step_seconds = start_seconds + token.step_seconds  # the first token is decode's own
-                        yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token.token_id]))
-                finally:
-                    self.step_loop.leave(member)
-                    if member.last_step is not None:  # the blocks are freed once no step reads them
-                        await asyncio.gather(member.last_step, return_exceptions=True)
-            assert finish is not None
-            yield pb.GenerateResponse(
-                summary=pb.GenerateSummary(
-                    request_id=key,
-                    prompt_token_count=len(prompt),
-                    generated_token_count=generated,
-                    finish_reason=finish_reason_message(finish),
-                    seed=options.sampling.seed,
-                    prefill_duration=duration(prefill_seconds),
-                    prefill_engine_duration=duration(engine_seconds),
-                    first_step_engine_duration=duration(first_step_seconds),
-                    time_to_first_token=duration((first_token_at or time.monotonic()) - started),
-                    total_duration=duration(time.monotonic() - started),
-                )
+        deadline = asyncio.get_running_loop().time() + (context.time_remaining() or DEFAULT_TIMEOUT_SECONDS)
+        times = RunTimes()
+        generated, finish = 0, None
+        tokens = self.colocated.stream(
+            key, prompt, request.max_tokens, sampling=options.sampling, stop=options.stop, deadline=deadline, times=times
+        )
+        async with contextlib.aclosing(tokens):
+            async for token in tokens:
+                generated, finish = generated + 1, token.finish
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[token.token_id]))
+        assert finish is not None
+        yield pb.GenerateResponse(
+            summary=pb.GenerateSummary(
+                request_id=key,
+                prompt_token_count=len(prompt),
+                generated_token_count=generated,
+                finish_reason=finish_reason_message(finish),
+                seed=options.sampling.seed,
+                prefill_duration=duration(times.prefill_seconds),
+                prefill_engine_duration=duration(times.engine_seconds),
+                first_step_engine_duration=duration(times.first_step_seconds),
+                time_to_first_token=duration((times.first_token_at or time.monotonic()) - started),
+                total_duration=duration(time.monotonic() - started),
             )
-        finally:
-            self.allocator.free(key)
+        )
 
     async def GetLayout(self, request: pb.GetLayoutRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetLayoutResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the colocated benchmark server has no layout to share")
@@ -161,8 +115,7 @@ def colocated_servicer(
     else:
         spec = load_model(model)
     layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
-    caches = [RankCache(layout.num_regions, num_blocks, layout.page_bytes) for _ in range(tp)]
-    views = [RankViews(layout, c) for c in caches]
+    views = Colocated.caches(layout, num_blocks)
     chosen = boundary or ("full" if kind == "hf" else "n-1")
     engine = make_engine(
         kind,

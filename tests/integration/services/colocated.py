@@ -21,4 +21,4 @@ async def colocated_port(servicer: ColocatedServicer) -> AsyncIterator[int]:
         yield port
     finally:
         await server.stop(1.0)
-        servicer.compute.shutdown(wait=True)
+        servicer.colocated.compute.shutdown(wait=True)
