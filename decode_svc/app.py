@@ -1,10 +1,10 @@
 """Wiring of the decode service: engine host, prefill peers, servicer, gRPC shell; start and drain.
 
 Readiness (health SERVING) needs the local engine up (agents, registered memory, a loopback
-self-READ) and at least one prefill peer handshaken, probe-READ and with an open Session; it
-follows the peers as they come and go. Liveness (service "") does not depend on peers. Started
-without --prefill (serving only the decode legs of a P/D router, whose requests name their
-prefill engine), the engine alone decides readiness.
+self-READ). With --local-prefill off it also needs at least one prefill peer handshaken,
+probe-READ and with an open Session, and follows the peers as they come and go; by default
+(fallback) decode computes prompts itself while no prefill engine is ready, so the engine alone
+decides, as it does when started without --prefill. Liveness (service "") does not depend on peers.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class DecodeApp:
             learned=self.learned,
             prefix_cache_blocks=settings.prefix_cache_blocks,
             prefix_cache_states=settings.prefix_cache_states,
+            local_prefill=settings.local_prefill,
+            local_prefill_below=settings.local_prefill_below,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
@@ -90,7 +92,7 @@ class DecodeApp:
             raise
         app.peers.start()
         await app.discovery.start()
-        if not settings.prefill:
+        if app._ready_alone:
             await app.shell.set_ready(True)
         log.info(
             "decode engine %s listening on port %d, prefill peers %s",
@@ -127,9 +129,15 @@ class DecodeApp:
         while self.servicer.generation.in_flight:
             await asyncio.sleep(0.02)
 
+    @property
+    def _ready_alone(self) -> bool:
+        """Readiness is the engine's alone: no --prefill (learned peers come and go with
+        requests), or decode computes prompts itself while no prefill engine is ready."""
+        return not self.settings.prefill or self.settings.local_prefill == "fallback"
+
     def _on_peer_change(self) -> None:
-        if not self.settings.prefill:
-            return  # readiness is the engine's alone (learned peers come and go with requests)
+        if self._ready_alone:
+            return
         update = asyncio.ensure_future(self.shell.set_ready(self.peers.any_ready))
         self._health_updates.add(update)
         update.add_done_callback(self._health_updates.discard)

@@ -66,6 +66,7 @@ from typing import Any, TypeVar
 from decode_svc.early_token import EarlyToken
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
+from decode_svc.local_prefill import LocalPrefill, LocalPrefillMode, Reason
 from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
@@ -75,7 +76,7 @@ from decode_svc.read_checks import StateChecks
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request import RequestContext, check_fits_prefill
 from decode_svc.responses import ClientStream, Transfer, client_stream, summary
-from decode_svc.reuse import DecodeReuse, ReadTarget, Reused
+from decode_svc.reuse import DecodeReuse, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
@@ -84,6 +85,7 @@ from shared.engine.timed import timed
 from shared.errors import (
     Aborted,
     AlreadyExists,
+    FailedPrecondition,
     Internal,
     ServiceError,
     Unavailable,
@@ -162,6 +164,8 @@ class Generation:
         learned: LearnedPeers | None = None,
         prefix_cache_blocks: int = 0,
         prefix_cache_states: int = 0,
+        local_prefill: LocalPrefillMode = "fallback",
+        local_prefill_below: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -174,6 +178,7 @@ class Generation:
         self.checks = StateChecks(host, check_state, telemetry)
         self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, telemetry)
         self.step_loop = StepLoop(host.engine, host.submit_compute)
+        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, telemetry)
         if telemetry is not None:
             self.step_loop.on_step = telemetry.observe_decode_step
 
@@ -197,8 +202,9 @@ class Generation:
         key = req.request_id
         admit = admission_tokens(len(req.prompt))
         peer: PrefillPeer | None
+        here: Reason | None = None  # decode computes the prompt itself (decode_svc/local_prefill.py)
         if remote is None:
-            peer, reused = self._source(req)
+            peer, reused, here = self._source(req)
             try:
                 leading = self.reuse.leading(reused)
                 local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
@@ -241,8 +247,14 @@ class Generation:
                     raise Unavailable(
                         f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
                     )
-            elif peer is None or not peer.ready:  # lost while this request waited for blocks, or none was ready
-                peer = self.peers.pick()
+            elif here is None and (peer is None or not peer.ready):  # lost while it waited for blocks, or none was ready
+                peer, here = self._pick_or_here(reused)
+            if here is not None:
+                steps: Steps = lambda n, out, first: self._steps(req, n, local, compute, out, first)  # noqa: E731
+                async for from_here in self.local.run(req, local, compute.run, steps, here):
+                    yield from_here
+                return
+            assert peer is not None
             job_sent = time.monotonic()
             out = client_stream(self.host, req, self.telemetry)
             early = EarlyToken() if remote is None and self.host.engine.boundary == "full" else None
@@ -328,21 +340,38 @@ class Generation:
             compute.free_when_idle(key, reads, reused.hit)
             self.reuse.release_state(reused)
 
-    def _source(self, req: RequestContext) -> tuple[PrefillPeer | None, Reused]:
-        """Where a plain request's state comes from: the least loaded ready prefill peer, with
-        what decode's caches hold for the prompt under its chain; with none ready, a state
-        checkpoint of the prompt under the chain of a prefill engine linked before (no peer:
-        it needs none unless its restore fails), else `pick`'s UNAVAILABLE naming every peer."""
+    def _source(self, req: RequestContext) -> tuple[PrefillPeer | None, Reused, Reason | None]:
+        """Where a plain request's state comes from: decode's own engine for a prompt below
+        --local-prefill-below; else the least loaded ready prefill peer, with what decode's
+        caches hold for the prompt under its chain; with none ready, a state checkpoint of the
+        prompt under the chain of a prefill engine linked before (no peer: it needs none unless
+        its restore fails), else decode's own engine (--local-prefill fallback), else `pick`'s
+        UNAVAILABLE naming every peer."""
+        if self.local.short(len(req.prompt)):
+            return None, Reused(), "short_prompt"
         try:
             peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
-        except Unavailable:
+        except (Unavailable, FailedPrecondition):
             link = self.reuse.restorable(self.peers.known_links(), req)
-            if link is None:
+            if link is not None:
+                return None, self.reuse.lookup(link, req), None
+            if not self.local.falls_back:
                 raise
-            return None, self.reuse.lookup(link, req)
+            return None, Reused(), "no_prefill_ready"
         assert peer.link is not None
         check_fits_prefill(self.host, peer.link, req)
-        return peer, self.reuse.lookup(peer.link, req)
+        return peer, self.reuse.lookup(peer.link, req), None
+
+    def _pick_or_here(self, reused: Reused) -> tuple[PrefillPeer | None, Reason | None]:
+        """A ready peer for a request whose own one was lost (or a checkpoint that failed to
+        restore); with none ready, decode's own engine where it may fall back and the request's
+        blocks hold no prefix cache blocks (which a local prefill would write over)."""
+        try:
+            return self.peers.pick(), None
+        except (Unavailable, FailedPrecondition):
+            if not self.local.falls_back or reused.hit.entries:
+                raise
+            return None, "no_prefill_ready"
 
     async def _submit(
         self,

@@ -33,6 +33,14 @@ class Transfer:
     engine_seconds: float = 0.0  # without a manifest: the prefill engine's time, as its first token said
 
 
+@dataclass(frozen=True)
+class ComputedHere:
+    """Decode computed the prompt itself (decode_svc/local_prefill.py): no peer, nothing READ."""
+
+    prefill_seconds: float  # prefill queued and computed on decode's compute thread
+    engine_seconds: float  # its engine time alone
+
+
 class ClientStream:
     """What the client has been sent: token chunks with their text, and when the first one left."""
 
@@ -69,7 +77,7 @@ def summary(
     req: RequestContext,
     out: ClientStream,
     finish: FinishReason,
-    transfer: Transfer,
+    transfer: Transfer | ComputedHere,
     checks: StateChecks,
     *,
     transferred: int,
@@ -80,7 +88,12 @@ def summary(
     """`read`: False when the request ended before any state was READ (or checked).
     `cached_tokens`: prompt tokens from decode's caches (None: what the manifest skipped).
     `checks`: the checks a state READ (or restored) goes through."""
-    link, manifest, stats, started = transfer.link, transfer.manifest, transfer.stats, req.started
+    started = req.started
+    if isinstance(transfer, ComputedHere):
+        engine_id, target, manifest, stats, restored = checks.host.engine_id, "", None, ReadStats(), False
+    else:
+        engine_id, target, manifest, stats = transfer.link.engine_id, transfer.link.target, transfer.manifest, transfer.stats
+        restored = transfer.restored
     if cached_tokens is None:
         cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
     return pb.GenerateResponse(
@@ -90,8 +103,8 @@ def summary(
             generated_token_count=out.generated,
             num_transferred_tokens=transferred,
             finish_reason=finish_reason_message(finish),
-            prefill_engine_id=link.engine_id,
-            prefill_target=link.target,
+            prefill_engine_id=engine_id,
+            prefill_target=target,
             transfer=pb.TransferStats(
                 attention_bytes=stats.attention_bytes,
                 conv_bytes=stats.conv_bytes,
@@ -114,6 +127,7 @@ def summary(
             first_step_engine_duration=duration(out.first_step_seconds),
             seed=req.sampling.seed,
             prefix_cached_tokens=cached_tokens,
-            prefix_state_reused=transfer.restored,
+            prefix_state_reused=restored,
+            prefilled_locally=isinstance(transfer, ComputedHere),
         )
     )

@@ -18,6 +18,7 @@ from opentelemetry.util.types import AttributeValue
 
 from decode_svc.generation import Generation
 from decode_svc.learned_peers import LearnedPeers
+from decode_svc.local_prefill import LocalPrefillMode
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.request import validate
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
@@ -58,6 +59,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         learned: LearnedPeers | None = None,
         prefix_cache_blocks: int = 0,
         prefix_cache_states: int = 0,
+        local_prefill: LocalPrefillMode = "fallback",
+        local_prefill_below: int = 0,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -73,6 +76,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             learned=learned,
             prefix_cache_blocks=prefix_cache_blocks,
             prefix_cache_states=prefix_cache_states,
+            local_prefill=local_prefill,
+            local_prefill_below=local_prefill_below,
         )
 
     async def Generate(

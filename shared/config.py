@@ -88,6 +88,8 @@ class ServiceSettings:
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
     prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
     prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
+    local_prefill: Literal["fallback", "off"] = "fallback"  # decode only: compute prompts here when no prefill is ready
+    local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
 
     @property
     def listen_address(self) -> str:
@@ -493,6 +495,27 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
     ),
     Flag(
+        "local-prefill",
+        choice("fallback", "off"),
+        "decode: fallback computes a plain request's prompt on decode's own engine when no prefill engine is "
+        "ready (all restarting or unreachable, or none given with --prefill), so losing every prefill engine "
+        "slows requests down instead of failing them UNAVAILABLE; readiness then needs only decode's own engine. "
+        "off: such requests fail UNAVAILABLE and readiness follows the prefill peers. Counted in "
+        "hybrid_pd_local_prefills_total; a P/D decode leg (kv_transfer_params) never falls back",
+        "fallback",
+        roles=("decode",),
+        metavar="MODE",
+    ),
+    Flag(
+        "local-prefill-below",
+        non_negative_int,
+        "decode: prompts of fewer than N tokens are always computed on decode's own engine, never sent to a "
+        "prefill engine (moving a short prompt's state can cost more than computing it); 0: none",
+        0,
+        roles=("decode",),
+        metavar="N",
+    ),
+    Flag(
         "discovery-seconds",
         non_negative_float,
         "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
@@ -773,6 +796,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         discovery_seconds=_own(values, "discovery_seconds", float),
         prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
         prefix_cache_states=_prefix_cache_states(values),
+        local_prefill="off" if _own(values, "local_prefill", str) == "off" else "fallback",
+        local_prefill_below=_own(values, "local_prefill_below", int),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,

@@ -143,6 +143,14 @@ class Telemetry:
             buckets=TOKEN_BUCKETS,
             registry=decode,
         )
+        self.local_prefills = Counter(
+            "hybrid_pd_local_prefills",
+            "Prompts decode computed itself (--local-prefill), by reason: no_prefill_ready, short_prompt",
+            ["reason"],
+            registry=decode,
+        )
+        for reason in ("no_prefill_ready", "short_prompt"):
+            self.local_prefills.labels(reason=reason)
         self.decode_batch_size = Histogram(
             "hybrid_pd_decode_batch_size",
             "Requests that computed their next token in one decode step (continuous batching)",

@@ -141,7 +141,10 @@ def start(role: str, *args: str, pauses: str = "", env: dict[str, str] | None = 
 
     `pauses` sets the TEST-ONLY HYBRID_PD_TEST_PAUSE hook (see shared/rpc/fault_hooks.py).
     """
-    full_env = {**(env or {}), "HYBRID_PD_TEST_PAUSE": pauses}
+    # The fault tests check how decode fails and recovers when its prefill engines fail; with
+    # decode's fallback (--local-prefill, tested on its own) it would serve those requests itself.
+    off = {"HYBRID_PD_LOCAL_PREFILL": "off"} if role == "decode" else {}
+    full_env = {**off, **(env or {}), "HYBRID_PD_TEST_PAUSE": pauses}
     process = start_service(role, [*COMMON, *args], timeout=60, env=full_env)
     for line in process.output:
         match = METRICS.search(line)

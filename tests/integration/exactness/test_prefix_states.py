@@ -274,7 +274,8 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
     naming the peer, nothing counted as a lookup and nothing left held."""
     jobs = count_jobs(monkeypatch)
     corrupt, prompt, other = random_tokens(19, 75), random_tokens(20, 70), random_tokens(21, 70)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+    # No fallback: decode would compute `other` itself (test_services_local_prefill.py).
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=[*_states(), "--local-prefill", "off"]) as pair:
         await pair.generate(corrupt, ANSWER, request_id="corrupt")
         first = await pair.generate(prompt, ANSWER, request_id="first")
         shift_checkpoint_ssm(pair.decode)  # the oldest: `corrupt`'s

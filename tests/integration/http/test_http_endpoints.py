@@ -86,7 +86,7 @@ async def test_sse_framing_as_curl_receives_it(http_pair: HttpPair) -> None:
 
 
 async def test_health_is_503_until_a_prefill_is_ready_and_during_the_drain() -> None:
-    pair = await start_pair("--drain-seconds", "20", ready=False)
+    pair = await start_pair("--drain-seconds", "20", "--local-prefill", "off", ready=False)
     try:
         # Decode with its prefill stopped: gRPC readiness NOT_SERVING, and /health says the same.
         await pair.prefill.stop()

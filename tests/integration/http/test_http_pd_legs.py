@@ -348,11 +348,10 @@ async def test_decode_leg_with_another_prompt_is_refused_and_releases_the_claime
     assert legs.prefill.pins.ended["released"] == released + 1  # freed by decode's release, not the lease
 
 
-async def test_prefill_engine_alone_refuses_plain_requests_and_decode_without_prefill_too(legs: Legs) -> None:
+async def test_prefill_engine_alone_refuses_plain_requests_and_decode_without_prefill_computes_them(legs: Legs) -> None:
     body = {"model": MODEL, "prompt": "plain", "max_tokens": 3}
-    plain = await legs.post(legs.decode, "/v1/completions", body)
-    assert plain.status == 409 and plain.json()["error"]["param"] == "kv_transfer_params", plain.body
-    assert "--prefill" in plain.json()["error"]["message"]
+    plain = await legs.post(legs.decode, "/v1/completions", body)  # --local-prefill fallback: computed on decode
+    assert plain.status == 200 and plain.json()["choices"][0]["text"] == legs.expected("plain", 3), plain.body
     on_prefill = await legs.post(legs.prefill, "/v1/completions", body)
     assert on_prefill.status == 400 and on_prefill.json()["error"]["param"] == "kv_transfer_params"
     health = await asyncio.to_thread(request, legs.url(legs.decode, "/health"))

@@ -98,7 +98,8 @@ async def test_decode_with_incompatible_model_stays_not_ready(
     start_prefill: Any, start_decode: Any, channel_to: Any, flags: tuple[str, ...], fields: set[str]
 ) -> None:
     prefill = await start_prefill()
-    decode = await start_decode(prefill.port, *flags, ready=False)
+    # No fallback: decode would compute the request itself (test_services_local_prefill.py).
+    decode = await start_decode(prefill.port, *flags, "--local-prefill", "off", ready=False)
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
     # The peer loop records the refusal; GetLayout shows it.
     for _ in range(200):

@@ -37,11 +37,11 @@ async def test_health_follows_readiness(start_prefill: Any, start_decode: Any, c
     assert await health(p, "") == "SERVING"
     assert await health(p, DECODE) == "NOT_FOUND"
 
-    decode = await start_decode(prefill.port)
+    decode = await start_decode(prefill.port, "--local-prefill", "off")
     d = channel_to(decode.port)
     assert await health(d, DECODE) == "SERVING"
 
-    # Decode readiness needs a reachable prefill: take it away.
+    # Without the fallback decode readiness needs a reachable prefill: take it away.
     await prefill.stop()
     for _ in range(300):
         if await health(d, DECODE) == "NOT_SERVING":
@@ -55,8 +55,11 @@ async def test_decode_without_prefill_is_not_serving(start_decode: Any, channel_
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
-    decode = await start_decode(dead_port, ready=False)
+    decode = await start_decode(dead_port, "--local-prefill", "off", ready=False)
     assert await health(channel_to(decode.port), DECODE) == "NOT_SERVING"
+    # With it (the default) decode computes prompts itself, so its engine alone decides.
+    fallback = await start_decode(dead_port, ready=False)
+    assert await health(channel_to(fallback.port), DECODE) == "SERVING"
 
 
 async def test_drain_goes_not_serving_and_refuses_new_work(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:

@@ -205,7 +205,8 @@ async def test_restores_need_no_ready_prefill(hf_checkpoint: Callable[[str], str
     prompt = _prompt(33)
     jobs = count_jobs(monkeypatch)
     runs: dict[str, tuple[list[int], dpb.GenerateSummary]] = {}
-    async with hf_pair(directory, directory, 1, 1, prefill_flags=PREFILL, decode_flags=DECODE, check_state=False) as (
+    no_fallback = (*DECODE, "--local-prefill", "off")  # else decode computes `other` itself
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=PREFILL, decode_flags=no_fallback, check_state=False) as (
         prefill,
         decode,
     ):

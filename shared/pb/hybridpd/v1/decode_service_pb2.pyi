@@ -287,6 +287,7 @@ class GenerateSummary(_message.Message):
     PREFILL_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     PREFIX_STATE_REUSED_FIELD_NUMBER: _builtins.int
     FIRST_STEP_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    PREFILLED_LOCALLY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -315,6 +316,11 @@ class GenerateSummary(_message.Message):
     """The whole computed prompt's state came from decode's state checkpoints (--prefix-cache-states):
     no prefill job ran and nothing was READ (`transfer` is empty; prefix_cached_tokens counts the
     computed prompt tokens).
+    """
+    prefilled_locally: _builtins.bool
+    """Decode computed the prompt itself (--local-prefill): no prefill engine was ready, or the
+    prompt was below --local-prefill-below tokens. No job, nothing READ; prefill_engine_id names
+    this decode engine and prefill_engine_duration is its own prefill time.
     """
     @_builtins.property
     def transfer(self) -> Global___TransferStats: ...
@@ -375,10 +381,11 @@ class GenerateSummary(_message.Message):
         prefill_engine_duration: _duration_pb2.Duration | None = ...,
         prefix_state_reused: _builtins.bool = ...,
         first_step_engine_duration: _duration_pb2.Duration | None = ...,
+        prefilled_locally: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "first_step_engine_duration", b"first_step_engine_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "first_step_engine_duration", b"first_step_engine_duration", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "first_step_engine_duration", b"first_step_engine_duration", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefilled_locally", b"prefilled_locally", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

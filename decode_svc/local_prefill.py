@@ -1,0 +1,77 @@
+"""Decode computing a prompt itself (--local-prefill): no job, no READ.
+
+When no prefill engine is ready (all restarting, none configured, or none reachable), a plain
+request is prefilled by decode's own engine on its compute thread instead of failing
+UNAVAILABLE, so losing every prefill engine is a slowdown, not an outage (`fallback`, the
+default; `off` keeps the failure). Prompts shorter than --local-prefill-below tokens are always
+computed here: moving their state would cost more than computing it. The request then decodes in
+the step loop like any other. Its bits are the colocated run's with decode's own engine settings
+(a prefill engine computing in chunks may round a long prompt differently).
+
+A P/D decode leg (kv_transfer_params naming its prefill engine) never falls back: its prefill
+already computed the prompt and holds the state for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from decode_svc.read_checks import StateChecks
+from decode_svc.request import RequestContext
+from decode_svc.responses import ComputedHere, client_stream, summary
+from decode_svc.reuse import Steps
+from decode_svc.state_checkpoints import Compute
+from shared.engine.protocol import RequestBlocks
+from shared.engine.timed import timed
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.runtime.engine_host import EngineHost
+from shared.telemetry import Telemetry
+
+LocalPrefillMode = Literal["fallback", "off"]
+LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "off")
+Reason = Literal["no_prefill_ready", "short_prompt"]
+
+
+class LocalPrefill:
+    def __init__(
+        self, host: EngineHost, checks: StateChecks, mode: LocalPrefillMode, below: int, telemetry: Telemetry | None
+    ) -> None:
+        self.host = host
+        self.checks = checks
+        self.mode = mode
+        self.below = below  # prompts of fewer tokens are always computed here (0: none)
+        self.telemetry = telemetry
+
+    @property
+    def falls_back(self) -> bool:
+        """Whether a request no prefill engine is ready to take is computed here."""
+        return self.mode == "fallback"
+
+    def short(self, prompt_len: int) -> bool:
+        return prompt_len < self.below
+
+    async def run(
+        self, req: RequestContext, local: RequestBlocks, compute: Compute, steps: Steps, reason: Reason
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The prompt computed into the request's own blocks, then decoded; the summary last."""
+        if self.telemetry is not None:
+            self.telemetry.local_prefills.labels(reason=reason).inc()
+        engine = self.host.engine
+        out = client_stream(self.host, req, self.telemetry)
+        started = time.monotonic()
+        first, engine_seconds = await compute(lambda: timed(engine.prefill, req.prompt, local, req.sampling))
+        prefill_seconds = time.monotonic() - started
+        if first is not None:  # the full-N boundary: the engine drew the first token
+            yield out.chunk([first])
+            out.finish = req.stop.finish(first, 1)
+        if out.finish is None:
+            async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first):
+                yield chunk
+        tail = out.tail()
+        if tail is not None:
+            yield tail
+        assert out.finish is not None
+        here = ComputedHere(prefill_seconds, engine_seconds)
+        yield summary(req, out, out.finish, here, self.checks, transferred=0, read=False)
