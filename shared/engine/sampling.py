@@ -107,7 +107,11 @@ def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
     scores = masked(logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1), params, index)
     if params.greedy:
         return int(torch.argmax(scores))
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if bool(torch.isnan(scaled).any() or torch.isposinf(scaled).any()):
+        # A temperature so small that the scores overflow fp32: its limit, the greedy token.
+        return int(torch.argmax(scores))
+    scores = scaled
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)
