@@ -120,6 +120,7 @@ def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
         probs = torch.softmax(scores[order], dim=-1)
         # Drop a token when the tokens before it already reach top_p (the first always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # also when top_p is below fp32's smallest number (0 there): the likeliest stays
         scores[order[drop]] = -math.inf
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=_generator(params.seed, index)))
