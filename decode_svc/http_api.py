@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from decode_svc import tokenizer
 from decode_svc.servicer import DecodeServicer, EarlyStop
+from shared import limits
 from shared.engine.text import TextStream, Tokenizer
 from shared.errors import InvalidArgument, ServiceError
 from shared.http import objects, sse
@@ -243,7 +244,7 @@ def grpc_sampling(s: HttpSampling) -> pb.SamplingParams:
             raise InvalidArgument(f"{value} is not supported: no engine applies penalties (send 0)", field=name)
     out = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     if s.seed is not None:
-        out.seed = s.seed % 2**64  # OpenAI allows negative seeds: the same bits, unsigned
+        out.seed = limits.seed_bits(s.seed)  # OpenAI allows negative seeds: the same bits, unsigned
     return out
 
 

@@ -15,6 +15,7 @@ from decode_svc import tokenizer
 from decode_svc.learned_peers import remote_prefill_of
 from decode_svc.peer_link import PeerLink
 from decode_svc.request_options import decode_options
+from shared import limits
 from shared.engine.sampling import SamplingParams
 from shared.engine.stopping import StopRule
 from shared.errors import InvalidArgument
@@ -60,8 +61,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     if not prompt:
         raise InvalidArgument("the prompt is empty", field="prompt")
     host.check_token_ids(ids, "prompt_token_ids")
-    if request.max_tokens < 1:
-        raise InvalidArgument(f"must be >= 1, got {request.max_tokens}", field="max_tokens")
+    limits.check_request(request)  # max_tokens >= 1; sampling's floats finite and within float32
     total = len(prompt) + request.max_tokens
     capacity = host.max_tokens()
     if len(prompt) >= capacity:

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from prefill_svc.handoff import Handoffs
+from shared import limits
 from shared.config import split_advertised
 from shared.engine.sampling import SamplingError, SamplingParams
 from shared.errors import InvalidArgument, ServiceError
@@ -56,7 +57,7 @@ def first_token_sampling(s: HttpSampling) -> SamplingParams:
     body's min_tokens is the router's (it sends 1, or none), not the client's, so the draw masks
     nothing: the decode leg, sent the client's body, masks its tokens. (Decode legs take n-1
     state only today; one at full-N must not use a first token its min_tokens masks.)"""
-    seed = s.seed % 2**64 if s.seed is not None else (secrets.randbits(64) if s.temperature > 0 else 0)
+    seed = limits.seed_bits(s.seed) if s.seed is not None else (secrets.randbits(64) if s.temperature > 0 else 0)
     try:
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed)
     except SamplingError as e:

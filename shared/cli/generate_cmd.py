@@ -2,8 +2,9 @@
 
 Text is printed as it streams (a summary line goes to stderr); with `--json` one JSON object
 is printed at the end: `request_id`, `token_ids`, `text`, `prompt_token_count` and `summary`.
-On failure the gRPC status name and the server's message go to stderr and the exit code is 1
-(argparse exits 2 for malformed command-line values).
+On failure the gRPC status name and the server's message go to stderr and the exit code is 1.
+A malformed or out-of-range value (each number within what the wire and the engine hold,
+shared/limits.py) is refused before anything is sent: one line naming the flag, exit 2.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,16 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port, non_negative_int
+from shared import limits
+from shared.config import ENV_PREFIX, TlsSettings, existing_file, host_port
+from shared.limits import FloatRange, IntRange
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.channel import build_channel
 from shared.rpc.status import describe
 
 DEFAULT_DECODE = "127.0.0.1:50052"
+TIMEOUT = FloatRange(0.0, 1e9, open_low=True)  # seconds: the call's deadline
 
 
 def _env(flag: str, default: str | None = None) -> str | None:
@@ -48,20 +53,25 @@ def _token_ids(text: str) -> list[int]:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError("expected token ids separated by commas or spaces") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError("token ids must be >= 0")
+    bad = [i for i in ids if i not in limits.TOKEN_ID]
+    if bad:
+        raise argparse.ArgumentTypeError(f"token ids must be {limits.TOKEN_ID.describe()}, got {bad[0]}")
     return ids
 
 
-def positive_count(text: str) -> int:
-    """argparse type: an integer >= 1 (the message names the value; argparse names the flag)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def in_range(limit: IntRange | FloatRange) -> Callable[[str], float]:
+    """argparse type: a number within `limit` (the message names the value; argparse the flag)."""
+
+    def convert(text: str) -> float:
+        try:
+            value = int(text) if isinstance(limit, IntRange) else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {limit.describe()}, got {text!r}") from None
+        if value not in limit:
+            raise argparse.ArgumentTypeError(f"must be {limit.describe()}, got {text}")
+        return value
+
+    return convert
 
 
 def register(subparsers: Any) -> None:
@@ -81,16 +91,18 @@ def register(subparsers: Any) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized by the service)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="prompt token ids, e.g. 72,101,108")
-    p.add_argument("--max-tokens", type=positive_count, default=16, metavar="N", help="tokens to generate (default 16)")
+    p.add_argument(
+        "--max-tokens", type=in_range(limits.MAX_TOKENS), default=16, metavar="N", help="tokens to generate (default 16)"
+    )
     p.add_argument(
         "--min-tokens",
-        type=_arg_type(non_negative_int),
+        type=in_range(limits.MIN_TOKENS),
         default=0,
         metavar="N",
         help="generate at least N tokens: EOS ids are masked until then (default 0; at most --max-tokens)",
     )
     p.add_argument("--request-id", default="", help="request id (default: the service makes one)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
+    p.add_argument("--timeout", type=in_range(TIMEOUT), default=60.0, metavar="SECONDS", help="deadline of the call (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument(
         "--colocated",
@@ -131,10 +143,12 @@ def register(subparsers: Any) -> None:
         "services' default for --engine hf, bit-identical to transformers' generate()) or n-1 (prefill "
         "N-1 tokens, step the last); default full",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--temperature", type=in_range(limits.TEMPERATURE), default=0.0, help="sampling temperature; 0 = greedy (default)"
+    )
+    p.add_argument("--top-p", type=in_range(limits.TOP_P), default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--top-k", type=in_range(limits.TOP_K), default=0, help="keep the k likeliest tokens; 0 = off (default)")
+    p.add_argument("--seed", type=in_range(limits.SEED), default=0, help="sampling seed in [0, 2**64) (default 0)")
     for name, what in (("cert", "client certificate (mutual TLS)"), ("key", "client private key"), ("ca", "CA bundle to trust")):
         p.add_argument(
             f"--tls-{name}",

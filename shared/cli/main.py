@@ -9,13 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse's refusal of a flag as one line (`hybrid-pd generate: error: argument --seed: ...`)
+    and exit 2, without the usage block (`--help` prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from shared.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
     from shared.version import version
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="hybrid-pd",
         description=(
             "Prefill/decode disaggregation for hybrid SSM + attention models. "
@@ -23,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"hybrid-pd {version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineErrors)
     layout_cmds.register(sub)
     generate_cmd.register(sub)
     demo_cmd.register(sub)

@@ -107,7 +107,11 @@ def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
     scores = masked(logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1), params, index)
     if params.greedy:
         return int(torch.argmax(scores))
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if bool(torch.isnan(scaled).any() or torch.isposinf(scaled).any()):
+        # A temperature so small that the scores overflow fp32: its limit, the greedy token.
+        return int(torch.argmax(scores))
+    scores = scaled
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -116,6 +120,7 @@ def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
         probs = torch.softmax(scores[order], dim=-1)
         # Drop a token when the tokens before it already reach top_p (the first always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # also when top_p is below fp32's smallest number (0 there): the likeliest stays
         scores[order[drop]] = -math.inf
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=_generator(params.seed, index)))

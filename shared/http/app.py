@@ -64,6 +64,8 @@ async def json_body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"the request body is not valid JSON: {e}", field="body") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's stack
+        raise InvalidArgument("the request body is nested too deeply", field="body") from None
 
 
 def check_model(info: ServiceInfo, model: str | None) -> str:

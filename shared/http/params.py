@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared import limits
 from shared.errors import InvalidArgument
+from shared.limits import FloatRange, IntRange
 
 MAX_STOP_SEQUENCES = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -73,32 +75,41 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+    """A JSON number that is a finite double (an integer literal beyond any double is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
-def _int(body: Mapping[str, Any], name: str, *, low: int, default: int | None = None, nullable: bool = True) -> int | None:
+def _int(body: Mapping[str, Any], name: str, limit: IntRange, default: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
-        if not nullable and name in body:
-            raise InvalidArgument("must be an integer, got null", field=name)
         return default
     if not _is_int(value):
         raise InvalidArgument(f"must be an integer, got {value!r}", field=name)
-    if value < low:
-        raise InvalidArgument(f"must be >= {low}, got {value}", field=name)
-    return int(value)
+    return limit.check(value, name)
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool = False) -> float:
+def _number(body: Mapping[str, Any], name: str, default: float, limit: FloatRange) -> float:
     value = body.get(name)
     if value is None:
         return default
     if not _is_number(value):
         raise InvalidArgument(f"must be a number, got {value!r}", field=name)
-    if value > high or value < low or (open_low and value == low):
-        bound = f"> {low:g}" if open_low else f">= {low:g}"
-        raise InvalidArgument(f"must be {bound} and <= {high:g}, got {value}", field=name)
-    return float(value)
+    return limit.check(value, name)
+
+
+def _text(value: str, field: str) -> str:
+    """Text the tokenizers can encode: JSON's escapes can spell lone UTF-16 surrogates, which
+    are no characters and have no UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"is not valid Unicode text ({e.reason} at index {e.start})", field=field) from None
+    return value
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -132,20 +143,15 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingParams:
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise InvalidArgument(f"must be an integer, got {seed!r}", field="seed")
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise InvalidArgument("must fit in 64 bits", field="seed")
-    top_k = _int(body, "top_k", low=-1, default=0)
+    top_k = _int(body, "top_k", limits.HTTP_TOP_K, default=0)
     assert top_k is not None
     return SamplingParams(
-        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        temperature=_number(body, "temperature", 0.0, limits.HTTP_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, limits.TOP_P),
         top_k=max(top_k, 0),
-        seed=seed,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=_int(body, "seed", limits.HTTP_SEED),
+        presence_penalty=_number(body, "presence_penalty", 0.0, limits.PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, limits.PENALTY),
     )
 
 
@@ -153,9 +159,7 @@ def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
     value = body.get("stop_token_ids")
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise InvalidArgument("must be a list of token ids (integers >= 0)", field="stop_token_ids")
-    return tuple(int(t) for t in value)
+    return tuple(limits.check_token_ids(value, "stop_token_ids"))
 
 
 def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: str) -> dict[str, Any]:
@@ -177,7 +181,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
         if usage is not None and not isinstance(usage, bool):
             raise InvalidArgument("must be true or false", field="stream_options.include_usage")
         include_usage = bool(usage)
-    min_tokens = _int(body, "min_tokens", low=0, default=0)
+    min_tokens = _int(body, "min_tokens", limits.MIN_TOKENS, default=0)
     assert min_tokens is not None
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidArgument(f"{min_tokens} is more than {max_tokens_field} ({max_tokens})", field="min_tokens")
@@ -218,11 +222,9 @@ def _prompt(value: object) -> str | list[int]:
     if isinstance(value, str):
         if value == "":
             raise InvalidArgument("the prompt is empty", field="prompt")
-        return value
+        return _text(value, "prompt")
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
-        if any(t < 0 for t in value):
-            raise InvalidArgument("token ids must be >= 0", field="prompt")
-        return [int(t) for t in value]
+        return limits.check_token_ids(value, "prompt")
     if isinstance(value, list) and not value:
         raise InvalidArgument("the prompt is empty", field="prompt")
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
@@ -235,7 +237,7 @@ def parse_completion(raw: object) -> CompletionParams:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidArgument("is required", field="prompt")
     prompt = _prompt(body["prompt"])
-    max_tokens = _int(body, "max_tokens", low=1, default=DEFAULT_COMPLETION_MAX_TOKENS)
+    max_tokens = _int(body, "max_tokens", limits.MAX_TOKENS, default=DEFAULT_COMPLETION_MAX_TOKENS)
     _absent_or(body, "echo", False, why="echo is not supported")
     _absent_or(body, "suffix", "", why="suffix is not supported")
     _absent_or(body, "logprobs", why="logprobs are not supported")
@@ -244,7 +246,7 @@ def parse_completion(raw: object) -> CompletionParams:
 
 def _content(value: object, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list):  # content parts: text only
         parts: list[str] = []
         for i, part in enumerate(value):
@@ -252,7 +254,7 @@ def _content(value: object, where: str) -> str:
                 raise InvalidArgument(
                     'only text content parts ({"type": "text", "text": ...}) are supported', field=f"{where}[{i}]"
                 )
-            parts.append(part["text"])
+            parts.append(_text(part["text"], f"{where}[{i}].text"))
         return "".join(parts)
     raise InvalidArgument("must be a string or a list of text parts", field=where)
 
@@ -278,7 +280,7 @@ def parse_chat(raw: object) -> ChatParams:
     body = _body(raw)
     messages = _messages(body.get("messages"))
     field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, field_name, low=1)
+    max_tokens = _int(body, field_name, limits.MAX_TOKENS)
     _absent_or(body, "logprobs", False, why="logprobs are not supported")
     _absent_or(body, "tools", [], why="tool calls are not supported")
     _absent_or(body, "response_format", {"type": "text"}, why="only text responses are supported")

@@ -8,7 +8,7 @@ import codecs
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,9 +78,11 @@ def request(
         return Reply(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read())
 
 
-async def start_pair(*decode_flags: str, ready: bool = True) -> HttpPair:
+async def start_pair(*decode_flags: str, ready: bool = True, prefill_flags: Sequence[str] = ()) -> HttpPair:
     prefill = await PrefillApp.start(
-        parse_settings("prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--engine-id", "http-prefill"], environ={}),
+        parse_settings(
+            "prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--engine-id", "http-prefill", *prefill_flags], environ={}
+        ),
         engine_factory_for("reference"),
     )
     settings = parse_settings(
