@@ -1,10 +1,12 @@
 """Wiring of the decode service: engine host, prefill peers, servicer, gRPC shell; start and drain.
 
 Readiness (health SERVING) needs the local engine up (agents, registered memory, a loopback
-self-READ). With --local-prefill off it also needs at least one prefill peer handshaken,
-probe-READ and with an open Session, and follows the peers as they come and go; by default
-(fallback) decode computes prompts itself while no prefill engine is ready, so the engine alone
-decides, as it does when started without --prefill. Liveness (service "") does not depend on peers.
+self-READ) and, at start, at least one prefill peer handshaken, probe-READ and with an open
+Session. With --local-prefill off it follows the peers as they come and go; by default
+(fallback) it stays SERVING once a peer was ready, since decode then computes prompts itself
+while none is. Started without --prefill (serving the decode legs of a P/D router, whose
+requests name their prefill engine, and computing plain requests itself), the engine alone
+decides readiness. Liveness (service "") does not depend on peers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class DecodeApp:
         self.metrics = self.shell.metrics
         self._stopped = False
         self._health_updates: set[asyncio.Future[None]] = set()
+        self._was_ready = False  # a prefill peer has been ready (readiness with --local-prefill fallback)
         self.peers = PrefillPeers([], self._new_peer, configured=bool(settings.prefill))
         # Prefill engines named by the requests' kv_transfer_params (P/D decode legs).
         self.learned = LearnedPeers(self.peers, lambda target: self._new_peer(target, None, once=True))
@@ -92,7 +95,7 @@ class DecodeApp:
             raise
         app.peers.start()
         await app.discovery.start()
-        if app._ready_alone:
+        if not settings.prefill:
             await app.shell.set_ready(True)
         log.info(
             "decode engine %s listening on port %d, prefill peers %s",
@@ -129,16 +132,16 @@ class DecodeApp:
         while self.servicer.generation.in_flight:
             await asyncio.sleep(0.02)
 
-    @property
-    def _ready_alone(self) -> bool:
-        """Readiness is the engine's alone: no --prefill (learned peers come and go with
-        requests), or decode computes prompts itself while no prefill engine is ready."""
-        return not self.settings.prefill or self.settings.local_prefill == "fallback"
-
     def _on_peer_change(self) -> None:
-        if self._ready_alone:
-            return
-        update = asyncio.ensure_future(self.shell.set_ready(self.peers.any_ready))
+        if not self.settings.prefill:
+            return  # readiness is the engine's alone (learned peers come and go with requests)
+        ready = self.peers.any_ready
+        if self.settings.local_prefill == "fallback":
+            # Once a prefill engine was ready, decode computes prompts itself while none is:
+            # losing every prefill engine then slows requests down instead of taking decode out.
+            self._was_ready = self._was_ready or ready
+            ready = self._was_ready
+        update = asyncio.ensure_future(self.shell.set_ready(ready))
         self._health_updates.add(update)
         update.add_done_callback(self._health_updates.discard)
 

@@ -499,8 +499,8 @@ FLAGS: tuple[Flag, ...] = (
         choice("fallback", "off"),
         "decode: fallback computes a plain request's prompt on decode's own engine when no prefill engine is "
         "ready (all restarting or unreachable, or none given with --prefill), so losing every prefill engine "
-        "slows requests down instead of failing them UNAVAILABLE; readiness then needs only decode's own engine. "
-        "off: such requests fail UNAVAILABLE and readiness follows the prefill peers. Counted in "
+        "slows requests down instead of failing them UNAVAILABLE; readiness waits for a first prefill peer at "
+        "start, then stays SERVING. off: such requests fail UNAVAILABLE and readiness follows the prefill peers. Counted in "
         "hybrid_pd_local_prefills_total; a P/D decode leg (kv_transfer_params) never falls back",
         "fallback",
         roles=("decode",),

@@ -57,9 +57,9 @@ async def test_decode_without_prefill_is_not_serving(start_decode: Any, channel_
         dead_port = s.getsockname()[1]
     decode = await start_decode(dead_port, "--local-prefill", "off", ready=False)
     assert await health(channel_to(decode.port), DECODE) == "NOT_SERVING"
-    # With it (the default) decode computes prompts itself, so its engine alone decides.
+    # With it (the default) too: readiness waits for a first prefill peer at start.
     fallback = await start_decode(dead_port, ready=False)
-    assert await health(channel_to(fallback.port), DECODE) == "SERVING"
+    assert await health(channel_to(fallback.port), DECODE) == "NOT_SERVING"
 
 
 async def test_drain_goes_not_serving_and_refuses_new_work(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
