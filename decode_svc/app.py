@@ -58,7 +58,9 @@ class DecodeApp:
             prefix_cache_states=settings.prefix_cache_states,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
-        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
+        http_info = ServiceInfo(
+            "decode", settings.model_names, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
+        )
         self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
         render = RenderRoutes(http_info, self.http_api.tokenizer.encode, self.http_api.template)
         self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])

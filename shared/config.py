@@ -88,6 +88,12 @@ class ServiceSettings:
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
     prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
     prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
+    served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names HTTP requests may give as `model`; the first is the one /v1/models lists."""
+        return self.served_model_names or (self.model,)
 
     @property
     def listen_address(self) -> str:
@@ -158,6 +164,13 @@ def split_advertised(text: str) -> tuple[str, int | None]:
         host, _, port = text.partition(":")
         return host, int(port)
     return text, None  # a bare name, IPv4 or IPv6 address
+
+
+def model_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise ValueError("must not be empty")
+    return name
 
 
 def non_negative_int(text: str) -> int:
@@ -395,6 +408,15 @@ FLAGS: tuple[Flag, ...] = (
         switch=True,
     ),
     Flag(
+        "served-model-name",
+        model_name,
+        "the model name(s) of the HTTP API, as vLLM's --served-model-name: NAME[,NAME...] (or the flag repeated); "
+        "/v1/models lists the first, and a request's `model` may be any of them (another one is a 404 naming "
+        "`model`). Default: --model as given",
+        repeatable=True,
+        metavar="NAME[,NAME...]",
+    ),
+    Flag(
         "verify-transfer",
         choice("digest", "off"),
         "digest: prefill sends a digest of every rank's FA / conv / SSM state per layer group with the "
@@ -603,7 +625,7 @@ def resolve(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) ->
     for flag in flags_for(role):
         given = getattr(args, flag.dest)
         if given is not None:
-            raws = given if flag.repeatable else [given]
+            raws = [p for g in given for p in (s.strip() for s in g.split(",")) if p] if flag.repeatable else [given]
             parsed = [_parse_value(flag, r, "") for r in raws]
             values[flag.dest] = tuple(parsed) if flag.repeatable else parsed[0]
             sources[flag.dest] = "flag"
@@ -713,6 +735,11 @@ def _prefix_cache_states(values: dict[str, object]) -> int:
     return states
 
 
+def _served_model_names(values: dict[str, object]) -> tuple[str, ...]:
+    """--served-model-name, each name once, in the order given."""
+    return tuple(dict.fromkeys(str(n) for n in _req(values, "served_model_name", tuple)))
+
+
 def _needs_chunks(values: dict[str, object], name: str, why: str) -> int:
     """A prefill flag that shapes the parts of a prefill in chunks: refused without
     --prefill-chunk-tokens (`why` says what it does with them)."""
@@ -773,6 +800,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         discovery_seconds=_own(values, "discovery_seconds", float),
         prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
         prefix_cache_states=_prefix_cache_states(values),
+        served_model_names=_served_model_names(values),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
