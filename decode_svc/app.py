@@ -16,6 +16,7 @@ from decode_svc.discovery import Discovery
 from decode_svc.http_api import DecodeHttp
 from decode_svc.learned_peers import LearnedPeers
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
+from decode_svc.reuse import reuse_sizes
 from decode_svc.servicer import DecodeServicer
 from shared.config import ServiceSettings
 from shared.http.app import ServiceInfo, build_app
@@ -45,6 +46,16 @@ class DecodeApp:
         self.learned = LearnedPeers(self.peers, lambda target: self._new_peer(target, None, once=True))
         # --prefill names resolve to the peers (one per address), re-resolved every --discovery-seconds.
         self.discovery = Discovery(settings.prefill, self.peers, settings.discovery_seconds)
+        prefix_blocks, prefix_states = reuse_sizes(settings.prefix_cache_blocks, settings.prefix_cache_states, host)
+        if prefix_blocks:
+            default = " (default share; --prefix-cache-blocks 0 turns it off)" if settings.prefix_cache_blocks is None else ""
+            log.info(
+                "prefix reuse: up to %d of %d blocks for prompts' K/V, %d state checkpoints%s",
+                prefix_blocks,
+                host.num_blocks,
+                prefix_states,
+                default,
+            )
         self.servicer = DecodeServicer(
             host,
             self.peers,
@@ -54,8 +65,8 @@ class DecodeApp:
             manifest_parts=settings.manifest_parts,
             metrics=self.metrics,
             learned=self.learned,
-            prefix_cache_blocks=settings.prefix_cache_blocks,
-            prefix_cache_states=settings.prefix_cache_states,
+            prefix_cache_blocks=prefix_blocks,
+            prefix_cache_states=prefix_states,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo(

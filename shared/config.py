@@ -86,8 +86,11 @@ class ServiceSettings:
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
-    prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
-    prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
+    # decode only: blocks the prefix cache may keep (0: off; None: the default share of the cache,
+    # decided at start-up from the cache's size and the engine: decode_svc/reuse.py reuse_sizes)
+    prefix_cache_blocks: int | None = None
+    # decode only: state checkpoints kept (0: off; needs the prefix cache; None: sized from its blocks)
+    prefix_cache_states: int | None = None
     served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
 
     @property
@@ -493,9 +496,10 @@ FLAGS: tuple[Flag, ...] = (
         "prefix-cache-blocks",
         non_negative_int,
         "decode: keep up to this many attention blocks of finished prompts and READ only the K/V after a prompt's "
-        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine); evicted least "
-        "recently used when the cache needs blocks; 0: off",
-        0,
+        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine, the hf engine with "
+        "--prefill-chunk-tokens on prefill); evicted least recently used when the cache needs blocks, so they only "
+        "hold blocks no request asked for. Default: 25%% of the cache's blocks for an engine whose prefix can be "
+        "stable (the reference and hf engines; the synthetic engine keeps nothing); 0: off",
         roles=("decode",),
         metavar="BLOCKS",
     ),
@@ -509,8 +513,8 @@ FLAGS: tuple[Flag, ...] = (
         "temperature, top_p, top_k and seed, and min_tokens masking the same ids. Needs --prefix-cache-blocks (the "
         "leading attention blocks come from it); the copies live in the cache's own blocks (one request's state each), "
         "taken only from free blocks, and given back least recently used (before the prefix cache's) when a request "
-        "needs blocks, never while in use; 0: off",
-        0,
+        "needs blocks, never while in use. Default: with the prefix cache on, as many as the prefix cache's share of "
+        "blocks holds (a checkpoint takes about one block per KV-cache group); 0: off",
         roles=("decode",),
         metavar="N",
     ),
@@ -722,15 +726,13 @@ def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", 
     return "full" if value == "full" else "n-1"
 
 
-def _prefix_cache_states(values: dict[str, object]) -> int:
-    """--prefix-cache-states, refused without the prefix cache it builds on."""
-    states = _own(values, "prefix_cache_states", int)
-    if not states:
-        return 0
-    if not _own(values, "prefix_cache_blocks", int):
+def _prefix_cache_states(values: dict[str, object]) -> int | None:
+    """--prefix-cache-states, refused with the prefix cache it builds on turned off."""
+    states = _opt(values, "prefix_cache_states", int)
+    if states and _opt(values, "prefix_cache_blocks", int) == 0:
         raise SettingsError(
-            "--prefix-cache-states needs --prefix-cache-blocks > 0: a checkpoint's leading attention blocks come "
-            "from the prefix cache"
+            "--prefix-cache-states needs the prefix cache (--prefix-cache-blocks is 0): a checkpoint's leading "
+            "attention blocks come from the prefix cache"
         )
     return states
 
@@ -798,7 +800,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
-        prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
+        prefix_cache_blocks=_opt(values, "prefix_cache_blocks", int),
         prefix_cache_states=_prefix_cache_states(values),
         served_model_names=_served_model_names(values),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),

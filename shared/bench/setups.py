@@ -177,7 +177,8 @@ async def start_setups(
         ["--manifest-part-tokens", str(setup.manifest_part_tokens)] if prefill_chunk_tokens and setup.manifest_part_tokens else []
     )
     parts += ["--layer-parts", str(setup.layer_parts)] if prefill_chunk_tokens and setup.layer_parts else []
-    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
+    # The comparison decode (manifest parts off) runs without reuse, as the main one unless asked for.
+    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--prefix-cache-blocks", "0", *quiet]
     cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(
         [

@@ -18,6 +18,7 @@ from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.runtime.engine_host import engine_factory_for
 from tests.integration.http.conftest import COMMON, MODEL, HttpPair, request, stop_pair
+from tests.reuse import REUSE_OFF
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -34,7 +35,7 @@ async def named() -> AsyncIterator[HttpPair]:
         parse_settings("prefill", [*COMMON, "--engine-id", "named-prefill", "--served-model-name", ",".join(NAMES)], environ={}),
         factory,
     )
-    decode_flags = [*COMMON, "--engine-id", "named-decode", "--prefill", f"127.0.0.1:{prefill.port}"]
+    decode_flags = [*COMMON, "--engine-id", "named-decode", "--prefill", f"127.0.0.1:{prefill.port}", *REUSE_OFF]
     decode = await DecodeApp.start(
         parse_settings("decode", decode_flags, environ={"HYBRID_PD_SERVED_MODEL_NAME": ",".join(NAMES)}), factory
     )
