@@ -193,7 +193,16 @@ async def start_setups(
             *parts,
             *quiet,
         ],
-        [*cached, "--engine-id", f"{name}-decode", "--prefix-cache-blocks", str(prefix_cache_blocks)],
+        # State checkpoints only on the `states` decode below: this one measures what is READ.
+        [
+            *cached,
+            "--engine-id",
+            f"{name}-decode",
+            "--prefix-cache-blocks",
+            str(prefix_cache_blocks),
+            "--prefix-cache-states",
+            "0",
+        ],
     )
     colocated: Colocated | None = None
     parts_off: ServiceProcess | None = None
