@@ -18,6 +18,7 @@ from decode_svc.discovery import Discovery
 from decode_svc.http_api import DecodeHttp
 from decode_svc.learned_peers import LearnedPeers
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
+from decode_svc.reuse import reuse_sizes
 from decode_svc.servicer import DecodeServicer
 from shared.config import ServiceSettings
 from shared.http.app import ServiceInfo, build_app
@@ -48,6 +49,16 @@ class DecodeApp:
         self.learned = LearnedPeers(self.peers, lambda target: self._new_peer(target, None, once=True))
         # --prefill names resolve to the peers (one per address), re-resolved every --discovery-seconds.
         self.discovery = Discovery(settings.prefill, self.peers, settings.discovery_seconds)
+        prefix_blocks, prefix_states = reuse_sizes(settings.prefix_cache_blocks, settings.prefix_cache_states, host)
+        if prefix_blocks:
+            default = " (default share; --prefix-cache-blocks 0 turns it off)" if settings.prefix_cache_blocks is None else ""
+            log.info(
+                "prefix reuse: up to %d of %d blocks for prompts' K/V, %d state checkpoints%s",
+                prefix_blocks,
+                host.num_blocks,
+                prefix_states,
+                default,
+            )
         self.servicer = DecodeServicer(
             host,
             self.peers,
@@ -57,13 +68,15 @@ class DecodeApp:
             manifest_parts=settings.manifest_parts,
             metrics=self.metrics,
             learned=self.learned,
-            prefix_cache_blocks=settings.prefix_cache_blocks,
-            prefix_cache_states=settings.prefix_cache_states,
+            prefix_cache_blocks=prefix_blocks,
+            prefix_cache_states=prefix_states,
             local_prefill=settings.local_prefill,
             local_prefill_below=settings.local_prefill_below,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
-        http_info = ServiceInfo("decode", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens)
+        http_info = ServiceInfo(
+            "decode", settings.model_names, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
+        )
         self.http_api = DecodeHttp(self.servicer, host, http_info, template_for(host.engine))
         render = RenderRoutes(http_info, self.http_api.tokenizer.encode, self.http_api.template)
         self.shell.http_app = build_app(http_info, [*self.http_api.routes(), *render.routes()])

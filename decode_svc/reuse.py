@@ -77,6 +77,32 @@ class ReadTarget:
     blocks: RequestBlocks
 
 
+# With no --prefix-cache-blocks: the prefix cache may keep up to this share of the cache's blocks.
+# It holds only blocks no request asked for (any request short of blocks takes them back, least
+# recently used first), so the share bounds what a turn-2 request can find, not what requests get.
+DEFAULT_PREFIX_CACHE_SHARE = 0.25
+
+
+def engine_may_reuse(host: EngineHost) -> bool:
+    """Whether the engine's prefix K/V can be stable for some prefill chunk size (reference: any;
+    hf: with chunks; synthetic: never, its patterns are seeded by the whole prompt)."""
+    return any(host.engine.prefix_stable_unit(chunk) is not None for chunk in (0, host.layout.block_size))
+
+
+def reuse_sizes(prefix_cache_blocks: int | None, prefix_cache_states: int | None, host: EngineHost) -> tuple[int, int]:
+    """(prefix cache blocks, state checkpoints): as given, else the defaults. Blocks: a quarter of
+    the cache for an engine whose prefix can be stable, else 0. Checkpoints: as many as those blocks
+    hold at about one block per KV-cache group each (every Mamba group's block, the attention
+    groups' last, partly filled one), at least 1; none without the prefix cache."""
+    blocks = prefix_cache_blocks
+    if blocks is None:
+        blocks = int(host.num_blocks * DEFAULT_PREFIX_CACHE_SHARE) if engine_may_reuse(host) else 0
+    states = prefix_cache_states
+    if states is None:
+        states = max(1, blocks // max(1, len(host.layout.groups))) if blocks else 0
+    return blocks, states
+
+
 class DecodeReuse:
     """Decode's prefix cache and state checkpoints, as one request's path uses them."""
 

@@ -53,7 +53,7 @@ class PrefillApp:
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
         # /health, /metrics, /version, /v1/models, render, and the P/D prefill leg.
         http_info = ServiceInfo(
-            "prefill", settings.model, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
+            "prefill", settings.model_names, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens
         )
         template = template_for(host.engine)
         # Text is encoded as decode encodes it: the checkpoint's tokenizer where the engine has one.

@@ -86,10 +86,19 @@ class ServiceSettings:
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
-    prefix_cache_blocks: int = 0  # decode only: blocks the prefix cache may keep (0: off)
-    prefix_cache_states: int = 0  # decode only: state checkpoints kept (0: off; needs prefix_cache_blocks)
+    # decode only: blocks the prefix cache may keep (0: off; None: the default share of the cache,
+    # decided at start-up from the cache's size and the engine: decode_svc/reuse.py reuse_sizes)
+    prefix_cache_blocks: int | None = None
+    # decode only: state checkpoints kept (0: off; needs the prefix cache; None: sized from its blocks)
+    prefix_cache_states: int | None = None
     local_prefill: Literal["fallback", "off"] = "fallback"  # decode only: compute prompts here when no prefill is ready
     local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
+    served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names HTTP requests may give as `model`; the first is the one /v1/models lists."""
+        return self.served_model_names or (self.model,)
 
     @property
     def listen_address(self) -> str:
@@ -160,6 +169,13 @@ def split_advertised(text: str) -> tuple[str, int | None]:
         host, _, port = text.partition(":")
         return host, int(port)
     return text, None  # a bare name, IPv4 or IPv6 address
+
+
+def model_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise ValueError("must not be empty")
+    return name
 
 
 def non_negative_int(text: str) -> int:
@@ -397,6 +413,15 @@ FLAGS: tuple[Flag, ...] = (
         switch=True,
     ),
     Flag(
+        "served-model-name",
+        model_name,
+        "the model name(s) of the HTTP API, as vLLM's --served-model-name: NAME[,NAME...] (or the flag repeated); "
+        "/v1/models lists the first, and a request's `model` may be any of them (another one is a 404 naming "
+        "`model`). Default: --model as given",
+        repeatable=True,
+        metavar="NAME[,NAME...]",
+    ),
+    Flag(
         "verify-transfer",
         choice("digest", "off"),
         "digest: prefill sends a digest of every rank's FA / conv / SSM state per layer group with the "
@@ -473,9 +498,10 @@ FLAGS: tuple[Flag, ...] = (
         "prefix-cache-blocks",
         non_negative_int,
         "decode: keep up to this many attention blocks of finished prompts and READ only the K/V after a prompt's "
-        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine); evicted least "
-        "recently used when the cache needs blocks; 0: off",
-        0,
+        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine, the hf engine with "
+        "--prefill-chunk-tokens on prefill); evicted least recently used when the cache needs blocks, so they only "
+        "hold blocks no request asked for. Default: 25%% of the cache's blocks for an engine whose prefix can be "
+        "stable (the reference and hf engines; the synthetic engine keeps nothing); 0: off",
         roles=("decode",),
         metavar="BLOCKS",
     ),
@@ -489,8 +515,8 @@ FLAGS: tuple[Flag, ...] = (
         "temperature, top_p, top_k and seed, and min_tokens masking the same ids. Needs --prefix-cache-blocks (the "
         "leading attention blocks come from it); the copies live in the cache's own blocks (one request's state each), "
         "taken only from free blocks, and given back least recently used (before the prefix cache's) when a request "
-        "needs blocks, never while in use; 0: off",
-        0,
+        "needs blocks, never while in use. Default: with the prefix cache on, as many as the prefix cache's share of "
+        "blocks holds (a checkpoint takes about one block per KV-cache group); 0: off",
         roles=("decode",),
         metavar="N",
     ),
@@ -626,7 +652,7 @@ def resolve(role: Role, args: argparse.Namespace, environ: Mapping[str, str]) ->
     for flag in flags_for(role):
         given = getattr(args, flag.dest)
         if given is not None:
-            raws = given if flag.repeatable else [given]
+            raws = [p for g in given for p in (s.strip() for s in g.split(",")) if p] if flag.repeatable else [given]
             parsed = [_parse_value(flag, r, "") for r in raws]
             values[flag.dest] = tuple(parsed) if flag.repeatable else parsed[0]
             sources[flag.dest] = "flag"
@@ -723,17 +749,20 @@ def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", 
     return "full" if value == "full" else "n-1"
 
 
-def _prefix_cache_states(values: dict[str, object]) -> int:
-    """--prefix-cache-states, refused without the prefix cache it builds on."""
-    states = _own(values, "prefix_cache_states", int)
-    if not states:
-        return 0
-    if not _own(values, "prefix_cache_blocks", int):
+def _prefix_cache_states(values: dict[str, object]) -> int | None:
+    """--prefix-cache-states, refused with the prefix cache it builds on turned off."""
+    states = _opt(values, "prefix_cache_states", int)
+    if states and _opt(values, "prefix_cache_blocks", int) == 0:
         raise SettingsError(
-            "--prefix-cache-states needs --prefix-cache-blocks > 0: a checkpoint's leading attention blocks come "
-            "from the prefix cache"
+            "--prefix-cache-states needs the prefix cache (--prefix-cache-blocks is 0): a checkpoint's leading "
+            "attention blocks come from the prefix cache"
         )
     return states
+
+
+def _served_model_names(values: dict[str, object]) -> tuple[str, ...]:
+    """--served-model-name, each name once, in the order given."""
+    return tuple(dict.fromkeys(str(n) for n in _req(values, "served_model_name", tuple)))
 
 
 def _needs_chunks(values: dict[str, object], name: str, why: str) -> int:
@@ -794,10 +823,11 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         huge_pages=bool(values.get("huge_pages", True)),
         verify_transfer=values.get("verify_transfer", "digest") == "digest",
         discovery_seconds=_own(values, "discovery_seconds", float),
-        prefix_cache_blocks=_own(values, "prefix_cache_blocks", int),
+        prefix_cache_blocks=_opt(values, "prefix_cache_blocks", int),
         prefix_cache_states=_prefix_cache_states(values),
         local_prefill="off" if _own(values, "local_prefill", str) == "off" else "fallback",
         local_prefill_below=_own(values, "local_prefill_below", int),
+        served_model_names=_served_model_names(values),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,

@@ -1,4 +1,5 @@
-"""Suite-wide options: markers by directory; slow sweeps run only when asked for."""
+"""Suite-wide options: markers by directory; slow sweeps run only when asked for; in CI
+(`HYBRID_PD_CI=1`, set by .ci/run) a test skipped for anything but the allowed reasons fails."""
 
 from __future__ import annotations
 
@@ -41,6 +42,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# In CI every test runs except slow sweeps, GPU tests, and tests whose condition is a property of
+# the machine no package provides (CUDA; the kernel's transparent huge pages mode). A test skipped
+# for anything else (a missing tool, say) fails there, naming the reason, so .ci/run provides it.
+CI_ALLOWED_MARKERS = ("slow", "gpu")
+CI_ALLOWED_REASONS = ("CUDA", "transparent huge pages")
+
+
+def in_ci() -> bool:
+    return os.environ.get("HYBRID_PD_CI") == "1"
+
+
+def skip_allowed_in_ci(item: pytest.Item, reason: str) -> bool:
+    return any(m in item.keywords for m in CI_ALLOWED_MARKERS) or any(r in reason for r in CI_ALLOWED_REASONS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if report.skipped and in_ci() and not hasattr(report, "wasxfail"):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if not skip_allowed_in_ci(item, reason):
+            report.outcome = "failed"
+            report.longrepr = f"skipped in CI, where every test must run (.ci/run provides what tests need): {reason}"
+    return report
 
 
 def directory_marker(path: Path) -> str | None:

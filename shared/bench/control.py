@@ -132,7 +132,18 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
     try:
         decode_settings = parse_settings(
             "decode",
-            [*base, "--tp", str(cfg.decode_tp), "--engine-id", "bench-control-decode", "--prefill", f"127.0.0.1:{prefill_port}"],
+            # Reuse off: every request pays the path measured here (a repeated prompt would skip it).
+            [
+                *base,
+                "--tp",
+                str(cfg.decode_tp),
+                "--engine-id",
+                "bench-control-decode",
+                "--prefix-cache-blocks",
+                "0",
+                "--prefill",
+                f"127.0.0.1:{prefill_port}",
+            ],
             environ={},
         )
         decode_app = await DecodeApp.start(decode_settings, NoComputeEngine)

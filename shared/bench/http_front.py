@@ -97,7 +97,13 @@ async def run(requests: int, model: str) -> dict[str, float]:
     decode = None
     try:
         decode = await DecodeApp.start(
-            parse_settings("decode", [*common, "--http-port", "0", "--prefill", f"127.0.0.1:{prefill.port}"], environ={}), factory
+            parse_settings(
+                "decode",
+                # Reuse off: both fronts run the whole path for every request.
+                [*common, "--http-port", "0", "--prefix-cache-blocks", "0", "--prefill", f"127.0.0.1:{prefill.port}"],
+                environ={},
+            ),
+            factory,
         )
         await decode.wait_ready(30)
         assert decode.shell.http_port is not None

@@ -177,7 +177,8 @@ async def start_setups(
         ["--manifest-part-tokens", str(setup.manifest_part_tokens)] if prefill_chunk_tokens and setup.manifest_part_tokens else []
     )
     parts += ["--layer-parts", str(setup.layer_parts)] if prefill_chunk_tokens and setup.layer_parts else []
-    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *quiet]
+    # The comparison decode (manifest parts off) runs without reuse, as the main one unless asked for.
+    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--prefix-cache-blocks", "0", *quiet]
     cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
     pair = await start_pair(
         [
@@ -192,7 +193,16 @@ async def start_setups(
             *parts,
             *quiet,
         ],
-        [*cached, "--engine-id", f"{name}-decode", "--prefix-cache-blocks", str(prefix_cache_blocks)],
+        # State checkpoints only on the `states` decode below: this one measures what is READ.
+        [
+            *cached,
+            "--engine-id",
+            f"{name}-decode",
+            "--prefix-cache-blocks",
+            str(prefix_cache_blocks),
+            "--prefix-cache-states",
+            "0",
+        ],
     )
     colocated: Colocated | None = None
     parts_off: ServiceProcess | None = None

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from shared.errors import InvalidArgument, NotFound, ServiceError
-from shared.http.errors import HttpError, error_body, http_error, internal_error
+from shared.errors import FieldIssue, InvalidArgument, NotFound, ServiceError
+from shared.http.errors import MODEL_NOT_FOUND, HttpError, error_body, http_error, internal_error
 from shared.http.objects import model_list
 from shared.http.trace_middleware import TraceMiddleware
 from shared.version import version
@@ -33,10 +33,15 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 @dataclass(frozen=True)
 class ServiceInfo:
     role: str
-    model_id: str
+    model_names: tuple[str, ...]  # --served-model-name (default --model); requests may name any
     ready: Callable[[], bool]  # the gRPC readiness: same meaning, same source
     registry: CollectorRegistry
     max_model_len: Callable[[], int]  # tokens one request can hold, prompt and generated
+
+    @property
+    def model_id(self) -> str:
+        """The name /v1/models lists and responses carry (vLLM's first served model name)."""
+        return self.model_names[0]
 
 
 def error_response(error: HttpError) -> JSONResponse:
@@ -69,11 +74,11 @@ async def json_body(request: Request) -> Any:
 
 
 def check_model(info: ServiceInfo, model: str | None) -> str:
-    """The served model; a request naming another one is 404 (OpenAI's model_not_found)."""
-    if model is not None and model != info.model_id:
-        raise NotFound(
-            f"model {model!r} is not served here; this service serves {info.model_id!r}", field="model", reason="MODEL_NOT_FOUND"
-        )
+    """The served model's name (the first served name, as vLLM answers); a request naming none of
+    the served names is 404, worded and typed as vLLM's (`NotFoundError`, code 404)."""
+    if model is not None and model not in info.model_names:
+        message = f"The model `{model}` does not exist."  # vLLM's words, without our "field: " prefix
+        raise NotFound(message, issues=[FieldIssue("model", message)], reason=MODEL_NOT_FOUND)
     return info.model_id
 
 

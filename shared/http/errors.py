@@ -30,6 +30,9 @@ _BY_STATUS: dict[str, tuple[int, str]] = {
 }
 # Reasons with a more specific HTTP status than their gRPC status gives.
 _BY_REASON: dict[str, int] = {"LEASE_EXPIRED": 410, "PREFILL_RESTARTED": 410}
+# A request naming a model that is not served: the body vLLM sends (type NotFoundError, code 404),
+# which routers and clients written against vLLM recognise.
+MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
 DEFAULT_RETRY_AFTER_SECONDS = 1
 
 
@@ -55,10 +58,12 @@ def http_error(error: ServiceError) -> HttpError:
     if error.retryable:
         wait = error.retry_after_seconds
         headers["Retry-After"] = str(max(1, math.ceil(wait)) if wait is not None else DEFAULT_RETRY_AFTER_SECONDS)
+    if error.reason == MODEL_NOT_FOUND:
+        return HttpError(404, error_body(error.message, "NotFoundError", param, 404), headers)
     return HttpError(status, error_body(error.message, kind, param, error.reason.lower()), headers)
 
 
-def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+def error_body(message: str, kind: str, param: str | None, code: str | int | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

@@ -27,6 +27,7 @@ from shared.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProc
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
+from tests.reuse import REUSE_OFF
 
 METRICS = re.compile(r"METRICS port=(\d+)")
 COMMON = ["--model", "tiny-mamba2", "--engine", "synthetic", "--loop", "uvloop", "--metrics-port", "0"]
@@ -145,7 +146,10 @@ def start(role: str, *args: str, pauses: str = "", env: dict[str, str] | None = 
     # decode's fallback (--local-prefill, tested on its own) it would serve those requests itself.
     off = {"HYBRID_PD_LOCAL_PREFILL": "off"} if role == "decode" else {}
     full_env = {**off, **(env or {}), "HYBRID_PD_TEST_PAUSE": pauses}
-    process = start_service(role, [*COMMON, *args], timeout=60, env=full_env)
+    # The block accounting these tests read assumes decode keeps nothing after a request: its
+    # prefix reuse (on by default) is off unless a test turns it on (a later flag wins).
+    own = REUSE_OFF if role == "decode" else ()
+    process = start_service(role, [*COMMON, *own, *args], timeout=60, env=full_env)
     for line in process.output:
         match = METRICS.search(line)
         if match:

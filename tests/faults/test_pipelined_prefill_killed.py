@@ -90,7 +90,7 @@ async def test_prefill_killed_between_parts_after_a_cached_prefix_keeps_only_the
     prefill dies between them. Decode frees every block of the request (the cached ones stay the
     cache's, untouched), and the restarted prefill serves the turn again from the same prefix."""
     port, started = services
-    prefill, decode = start_pair(port, started, "--prefix-cache-blocks", "16")
+    prefill, decode = start_pair(port, started, "--prefix-cache-blocks", "16", "--prefix-cache-states", "0")
     await decode.wait_serving()
     first = await generate(decode.address, "turn-1", PROMPT, 4)
     assert first.status == "OK" and first.summary is not None, first

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.bench.netns import Host, Network
+from tests.reuse import REUSE_OFF
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"LISTENING port=(\d+)")
@@ -208,6 +209,7 @@ class Cluster:
             f"{role}-{host.name}",
             "--log-level",
             "WARNING",
+            *(REUSE_OFF if role == "decode" else ()),  # the tests check decode frees every block
             *args,
         ]
         proc = self.network.spawn(

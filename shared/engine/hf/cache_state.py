@@ -72,9 +72,9 @@ def build_cache(config: Any, spec: ModelSpec, state: HfState) -> Any:
 
     A state of 0 tokens gives an empty cache: the next forward then takes the prefill path, as
     generate() does for the first token."""
-    import transformers
+    from shared.logs.third_party import transformers_module
 
-    cache: Any = transformers.DynamicCache(config=config)
+    cache: Any = transformers_module().DynamicCache(config=config)
     if state.length == 0:
         return cache
     for i, (k, v) in state.kv.items():

@@ -23,13 +23,13 @@ from torch import Tensor
 from shared.cache.model_views import torch_dtype
 from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.hf.identity import CheckpointError
+from shared.logs.third_party import kernel_fallbacks_note, transformers_module
 
 
 def _transformers() -> Any:
-    """transformers, untyped (its signatures do not type-check under --strict)."""
-    import transformers
-
-    return transformers
+    """transformers, untyped (its signatures do not type-check under --strict); its progress bars
+    off and its logs through ours (shared/logs/third_party.py)."""
+    return transformers_module()
 
 
 def _eos_ids(directory: str, config: Any) -> frozenset[int]:
@@ -88,5 +88,6 @@ class HfCheckpoint:
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device).unsqueeze(0)
         # Explicit positions always: Bamba otherwise puts every resumed token at position 0.
         out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        kernel_fallbacks_note()  # transformers' first calls may have fallen back to PyTorch kernels: said once
         logits: Tensor = out.logits[0, -1]
         return logits

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from shared.logs.third_party import transformers_module
+
 FAMILIES: tuple[str, ...] = (
     "nemotron_h",
     "bamba",
@@ -96,10 +98,9 @@ def _moe() -> dict[str, Any]:
 
 
 def _transformers() -> Any:
-    """transformers, untyped (its signatures do not type-check under --strict)."""
-    import transformers
-
-    return transformers
+    """transformers, untyped (its signatures do not type-check under --strict); its progress bars
+    ("Writing model shards") off and its logs through ours (shared/logs/third_party.py)."""
+    return transformers_module()
 
 
 def _small_config(family: str) -> Any:

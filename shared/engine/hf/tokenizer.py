@@ -11,14 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.engine.hf.chat_template import HfChatTemplate, checkpoint_chat_template
+from shared.logs.third_party import transformers_module
 
 
 class HfTokenizer:
     def __init__(self, directory: str) -> None:
-        from transformers import AutoTokenizer
-
         try:
-            self._tok: Any = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            self._tok: Any = transformers_module().AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"{directory}: cannot load the checkpoint's tokenizer: {e}") from None
         self.chat_template: HfChatTemplate | None = checkpoint_chat_template(self._tok)

@@ -38,6 +38,10 @@ def test_demo_runs_an_hf_family_exactly(tmp_path: Path) -> None:
     assert rows["hf"]["model"] == "hf:jamba" and rows["hf"]["exact"] == 3 and rows["hf"]["bytes"]["ssm"] > 0
     assert rows["reference"]["exact"] == 3
     assert (tmp_path / "tiny-checkpoints").is_dir()  # made where the cache variable points
+    # Our output is ours: no library progress bar ("Writing model shards" as the checkpoint is made,
+    # "Loading weights") and no transformers line between the demo's own.
+    for third_party in ("Writing model shards", "Loading weights", "%|", "[transformers]", "falling back"):
+        assert third_party not in done.stderr, done.stderr[-2000:]
 
 
 def test_the_small_checkpoint_is_a_real_bigger_model_of_its_own(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, engine_factory_for
+from tests.reuse import REUSE_OFF
 
 
 @dataclass
@@ -58,7 +59,10 @@ async def service_pair(
     extra_prefill: Sequence[str] = (),
     extra_decode: Sequence[str] = (),
     decode_factory: EngineFactory | None = None,
+    default_reuse: bool = False,
 ) -> AsyncIterator[RunningPair]:
+    """`default_reuse`: decode's prefix reuse as its defaults have it; else off unless extra_decode
+    turns it on (all_freed checks that decode frees every block)."""
     common = [
         "--model",
         model,
@@ -78,7 +82,12 @@ async def service_pair(
     try:
         decode_settings = parse_settings(
             "decode",
-            [*common, "--tp", str(decode_tp), "--prefill", f"127.0.0.1:{prefill.port}", *extra_decode],
+            [
+                *common,
+                *("--tp", str(decode_tp), "--prefill", f"127.0.0.1:{prefill.port}"),
+                *(() if default_reuse else REUSE_OFF),
+                *extra_decode,
+            ],
             environ={},
         )
         decode = await DecodeApp.start(decode_settings, decode_factory or engine_factory_for(engine))

@@ -299,7 +299,7 @@ async def test_multi_turn_with_the_prefix_cache_in_layer_parts_equals_colocated(
     """Decode's prefix cache and layer parts: every turn after the first READs only the K/V after
     the cached prefix, the last chunk's in layer parts; per turn the same attention bytes as
     with one last part, the same conv and SSM bytes, tokens equal colocated."""
-    model, cache = "tiny-mamba2", ["--prefix-cache-blocks", "64", "--check-state"]
+    model, cache = "tiny-mamba2", ["--prefix-cache-blocks", "64", "--prefix-cache-states", "0", "--check-state"]
     moved: dict[int, list[tuple[int, int, int, int]]] = {}
     for layer_parts in (0, 3):
         async with service_pair(model, 1, 1, extra_prefill=flags(layer_parts), extra_decode=cache) as pair:

@@ -24,7 +24,9 @@ from tests.integration.exactness.pair import Generated, RunningPair, service_pai
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-CACHE = ["--prefix-cache-blocks", "64", "--check-state"]
+# The prefix cache alone: state checkpoints (on by default with it) off, so every turn READs.
+NO_STATES = ["--prefix-cache-states", "0"]
+CACHE = ["--prefix-cache-blocks", "64", *NO_STATES, "--check-state"]
 
 
 def _conversation(seed: int, first: int, added: int) -> tuple[list[int], int]:
@@ -83,7 +85,7 @@ async def test_different_block_sizes_on_the_two_sides() -> None:
 async def test_an_evicted_prefix_falls_back_to_a_full_read() -> None:
     a, added = _conversation(3, 70, 30)
     b, _ = _conversation(4, 70, 30)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=["--prefix-cache-blocks", "2"]) as pair:
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=["--prefix-cache-blocks", "2", *NO_STATES]) as pair:
         first = await run_turns(pair, "tiny-mamba2", a, added, 1, seed=3)
         await run_turns(pair, "tiny-mamba2", b, added, 1, seed=4)  # its blocks push a's out
         assert _metric(pair, "hybrid_pd_prefix_cache_evictions_total") == 2
@@ -107,7 +109,7 @@ def _corrupt_a_cached_block(pair: RunningPair) -> None:
 @pytest.mark.asyncio
 async def test_a_corrupt_cached_block_fails_the_turn_and_leaves_the_cache() -> None:
     prompt, _ = _conversation(5, 70, 0)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=["--prefix-cache-blocks", "64"]) as pair:
+    async with service_pair("tiny-mamba2", 1, 1, extra_decode=["--prefix-cache-blocks", "64", *NO_STATES]) as pair:
         healthy = await pair.generate(prompt, ANSWER)
         _corrupt_a_cached_block(pair)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -124,7 +126,9 @@ async def test_without_digests_a_corrupt_cached_block_changes_the_tokens() -> No
     """The negative control of the exactness above: the cached bytes are really used."""
     prompt, _ = _conversation(6, 70, 0)
     off = ["--verify-transfer", "off"]
-    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=off, extra_decode=[*off, "--prefix-cache-blocks", "64"]) as pair:
+    async with service_pair(
+        "tiny-mamba2", 1, 1, extra_prefill=off, extra_decode=[*off, "--prefix-cache-blocks", "64", *NO_STATES]
+    ) as pair:
         healthy = await pair.generate(prompt, 8)
         _corrupt_a_cached_block(pair)
         changed = await pair.generate(prompt, 8)

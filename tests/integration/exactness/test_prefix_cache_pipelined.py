@@ -37,7 +37,8 @@ from tests.integration.exactness.pair import RunningPair, service_pair
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 CHUNK = 20  # smaller than every tiny block: some chunks complete no block
-CACHE = ["--prefix-cache-blocks", "64", "--check-state"]
+# The prefix cache alone: state checkpoints (on by default with it) off, so every turn READs.
+CACHE = ["--prefix-cache-blocks", "64", "--prefix-cache-states", "0", "--check-state"]
 CHUNKS = ["--prefill-chunk-tokens", str(CHUNK)]
 
 
@@ -187,7 +188,11 @@ async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_toke
     prompt = random_tokens(14, 130)
     off = ["--verify-transfer", "off"]
     async with service_pair(
-        "tiny-mamba2", 1, 1, extra_prefill=[*CHUNKS, *off], extra_decode=[*off, "--prefix-cache-blocks", "64"]
+        "tiny-mamba2",
+        1,
+        1,
+        extra_prefill=[*CHUNKS, *off],
+        extra_decode=[*off, "--prefix-cache-blocks", "64", "--prefix-cache-states", "0"],
     ) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
         turn = [*prompt, *first.token_ids, *random_tokens(15, 60)]  # the next turn: in parts after the prefix

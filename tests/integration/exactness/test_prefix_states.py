@@ -309,8 +309,11 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
 def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--model", "tiny-mamba2", "--prefill", "127.0.0.1:1"]
     with pytest.raises(SystemExit):
-        parse_settings("decode", [*base, "--prefix-cache-states", "2"], environ={})
-    assert "--prefix-cache-blocks > 0" in capsys.readouterr().err
+        parse_settings("decode", [*base, "--prefix-cache-blocks", "0", "--prefix-cache-states", "2"], environ={})
+    assert "needs the prefix cache (--prefix-cache-blocks is 0)" in capsys.readouterr().err
+    # The prefix cache is on by default: states alone are fine (its size is decided at start-up).
+    alone = parse_settings("decode", [*base, "--prefix-cache-states", "2"], environ={})
+    assert (alone.prefix_cache_blocks, alone.prefix_cache_states) == (None, 2)
     for boundary in ("n-1", "full"):  # full: the key also names the first token's draw
         flags = ["--engine", "hf", "--boundary", boundary, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"]
         ok = parse_settings("decode", [*base, *flags], environ={})

@@ -19,6 +19,7 @@ from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.engine.reference.colocated import colocated_generate
 from shared.runtime.engine_host import engine_factory_for
+from tests.reuse import REUSE_OFF
 
 MODEL = "tiny-mamba2"
 COMMON = ["--model", MODEL, "--engine", "reference", "--num-blocks", "64", "--port", "0", "--http-port", "0",
@@ -86,7 +87,9 @@ async def start_pair(*decode_flags: str, ready: bool = True, prefill_flags: Sequ
         engine_factory_for("reference"),
     )
     settings = parse_settings(
-        "decode", [*COMMON, "--engine-id", "http-decode", "--prefill", f"127.0.0.1:{prefill.port}", *decode_flags], environ={}
+        "decode",
+        [*COMMON, "--engine-id", "http-decode", "--prefill", f"127.0.0.1:{prefill.port}", *REUSE_OFF, *decode_flags],
+        environ={},
     )
     decode = await DecodeApp.start(settings, engine_factory_for("reference"))
     if ready:

@@ -127,7 +127,7 @@ async def test_errors_arrive_as_client_exceptions_naming_the_field(http_pair: Ht
         assert bad_stream.value.body["param"] == "prompt"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError) as missing:
             await client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
-        assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+        assert missing.value.body["code"] == 404 and missing.value.body["type"] == "NotFoundError"  # type: ignore[index]
         models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     await http_pair.blocks_freed()

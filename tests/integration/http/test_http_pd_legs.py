@@ -28,6 +28,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import engine_factory_for
 from tests.integration.http.conftest import COMMON, MODEL, request
+from tests.reuse import REUSE_OFF
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
@@ -78,7 +79,8 @@ async def _start_legs(name: str, lease_seconds: float) -> Legs:
     prefill = await PrefillApp.start(
         parse_settings("prefill", [*COMMON, *lease, "--engine-id", f"{name}-prefill"], environ={}), factory
     )
-    decode = await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"{name}-decode"], environ={}), factory)
+    decode_flags = [*COMMON, "--engine-id", f"{name}-decode", *REUSE_OFF]
+    decode = await DecodeApp.start(parse_settings("decode", decode_flags, environ={}), factory)
     return Legs(prefill, decode)
 
 

@@ -32,6 +32,7 @@ from shared.config import parse_settings
 from shared.engine.reference.colocated import colocated_generate
 from shared.runtime.engine_host import engine_factory_for
 from tests.integration.http.conftest import COMMON, MODEL
+from tests.reuse import REUSE_OFF
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
@@ -68,7 +69,9 @@ async def cluster() -> AsyncIterator[tuple[list[PrefillApp], list[DecodeApp]]]:
         peers = [a for p in prefills for a in ("--prefill", f"127.0.0.1:{p.port}")]
         for i in range(2):
             decodes.append(
-                await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"rd{i}", *peers], environ={}), factory)
+                await DecodeApp.start(
+                    parse_settings("decode", [*COMMON, "--engine-id", f"rd{i}", *REUSE_OFF, *peers], environ={}), factory
+                )
             )
         for d in decodes:
             await d.wait_ready(30)
@@ -164,7 +167,7 @@ async def pd_cluster() -> AsyncIterator[tuple[list[PrefillApp], list[DecodeApp]]
         ]
         apps += prefills
         decodes = [
-            await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"pd{i}"], environ={}), factory)
+            await DecodeApp.start(parse_settings("decode", [*COMMON, "--engine-id", f"pd{i}", *REUSE_OFF], environ={}), factory)
             for i in range(2)
         ]
         apps += decodes

@@ -14,6 +14,7 @@ import grpc
 import pytest_asyncio
 
 from shared.config import parse_settings
+from tests.reuse import REUSE_OFF
 
 
 def _local(name: str) -> ModuleType:
@@ -41,7 +42,9 @@ def prefill_settings(*flags: str) -> Any:
 
 def decode_settings(prefill_port: int, *flags: str) -> Any:
     return parse_settings(
-        "decode", [*BASE_FLAGS, "--engine-id", "test-decode", "--prefill", f"127.0.0.1:{prefill_port}", *flags], environ={}
+        "decode",
+        [*BASE_FLAGS, "--engine-id", "test-decode", "--prefill", f"127.0.0.1:{prefill_port}", *REUSE_OFF, *flags],
+        environ={},
     )
 
 

@@ -16,6 +16,7 @@ from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.runtime.engine_host import engine_factory_for
+from tests.reuse import REUSE_OFF
 
 COMMON = [
     "--engine",
@@ -61,6 +62,7 @@ async def hf_pair(
                 *(["--check-state"] if check_state else []),
                 "--prefill",
                 f"127.0.0.1:{prefill.port}",
+                *REUSE_OFF,  # the tests check decode frees every block; a test's decode_flags may turn it on
                 *decode_flags,
             ],
             environ={},

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(
 
 CHUNK = 40
 ANSWER = 4
-CACHE = ("--prefix-cache-blocks", "64", "--num-blocks", "128")
+CACHE = ("--prefix-cache-blocks", "64", "--prefix-cache-states", "0", "--num-blocks", "128")  # no checkpoints: every turn READs
 CHUNKS = ("--prefill-chunk-tokens", str(CHUNK))
 
 

@@ -227,3 +227,14 @@ def test_layer_parts_need_the_chunks_whose_last_they_split(capsys: pytest.Captur
     assert "--layer-parts needs --prefill-chunk-tokens > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_settings("prefill", ["--prefill-chunk-tokens", "1024", "--layer-parts", "-1"], environ={})
+
+
+def test_served_model_names_from_a_comma_list_repeated_flags_or_env() -> None:
+    """vLLM's --served-model-name: both services, a comma-separated list, the flag repeated, or env;
+    without it the one name is --model as given."""
+    for role in ("prefill", "decode"):
+        assert parse_settings(role, ["--model", "tiny-jamba"], environ={}).model_names == ("tiny-jamba",)
+        s = parse_settings(role, ["--served-model-name", "a, b", "--served-model-name", "c,a"], environ={})
+        assert s.model_names == ("a", "b", "c") and s.model == "tiny-mamba2"
+        s = parse_settings(role, [], environ={"HYBRID_PD_SERVED_MODEL_NAME": "org/m,m"})
+        assert s.model_names == ("org/m", "m")
