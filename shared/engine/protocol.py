@@ -41,6 +41,15 @@ class DecodeSession(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchedDecode(Protocol):
+    """An engine whose decode sessions step together: one forward for many requests."""
+
+    def step_batch(self, sessions: Sequence[DecodeSession]) -> list[int]:
+        """One step of every session in `sessions` (each started by this engine's start_decode, each a different request) in one batched forward; returns each session's next token, in order. What each session computes does not depend on which other sessions share the step or how many (batch invariance)."""
+        ...
+
+
 class Engine(Protocol):
     spec: ModelSpec
     # Token ids that end a generation (a checkpoint's generation_config; none for the tiny models).
