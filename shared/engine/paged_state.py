@@ -77,6 +77,11 @@ class PagedStateStore:
             out_v[:, heads] = fa[kernel, 1, :, slot, :].to(self._device, torch.float32)
         return out_k, out_v
 
+    def read_kv_as(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`read_kv` straight into `dtype` (exact when it is the stored dtype or wider)."""
+        ((k, v),) = read_kv_many([self], layer, [length], dtype)
+        return k, v
+
     # --- SSM ----------------------------------------------------------------------------
     def _mamba_block(self, layer: int) -> tuple[int, int]:
         lay = self.layout

@@ -203,8 +203,10 @@ class PagedEngine:
         pin_intra_op_threads(1)
         store = self._store(blocks)
         expected = _CapturingStore(self.layout, self.ranks, blocks)
-        if num_computed:
-            self.model.forward_sequence(prompt[:num_computed], 0, expected, {}, write_ssm=True)
+        carried: SsmStates = {}
+        ends = chunk_ends(0, num_computed, self.exact_chunk_tokens or 0)
+        for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
+            _, carried = self.model.forward_sequence(prompt[begin:end], begin, expected, carried, write_ssm=end == num_computed)
         dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
         got = read_state(store, self.spec, num_computed, dtypes)
         problems = store.replica_mismatches(num_computed)
@@ -230,7 +232,15 @@ class _CapturingStore(PagedStateStore):
         self.ssm: dict[int, tuple[Tensor, Tensor]] = {}
 
     def write_kv_range(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
-        self.kv[layer] = (k.clone(), v.clone())
+        if start == 0:
+            self.kv[layer] = (k.clone(), v.clone())
+        else:
+            old_k, old_v = self.kv[layer]
+            self.kv[layer] = (torch.cat([old_k[:start], k]), torch.cat([old_v[:start], v]))
+
+    def read_kv_as(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        k, v = self.kv[layer]
+        return k[:length].to(dtype), v[:length].to(dtype)
 
     def write_ssm(self, layer: int, conv: Tensor, ssm: Tensor) -> None:
         self.ssm[layer] = (conv.clone(), ssm.clone())

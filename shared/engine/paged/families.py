@@ -285,6 +285,8 @@ BUILDERS: dict[str, Callable[[Any, Weights], Model]] = {
     "granitemoehybrid": granitemoehybrid,
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(BUILDERS)
+# Families whose tiny checkpoints route tokens to experts (tests/unit/engine_batched).
+MOE_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "jamba", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def check_family(family: str) -> Callable[[Any, Weights], Model]:

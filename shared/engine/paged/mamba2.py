@@ -95,8 +95,10 @@ class Mamba2:
         return self._finish(y.reshape(t, self.intermediate), z, dtype, False), new_conv, new_ssm
 
     # --- decode: a tile of requests, one token each -------------------------------------
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """`h` [R, hidden], one token of each of R requests; `conv` [R, C, K-1], `ssm` [R, H, P, N]."""
+    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """`h` [R, hidden], one token of each of R requests; `conv` [R, C, K-1], `ssm` [R, H, P, N].
+        `fresh` [R] marks requests with no token computed yet: transformers runs their first token
+        through the chunked form, which clamps dt to `dt_limit`, so they are clamped alike."""
         r, dtype = h.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), xbc[:, :, None]], dim=2)  # [R, C, K]
@@ -107,7 +109,8 @@ class Mamba2:
         rep = self.num_heads // self.n_groups
         b = b.reshape(r, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
         c = c.reshape(r, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
-        dt = F.softplus(dt + self.dt_bias)  # [R, H]; the step does not clamp (as transformers)
+        dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
+        dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
         decay = torch.exp(dt.float() * self.A)[:, :, None, None]
         dbx = (dt[:, :, None] * b)[:, :, None, :] * x[..., None]  # [R, H, P, N]
         new_ssm = ssm * decay + dbx

@@ -107,7 +107,7 @@ class Model:
                     q, k, v, gate = mixer.qkv(x, positions, invariant=False)
                     store.write_kv_range(index, start, k, v)
                     if start:
-                        ((past_k, past_v),) = read_kv_many([store], index, [start], self.dtype)
+                        past_k, past_v = store.read_kv_as(index, start, self.dtype)
                         k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
                     y = mixer.output(mixer.attend(q, k, v, start), gate, invariant=False)
                 elif isinstance(mixer, Mamba2):
@@ -170,7 +170,7 @@ class Model:
                     y = mixer.output(attn, gate, invariant=invariant)
                 elif isinstance(mixer, Mamba2):
                     conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
-                    y, conv, ssm = mixer.step(x, pad_rows(conv, rows), pad_rows(ssm, rows), invariant=invariant)
+                    y, conv, ssm = mixer.step(x, pad_rows(conv, rows), pad_rows(ssm, rows), pos == 0, invariant=invariant)
                     write_ssm_many(stores, index, conv[:n], ssm[:n])
                 else:
                     y = mixer(x, invariant=invariant)
