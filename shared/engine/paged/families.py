@@ -16,20 +16,8 @@ from shared.engine.paged.attention import Attention, Rope
 from shared.engine.paged.ffn import Mlp, Moe, activation
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import Layer, Model, Norm, Sublayer
+from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.engine.paged.weights import Weights
-
-ALL_HYBRID_FAMILIES = (
-    "nemotron_h",
-    "bamba",
-    "granitemoehybrid",
-    "falcon_h1",
-    "jamba",
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-)
 
 
 class UnsupportedFamily(ValueError):

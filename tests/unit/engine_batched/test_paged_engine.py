@@ -134,3 +134,19 @@ def test_unsupported_family_is_refused(hf_checkpoint: Callable[[str], str]) -> N
     with pytest.raises(UnsupportedFamily, match="--engine hf"):
         paged_checkpoint(directory)
     assert spec_of(directory) is not None
+
+
+def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callable[[str], str]) -> None:
+    from shared.cache.model_views import RankViews
+    from shared.cache.regions import RankCache
+    from shared.engine.factory import ENGINE_KINDS, make_engine
+    from shared.engine.paged.support import PAGED_FAMILIES, paged_serves
+    from shared.layout.page import build_engine_layout
+
+    assert PAGED_FAMILIES == SUPPORTED_FAMILIES and "paged" in ENGINE_KINDS
+    directory = hf_checkpoint("nemotron_h")
+    assert paged_serves(directory)
+    layout = build_engine_layout(spec_of(directory), 1)
+    views = [RankViews(layout, RankCache(layout.num_regions, 8, layout.page_bytes, huge_pages=False))]
+    engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False)
+    assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
