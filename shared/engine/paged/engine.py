@@ -24,11 +24,11 @@ from shared.cache.model_views import RankViews, torch_dtype
 from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.hf.engine import read_state
 from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import SsmStates
-from shared.engine.paged.tiles import TILE_ROWS
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
@@ -192,9 +192,10 @@ class PagedEngine:
         if not self.batch_invariant:
             return list(self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False))
         out: list[Tensor] = []
-        for i in range(0, len(batch), TILE_ROWS):
-            part = slice(i, i + TILE_ROWS)
-            out += list(self.model.forward_step(ids[part], stores[part], positions[part], rows=TILE_ROWS, invariant=True))
+        rows = tiles.TILE_ROWS
+        for i in range(0, len(batch), rows):
+            part = slice(i, i + rows)
+            out += list(self.model.forward_step(ids[part], stores[part], positions[part], rows=rows, invariant=True))
         return out
 
     @torch.no_grad()

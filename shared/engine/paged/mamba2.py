@@ -96,26 +96,37 @@ class Mamba2:
 
     # --- decode: a tile of requests, one token each -------------------------------------
     def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """`h` [R, hidden], one token of each of R requests; `conv` [R, C, K-1], `ssm` [R, H, P, N].
-        `fresh` [R] marks requests with no token computed yet: transformers runs their first token
-        through the chunked form, which clamps dt to `dt_limit`, so they are clamped alike."""
-        r, dtype = h.shape[0], h.dtype
+        """`h` [R, hidden], one token of each of R rows (the first n = len(ssm) requests, then
+        padding); `conv` [R, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
+        computed yet: transformers runs their first token through the chunked form, which clamps
+        dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
+        requests' new states.
+
+        The per-head work (projections, conv, dt, exp) runs on all R rows: its shapes are the
+        tile's. The state update, the large part, runs on the n real rows only: it is products
+        and sums, exact elementwise whatever the shape, and a sum over N per output."""
+        r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), xbc[:, :, None]], dim=2)  # [R, C, K]
         new_conv = window[:, :, 1:].contiguous()
         mixed = F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[:, :, 0]
         x, b, c = self._split(F.silu(mixed))
         x = x.reshape(r, self.num_heads, self.head_dim)
-        rep = self.num_heads // self.n_groups
-        b = b.reshape(r, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
-        c = c.reshape(r, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
+        b, c = self._per_head(b, r), self._per_head(c, r)
         dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
         dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
-        decay = torch.exp(dt.float() * self.A)[:, :, None, None]
-        dbx = (dt[:, :, None] * b)[:, :, None, :] * x[..., None]  # [R, H, P, N]
+        decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
+        dbx = (dt[:n, :, None] * b[:n])[:, :, None, :] * x[:n, :, :, None]  # [n, H, P, N]
         new_ssm = ssm * decay + dbx
-        y = torch.matmul(new_ssm.to(dtype), c[..., None])[..., 0] + x * self.D[:, None]
+        y = x.new_zeros((r, self.num_heads, self.head_dim))
+        y[:n] = (new_ssm.to(dtype) * c[:n, :, None, :]).sum(-1) + x[:n] * self.D[:, None]
         return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), new_conv, new_ssm
+
+    def _per_head(self, t: Tensor, rows: int) -> Tensor:
+        """[rows, G * N] -> [rows, H, N]: each head gets its group's vector."""
+        rep = self.num_heads // self.n_groups
+        g = t.reshape(rows, self.n_groups, 1, self.d_state).expand(rows, self.n_groups, rep, self.d_state)
+        return g.reshape(rows, self.num_heads, self.d_state)
 
 
 def ssd_scan(

@@ -170,8 +170,8 @@ class Model:
                     y = mixer.output(attn, gate, invariant=invariant)
                 elif isinstance(mixer, Mamba2):
                     conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
-                    y, conv, ssm = mixer.step(x, pad_rows(conv, rows), pad_rows(ssm, rows), pos == 0, invariant=invariant)
-                    write_ssm_many(stores, index, conv[:n], ssm[:n])
+                    y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
+                    write_ssm_many(stores, index, conv[:n], ssm)
                 else:
                     y = mixer(x, invariant=invariant)
                 h = h + y * sub.scale if sub.scale != 1.0 else h + y
