@@ -59,6 +59,7 @@ class Attention:
     q_norm: Tensor | None = None
     k_norm: Tensor | None = None
     norm_eps: float = 1e-6
+    key_scale: float = 1.0  # Falcon-H1's key_multiplier (on K before RoPE)
 
     def qkv(self, h: Tensor, positions: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Q [rows, heads, hd], K and V [rows, kv_heads, hd] (RoPE applied) and the output gate."""
@@ -70,6 +71,8 @@ class Attention:
             gate = gate.reshape(rows, self.num_heads * self.head_dim)
         q = q.reshape(rows, self.num_heads, self.head_dim)
         k = linear(h, self.k_proj, self.k_bias, invariant=invariant).view(rows, self.num_kv_heads, self.head_dim)
+        if self.key_scale != 1.0:
+            k = k * self.key_scale
         v = linear(h, self.v_proj, self.v_bias, invariant=invariant).view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm(q, self.q_norm, self.norm_eps, offset=1.0)

@@ -28,7 +28,7 @@ from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import SsmStates
+from shared.engine.paged.model import Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
@@ -46,6 +46,8 @@ def _check_layers(engine: PagedEngine) -> None:
         raise ValueError(f"{spec.name}: the checkpoint has {len(layers)} layers, config.json says {spec.num_layers}")
     for i, layer in enumerate(layers):
         kinds = {type(sub.mixer) for sub in layer.sublayers}
+        if Parallel in kinds:
+            kinds |= {Attention, Mamba2}
         got = (Attention in kinds, Mamba2 in kinds)
         if got != (i in spec.attention_layers, i in spec.ssm_layers):
             raise ValueError(

@@ -15,7 +15,7 @@ import torch
 from shared.engine.paged.attention import Attention, Rope
 from shared.engine.paged.ffn import Mlp, Moe, activation
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import Layer, Model, Norm, Sublayer
+from shared.engine.paged.model import Layer, Model, Norm, Parallel, Sublayer
 from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.engine.paged.weights import Weights
 
@@ -97,8 +97,9 @@ def _conv_shapes(layers: list[Layer]) -> dict[int, tuple[int, int]]:
     shapes = {}
     for i, layer in enumerate(layers):
         for sub in layer.sublayers:
-            if isinstance(sub.mixer, Mamba2):
-                shapes[i] = (sub.mixer.conv_dim, int(sub.mixer.conv_weight.shape[1]) - 1)
+            mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
+            if isinstance(mixer, Mamba2):
+                shapes[i] = (mixer.conv_dim, int(mixer.conv_weight.shape[1]) - 1)
     return shapes
 
 
@@ -267,10 +268,83 @@ def granitemoehybrid(config: Any, w: Weights) -> Model:
     )
 
 
+def _falcon_mup(config: Any, mamba: Mamba2, w: Weights) -> torch.Tensor | None:
+    """The per-channel multipliers of Falcon-H1's in_proj output ([z | x | B | C | dt])."""
+    mults = [float(m) for m in config.ssm_multipliers]
+    if all(m == 1.0 for m in mults):
+        return None
+    i, gn = mamba.intermediate, mamba.n_groups * mamba.d_state
+    sizes = [i, i, gn, gn, mamba.in_proj.shape[0] - 2 * i - 2 * gn]
+    vector = torch.cat([torch.full((n,), m) for n, m in zip(sizes, mults)])
+    return vector.to(device=w.device, dtype=w.dtype)
+
+
+def falcon_h1(config: Any, w: Weights) -> Model:
+    eps = float(config.rms_norm_eps)
+    act = activation(config.hidden_act)
+    gate_mult, down_mult = (float(m) for m in config.mlp_multipliers)
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        p = f"model.layers.{i}."
+        mamba = _mamba2(
+            w,
+            p + "mamba.",
+            heads=int(config.mamba_n_heads),
+            head_dim=int(config.mamba_d_head),
+            groups=int(config.mamba_n_groups),
+            d_state=int(config.mamba_d_state),
+            chunk=int(config.mamba_chunk_size),
+            eps=eps,
+            dt_limit=tuple(config.time_step_limit),
+            gated_norm=bool(config.mamba_rms_norm),
+        )
+        mamba.in_scale = float(config.ssm_in_multiplier)
+        mamba.in_multipliers = _falcon_mup(config, mamba, w)
+        mamba.falcon_norm, mamba.norm_before_gate = True, bool(config.mamba_norm_before_gate)
+        attention = _attention(config, w, p + "self_attn.", rope=True)
+        attention.key_scale = float(config.key_multiplier)
+        mixer = Parallel(
+            attention,
+            mamba,
+            attn_in=float(config.attention_in_multiplier),
+            attn_out=float(config.attention_out_multiplier),
+            ssm_out=float(config.ssm_out_multiplier),
+        )
+        ffn = Mlp(
+            up=w.get(p + "feed_forward.up_proj.weight"),
+            gate=w.get(p + "feed_forward.gate_proj.weight"),
+            down=w.get(p + "feed_forward.down_proj.weight"),
+            act=act,
+            gate_scale=gate_mult,
+            down_scale=down_mult,
+        )
+        layers.append(
+            Layer(
+                [
+                    Sublayer(Norm(w.get(p + "input_layernorm.weight"), eps), mixer),
+                    Sublayer(Norm(w.get(p + "pre_ff_layernorm.weight"), eps), ffn),
+                ]
+            )
+        )
+    return Model(
+        family="falcon_h1",
+        dtype=w.dtype,
+        device=w.device,
+        embed=w.get("model.embed_tokens.weight"),
+        layers=layers,
+        final_norm=Norm(w.get("model.final_layernorm.weight"), eps),
+        lm_head=_head(config, w, "model.embed_tokens.weight"),
+        embed_scale=float(config.embedding_multiplier),
+        logits_scale=float(config.lm_head_multiplier),
+        conv_shape=_conv_shapes(layers),
+    )
+
+
 BUILDERS: dict[str, Callable[[Any, Weights], Model]] = {
     "nemotron_h": nemotron_h,
     "bamba": bamba,
     "granitemoehybrid": granitemoehybrid,
+    "falcon_h1": falcon_h1,
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(BUILDERS)
 # Families whose tiny checkpoints route tokens to experts (tests/unit/engine_batched).

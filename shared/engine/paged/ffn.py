@@ -43,14 +43,21 @@ class Mlp:
     act: Activation
     gate: Tensor | None = None
     fused_gate: bool = False
+    gate_scale: float = 1.0  # Falcon-H1's mlp_multipliers: on the gate projection
+    down_scale: float = 1.0  # ... and on the output
 
     def __call__(self, h: Tensor, *, invariant: bool) -> Tensor:
         if self.fused_gate:
             g, u = linear(h, self.up, invariant=invariant).chunk(2, dim=-1)
             return linear(self.act(g) * u, self.down, invariant=invariant)
         u = linear(h, self.up, invariant=invariant)
-        u = self.act(u) if self.gate is None else self.act(linear(h, self.gate, invariant=invariant)) * u
-        return linear(u, self.down, invariant=invariant)
+        if self.gate is None:
+            u = self.act(u)
+        else:
+            g = linear(h, self.gate, invariant=invariant)
+            u = u * self.act(g * self.gate_scale if self.gate_scale != 1.0 else g)
+        out = linear(u, self.down, invariant=invariant)
+        return out * self.down_scale if self.down_scale != 1.0 else out
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.engine.paged.norms import gated_rms_norm
+from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
 from shared.engine.paged.tiles import linear
 
 
@@ -39,8 +39,12 @@ class Mamba2:
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     in_bias: Tensor | None = None
     out_bias: Tensor | None = None
-    # Falcon-H1's muP: per-channel multipliers of the in_proj output ([z | x | B | C | dt]).
+    # Falcon-H1's muP: a multiplier of the input, per-channel multipliers of the in_proj output
+    # ([z | x | B | C | dt]), and its own gated norm (weight in fp32, gate before or after).
+    in_scale: float = 1.0
     in_multipliers: Tensor | None = None
+    falcon_norm: bool = False
+    norm_before_gate: bool = False
 
     @property
     def intermediate(self) -> int:
@@ -51,6 +55,8 @@ class Mamba2:
         return self.intermediate + 2 * self.n_groups * self.d_state
 
     def _project(self, h: Tensor, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if self.in_scale != 1.0:
+            h = h * self.in_scale
         zxbcdt = linear(h, self.in_proj, self.in_bias, invariant=invariant)
         if self.in_multipliers is not None:
             zxbcdt = zxbcdt * self.in_multipliers
@@ -63,7 +69,9 @@ class Mamba2:
         return x, b, c
 
     def _finish(self, y: Tensor, z: Tensor, dtype: torch.dtype, invariant: bool) -> Tensor:
-        if self.norm_weight is not None:
+        if self.norm_weight is not None and self.falcon_norm:
+            y = falcon_gated_rms_norm(y, z, self.norm_weight, self.norm_eps, self.norm_groups, before_gate=self.norm_before_gate)
+        elif self.norm_weight is not None:
             y = gated_rms_norm(y, z, self.norm_weight, self.norm_eps, self.norm_groups)
         else:
             y = y * F.silu(z)

@@ -26,7 +26,26 @@ from shared.engine.paged_state import (
     write_ssm_many,
 )
 
-Mixer = Attention | Mamba2 | Mlp | Moe
+
+@dataclass
+class Parallel:
+    """Falcon-H1: attention and Mamba2 side by side on the same normalised input, their scaled
+    outputs summed."""
+
+    attention: Attention
+    mamba: Mamba2
+    attn_in: float = 1.0
+    attn_out: float = 1.0
+    ssm_out: float = 1.0
+
+
+Mixer = Attention | Mamba2 | Mlp | Moe | Parallel
+
+
+def _scaled(x: Tensor, scale: float) -> Tensor:
+    return x * scale if scale != 1.0 else x
+
+
 # Per SSM layer: (conv [C, K-1], SSM state), a prefill run's state between its chunks.
 SsmStates = dict[int, tuple[Tensor, Tensor]]
 
@@ -63,7 +82,8 @@ class Model:
     final_norm: Norm
     lm_head: Tensor
     embed_scale: float = 1.0
-    logits_divisor: float = 1.0
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    logits_scale: float = 1.0  # Falcon-H1's lm_head_multiplier
     conv_shape: dict[int, tuple[int, int]] = field(default_factory=dict)  # SSM layer -> conv state shape
 
     @property
@@ -76,6 +96,8 @@ class Model:
 
     def _logits(self, h: Tensor, *, invariant: bool) -> Tensor:
         logits = linear(self.final_norm(h), self.lm_head, invariant=invariant)
+        if self.logits_scale != 1.0:
+            logits = logits * self.logits_scale
         return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
 
     # --- one request, many tokens -------------------------------------------------------
@@ -104,24 +126,47 @@ class Model:
                 x = sub.norm(h)
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
-                    q, k, v, gate = mixer.qkv(x, positions, invariant=False)
-                    store.write_kv_range(index, start, k, v)
-                    if start:
-                        past_k, past_v = store.read_kv_as(index, start, self.dtype)
-                        k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
-                    y = mixer.output(mixer.attend(q, k, v, start), gate, invariant=False)
+                    y = self._attend_sequence(mixer, index, x, positions, start, store)
                 elif isinstance(mixer, Mamba2):
-                    conv, ssm = self._initial_ssm(index, start, store, carried)
-                    y, conv, ssm = mixer.prefill(x, conv, ssm)
-                    states[index] = (conv, ssm)
-                    if write_ssm:
-                        store.write_ssm(index, conv, ssm)
+                    y = self._mamba_sequence(mixer, index, x, start, store, carried, states, write_ssm)
+                elif isinstance(mixer, Parallel):
+                    ssm_y = self._mamba_sequence(mixer.mamba, index, x, start, store, carried, states, write_ssm)
+                    attn_y = self._attend_sequence(mixer.attention, index, _scaled(x, mixer.attn_in), positions, start, store)
+                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
                 else:
                     y = mixer(x, invariant=False)
                 h = h + y * sub.scale if sub.scale != 1.0 else h + y
             if on_layer is not None:
                 on_layer(index)
         return self._logits(h[-1:], invariant=False)[0], states
+
+    def _attend_sequence(
+        self, mixer: Attention, index: int, x: Tensor, positions: Tensor, start: int, store: PagedStateStore
+    ) -> Tensor:
+        q, k, v, gate = mixer.qkv(x, positions, invariant=False)
+        store.write_kv_range(index, start, k, v)
+        if start:
+            past_k, past_v = store.read_kv_as(index, start, self.dtype)
+            k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
+        return mixer.output(mixer.attend(q, k, v, start), gate, invariant=False)
+
+    def _mamba_sequence(
+        self,
+        mixer: Mamba2,
+        index: int,
+        x: Tensor,
+        start: int,
+        store: PagedStateStore,
+        carried: SsmStates | None,
+        states: SsmStates,
+        write_ssm: bool,
+    ) -> Tensor:
+        conv, ssm = self._initial_ssm(index, start, store, carried)
+        y, conv, ssm = mixer.prefill(x, conv, ssm)
+        states[index] = (conv, ssm)
+        if write_ssm:
+            store.write_ssm(index, conv, ssm)
+        return y
 
     def _initial_ssm(self, layer: int, start: int, store: PagedStateStore, carried: SsmStates | None) -> tuple[Tensor, Tensor]:
         if carried is not None and layer in carried:
@@ -137,8 +182,9 @@ class Model:
 
     def _ssm_shape(self, layer: int) -> tuple[int, ...]:
         for sub in self.layers[layer].sublayers:
-            if isinstance(sub.mixer, Mamba2):
-                return (sub.mixer.num_heads, sub.mixer.head_dim, sub.mixer.d_state)
+            mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
+            if isinstance(mixer, Mamba2):
+                return (mixer.num_heads, mixer.head_dim, mixer.d_state)
         raise ValueError(f"layer {layer} has no SSM mixer")
 
     # --- many requests, one token each --------------------------------------------------
@@ -155,24 +201,51 @@ class Model:
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
         pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)
         h = self._embed(token_ids)
-        lengths = [p + 1 for p in positions]
         for index, layer in enumerate(self.layers):
             for sub in layer.sublayers:
                 x = sub.norm(h)
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
-                    q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
-                    write_kv_tokens(stores, index, positions, k[:n], v[:n])
-                    kv = read_kv_many(stores, index, lengths, self.dtype)
-                    attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
-                    for b, (kb, vb) in enumerate(kv):
-                        attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
-                    y = mixer.output(attn, gate, invariant=invariant)
+                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant)
                 elif isinstance(mixer, Mamba2):
-                    conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
-                    y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
-                    write_ssm_many(stores, index, conv[:n], ssm)
+                    y = self._mamba_step(mixer, index, x, pos, stores, invariant)
+                elif isinstance(mixer, Parallel):
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant)
+                    attn_y = self._attend_step(
+                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant
+                    )
+                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
                 else:
                     y = mixer(x, invariant=invariant)
                 h = h + y * sub.scale if sub.scale != 1.0 else h + y
         return self._logits(h, invariant=invariant)[:n]
+
+    def _attend_step(
+        self,
+        mixer: Attention,
+        index: int,
+        x: Tensor,
+        pos: Tensor,
+        stores: Sequence[PagedStateStore],
+        positions: Sequence[int],
+        invariant: bool,
+    ) -> Tensor:
+        """The new tokens' K/V go to the blocks; each request then attends over its own K/V,
+        read back from them."""
+        n, rows = len(stores), x.shape[0]
+        q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
+        write_kv_tokens(stores, index, positions, k[:n], v[:n])
+        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype)
+        attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
+        for b, (kb, vb) in enumerate(kv):
+            attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
+        return mixer.output(attn, gate, invariant=invariant)
+
+    def _mamba_step(
+        self, mixer: Mamba2, index: int, x: Tensor, pos: Tensor, stores: Sequence[PagedStateStore], invariant: bool
+    ) -> Tensor:
+        n, rows = len(stores), x.shape[0]
+        conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
+        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
+        write_ssm_many(stores, index, conv[:n], ssm)
+        return y

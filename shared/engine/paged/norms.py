@@ -28,3 +28,18 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float, groups: 
     g = h.view(*shape[:-1], groups, shape[-1] // groups)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return weight * g.view(shape).to(dtype)
+
+
+def falcon_gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float, groups: int, *, before_gate: bool) -> Tensor:
+    """Falcon-H1's Mamba2 norm: grouped RMS norm whose weight multiplies in fp32, the gate
+    applied before (`before_gate` False) or after it, one cast back at the end."""
+    dtype = y.dtype
+    h = y if before_gate else y * F.silu(gate.to(torch.float32))
+    h = h.to(torch.float32)
+    shape = h.shape
+    g = h.view(*shape[:-1], groups, shape[-1] // groups)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    h = (weight.view(groups, shape[-1] // groups) * g).view(shape)
+    if before_gate:
+        h = h * F.silu(gate.to(torch.float32))
+    return h.to(dtype)
