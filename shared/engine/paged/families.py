@@ -14,6 +14,7 @@ import torch
 
 from shared.engine.paged.attention import Attention, Rope
 from shared.engine.paged.ffn import Mlp, Moe, activation
+from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import Layer, Model, Norm, Parallel, Sublayer
 from shared.engine.paged.support import ALL_HYBRID_FAMILIES
@@ -98,7 +99,7 @@ def _conv_shapes(layers: list[Layer]) -> dict[int, tuple[int, int]]:
     for i, layer in enumerate(layers):
         for sub in layer.sublayers:
             mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
-            if isinstance(mixer, Mamba2):
+            if isinstance(mixer, (Mamba2, Mamba1)):
                 shapes[i] = (mixer.conv_dim, int(mixer.conv_weight.shape[1]) - 1)
     return shapes
 
@@ -340,11 +341,85 @@ def falcon_h1(config: Any, w: Weights) -> Model:
     )
 
 
+def _jamba_mamba(config: Any, w: Weights, p: str) -> Mamba1:
+    conv = w.get(p + "conv1d.weight")
+    eps = float(config.rms_norm_eps)
+    return Mamba1(
+        in_proj=w.get(p + "in_proj.weight"),
+        in_bias=w.maybe(p + "in_proj.bias"),
+        conv_weight=conv.reshape(conv.shape[0], conv.shape[-1]).contiguous(),
+        conv_bias=w.maybe(p + "conv1d.bias"),
+        x_proj=w.get(p + "x_proj.weight"),
+        dt_proj=w.get(p + "dt_proj.weight"),
+        dt_bias=w.get(p + "dt_proj.bias"),
+        A=-torch.exp(w.get(p + "A_log").float()),
+        D=w.get(p + "D"),
+        out_proj=w.get(p + "out_proj.weight"),
+        out_bias=w.maybe(p + "out_proj.bias"),
+        dt_rank=int(config.mamba_dt_rank),
+        d_state=int(config.mamba_d_state),
+        dt_norm=w.get(p + "dt_layernorm.weight"),
+        b_norm=w.get(p + "b_layernorm.weight"),
+        c_norm=w.get(p + "c_layernorm.weight"),
+        norm_eps=eps,
+    )
+
+
+def _gated_mlp(w: Weights, p: str, act: Any) -> Mlp:
+    return Mlp(up=w.get(p + "up_proj.weight"), gate=w.get(p + "gate_proj.weight"), down=w.get(p + "down_proj.weight"), act=act)
+
+
+def jamba(config: Any, w: Weights) -> Model:
+    eps = float(config.rms_norm_eps)
+    act = activation(config.hidden_act)
+    experts_per_layer = list(config.layers_num_experts or [1] * int(config.num_hidden_layers))
+    layers = []
+    for i, kind in enumerate(_layer_kind(k) for k in config.layers_block_type):
+        p = f"model.layers.{i}."
+        mixer: Attention | Mamba1 = (
+            _jamba_mamba(config, w, p + "mamba.") if kind == "mamba" else _attention(config, w, p + "self_attn.", rope=False)
+        )
+        ffn: Mlp | Moe
+        if experts_per_layer[i] > 1:
+            experts = []
+            for e in range(experts_per_layer[i]):
+                q = f"{p}feed_forward.experts.{e}."
+                up = torch.cat([w.get(q + "gate_proj.weight"), w.get(q + "up_proj.weight")])  # transformers fuses [gate | up]
+                experts.append(Mlp(up=up, down=w.get(q + "down_proj.weight"), act=act, fused_gate=True))
+            ffn = Moe(
+                router=w.get(p + "feed_forward.router.weight"),
+                experts=experts,
+                top_k=int(config.num_experts_per_tok),
+                softmax_after_topk=False,
+            )
+        else:
+            ffn = _gated_mlp(w, p + "feed_forward.", act)
+        layers.append(
+            Layer(
+                [
+                    Sublayer(Norm(w.get(p + "input_layernorm.weight"), eps), mixer),
+                    Sublayer(Norm(w.get(p + "pre_ff_layernorm.weight"), eps), ffn),
+                ]
+            )
+        )
+    return Model(
+        family="jamba",
+        dtype=w.dtype,
+        device=w.device,
+        embed=w.get("model.embed_tokens.weight"),
+        layers=layers,
+        final_norm=Norm(w.get("model.final_layernorm.weight"), eps),
+        lm_head=_head(config, w, "model.embed_tokens.weight"),
+        conv_shape=_conv_shapes(layers),
+    )
+
+
 BUILDERS: dict[str, Callable[[Any, Weights], Model]] = {
     "nemotron_h": nemotron_h,
     "bamba": bamba,
     "granitemoehybrid": granitemoehybrid,
     "falcon_h1": falcon_h1,
+    "jamba": jamba,
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(BUILDERS)
 # Families whose tiny checkpoints route tokens to experts (tests/unit/engine_batched).

@@ -54,6 +54,10 @@ class Mamba2:
     def conv_dim(self) -> int:
         return self.intermediate + 2 * self.n_groups * self.d_state
 
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.d_state)
+
     def _project(self, h: Tensor, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
         if self.in_scale != 1.0:
             h = h * self.in_scale

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.ffn import Mlp, Moe
+from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear, pad_rows
@@ -39,7 +40,8 @@ class Parallel:
     ssm_out: float = 1.0
 
 
-Mixer = Attention | Mamba2 | Mlp | Moe | Parallel
+Ssm = Mamba2 | Mamba1
+Mixer = Attention | Mamba2 | Mamba1 | Mlp | Moe | Parallel
 
 
 def _scaled(x: Tensor, scale: float) -> Tensor:
@@ -127,7 +129,7 @@ class Model:
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
                     y = self._attend_sequence(mixer, index, x, positions, start, store)
-                elif isinstance(mixer, Mamba2):
+                elif isinstance(mixer, (Mamba2, Mamba1)):
                     y = self._mamba_sequence(mixer, index, x, start, store, carried, states, write_ssm)
                 elif isinstance(mixer, Parallel):
                     ssm_y = self._mamba_sequence(mixer.mamba, index, x, start, store, carried, states, write_ssm)
@@ -152,7 +154,7 @@ class Model:
 
     def _mamba_sequence(
         self,
-        mixer: Mamba2,
+        mixer: Ssm,
         index: int,
         x: Tensor,
         start: int,
@@ -183,8 +185,8 @@ class Model:
     def _ssm_shape(self, layer: int) -> tuple[int, ...]:
         for sub in self.layers[layer].sublayers:
             mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
-            if isinstance(mixer, Mamba2):
-                return (mixer.num_heads, mixer.head_dim, mixer.d_state)
+            if isinstance(mixer, (Mamba2, Mamba1)):
+                return mixer.state_shape
         raise ValueError(f"layer {layer} has no SSM mixer")
 
     # --- many requests, one token each --------------------------------------------------
@@ -207,7 +209,7 @@ class Model:
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
                     y = self._attend_step(mixer, index, x, pos, stores, positions, invariant)
-                elif isinstance(mixer, Mamba2):
+                elif isinstance(mixer, (Mamba2, Mamba1)):
                     y = self._mamba_step(mixer, index, x, pos, stores, invariant)
                 elif isinstance(mixer, Parallel):
                     ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant)
@@ -242,7 +244,7 @@ class Model:
         return mixer.output(attn, gate, invariant=invariant)
 
     def _mamba_step(
-        self, mixer: Mamba2, index: int, x: Tensor, pos: Tensor, stores: Sequence[PagedStateStore], invariant: bool
+        self, mixer: Ssm, index: int, x: Tensor, pos: Tensor, stores: Sequence[PagedStateStore], invariant: bool
     ) -> Tensor:
         n, rows = len(stores), x.shape[0]
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
