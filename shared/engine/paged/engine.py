@@ -27,9 +27,8 @@ from shared.engine.hf.tokenizer import HfTokenizer
 from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
-from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import Parallel, SsmStates
+from shared.engine.paged.model import SSM_MIXERS, Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
@@ -49,7 +48,7 @@ def _check_layers(engine: PagedEngine) -> None:
         kinds = {type(sub.mixer) for sub in layer.sublayers}
         if Parallel in kinds:
             kinds |= {Attention, Mamba2}
-        got = (Attention in kinds, bool(kinds & {Mamba1, Mamba2}))
+        got = (Attention in kinds, any(k in SSM_MIXERS for k in kinds))
         if got != (i in spec.attention_layers, i in spec.ssm_layers):
             raise ValueError(
                 f"{spec.name}: layer {i} is {spec.layer_kinds[i]!r} in the layout but the model builds {sorted(k.__name__ for k in kinds)}"

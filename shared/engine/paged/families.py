@@ -14,9 +14,10 @@ import torch
 
 from shared.engine.paged.attention import Attention, Rope
 from shared.engine.paged.ffn import Mlp, Moe, activation
+from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import Layer, Model, Norm, Parallel, Sublayer
+from shared.engine.paged.model import SSM_MIXERS, Layer, Model, Norm, Parallel, Sublayer
 from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.engine.paged.weights import Weights
 
@@ -99,7 +100,7 @@ def _conv_shapes(layers: list[Layer]) -> dict[int, tuple[int, int]]:
     for i, layer in enumerate(layers):
         for sub in layer.sublayers:
             mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
-            if isinstance(mixer, (Mamba2, Mamba1)):
+            if isinstance(mixer, SSM_MIXERS):
                 shapes[i] = (mixer.conv_dim, int(mixer.conv_weight.shape[1]) - 1)
     return shapes
 
@@ -414,12 +415,106 @@ def jamba(config: Any, w: Weights) -> Model:
     )
 
 
+def _qwen_attention(config: Any, w: Weights, p: str) -> Attention:
+    attention = _attention(config, w, p, rope=True)
+    attention.gated = True
+    attention.q_norm, attention.k_norm = w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")
+    attention.norm_eps = float(config.rms_norm_eps)
+    return attention
+
+
+def _gdn(config: Any, w: Weights, p: str) -> GatedDeltaNet:
+    conv = w.get(p + "conv1d.weight")
+    return GatedDeltaNet(
+        conv_weight=conv.reshape(conv.shape[0], conv.shape[-1]).contiguous(),
+        A_log=w.get(p + "A_log").float(),
+        dt_bias=w.get(p + "dt_bias"),
+        norm_weight=w.get(p + "norm.weight"),
+        out_proj=w.get(p + "out_proj.weight"),
+        num_k_heads=int(config.linear_num_key_heads),
+        num_v_heads=int(config.linear_num_value_heads),
+        head_k_dim=int(config.linear_key_head_dim),
+        head_v_dim=int(config.linear_value_head_dim),
+        norm_eps=float(config.rms_norm_eps),
+        in_qkvz=w.maybe(p + "in_proj_qkvz.weight"),
+        in_ba=w.maybe(p + "in_proj_ba.weight"),
+        in_qkv=w.maybe(p + "in_proj_qkv.weight"),
+        in_z=w.maybe(p + "in_proj_z.weight"),
+        in_b=w.maybe(p + "in_proj_b.weight"),
+        in_a=w.maybe(p + "in_proj_a.weight"),
+    )
+
+
+def _qwen_moe(config: Any, w: Weights, p: str, act: Any, normalize: bool) -> Moe:
+    experts = []
+    for e in range(int(config.num_experts)):
+        q = f"{p}experts.{e}."
+        up = torch.cat([w.get(q + "gate_proj.weight"), w.get(q + "up_proj.weight")])  # transformers fuses [gate | up]
+        experts.append(Mlp(up=up, down=w.get(q + "down_proj.weight"), act=act, fused_gate=True))
+    return Moe(
+        router=w.get(p + "gate.weight"),
+        experts=experts,
+        top_k=int(config.num_experts_per_tok),
+        softmax_after_topk=False,
+        normalize_topk=normalize,
+        shared=_gated_mlp(w, p + "shared_expert.", act),
+        shared_gate=w.get(p + "shared_expert_gate.weight"),
+    )
+
+
+def qwen(config: Any, w: Weights) -> Model:
+    """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text models; a multimodal wrapper's language model)."""
+    family = str(config.model_type)
+    base = "model.language_model." if w.has("model.language_model.embed_tokens.weight") else "model."
+    eps = float(config.rms_norm_eps)
+    act = activation(config.hidden_act)
+    moe_every = family in ("qwen3_5_moe", "qwen3_5_moe_text")
+    sparse_step = int(getattr(config, "decoder_sparse_step", None) or 1)
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or [])
+    layers = []
+    for i, kind in enumerate(_layer_kind(k) for k in config.layer_types):
+        p = f"{base}layers.{i}."
+        mixer: Attention | GatedDeltaNet = (
+            _gdn(config, w, p + "linear_attn.") if kind == "mamba" else _qwen_attention(config, w, p + "self_attn.")
+        )
+        ffn: Mlp | Moe
+        if moe_every:
+            ffn = _qwen_moe(config, w, p + "mlp.", act, True)
+        elif family == "qwen3_next" and i not in mlp_only and int(config.num_experts) > 0 and (i + 1) % sparse_step == 0:
+            ffn = _qwen_moe(config, w, p + "mlp.", act, bool(config.norm_topk_prob))
+        else:
+            ffn = _gated_mlp(w, p + "mlp.", act)
+        layers.append(
+            Layer(
+                [
+                    Sublayer(Norm(w.get(p + "input_layernorm.weight"), eps, offset=1.0), mixer),
+                    Sublayer(Norm(w.get(p + "post_attention_layernorm.weight"), eps, offset=1.0), ffn),
+                ]
+            )
+        )
+    return Model(
+        family=family,
+        dtype=w.dtype,
+        device=w.device,
+        embed=w.get(base + "embed_tokens.weight"),
+        layers=layers,
+        final_norm=Norm(w.get(base + "norm.weight"), eps, offset=1.0),
+        lm_head=_head(config, w, base + "embed_tokens.weight"),
+        conv_shape=_conv_shapes(layers),
+    )
+
+
 BUILDERS: dict[str, Callable[[Any, Weights], Model]] = {
     "nemotron_h": nemotron_h,
     "bamba": bamba,
     "granitemoehybrid": granitemoehybrid,
     "falcon_h1": falcon_h1,
     "jamba": jamba,
+    "qwen3_next": qwen,
+    "qwen3_5": qwen,
+    "qwen3_5_text": qwen,
+    "qwen3_5_moe": qwen,
+    "qwen3_5_moe_text": qwen,
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(BUILDERS)
 # Families whose tiny checkpoints route tokens to experts (tests/unit/engine_batched).

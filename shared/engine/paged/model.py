@@ -15,6 +15,7 @@ from torch import Tensor
 
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.ffn import Mlp, Moe
+from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.norms import rms_norm
@@ -40,8 +41,9 @@ class Parallel:
     ssm_out: float = 1.0
 
 
-Ssm = Mamba2 | Mamba1
-Mixer = Attention | Mamba2 | Mamba1 | Mlp | Moe | Parallel
+Ssm = Mamba2 | Mamba1 | GatedDeltaNet
+SSM_MIXERS = (Mamba2, Mamba1, GatedDeltaNet)
+Mixer = Attention | Mamba2 | Mamba1 | GatedDeltaNet | Mlp | Moe | Parallel
 
 
 def _scaled(x: Tensor, scale: float) -> Tensor:
@@ -57,9 +59,10 @@ class Norm:
     weight: Tensor
     eps: float
     weight_in_fp32: bool = False
+    offset: float = 0.0  # Qwen3-Next / Qwen3.5 scale by 1 + weight
 
     def __call__(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32)
+        return rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32, offset=self.offset)
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Model:
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
                     y = self._attend_sequence(mixer, index, x, positions, start, store)
-                elif isinstance(mixer, (Mamba2, Mamba1)):
+                elif isinstance(mixer, SSM_MIXERS):
                     y = self._mamba_sequence(mixer, index, x, start, store, carried, states, write_ssm)
                 elif isinstance(mixer, Parallel):
                     ssm_y = self._mamba_sequence(mixer.mamba, index, x, start, store, carried, states, write_ssm)
@@ -185,7 +188,7 @@ class Model:
     def _ssm_shape(self, layer: int) -> tuple[int, ...]:
         for sub in self.layers[layer].sublayers:
             mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
-            if isinstance(mixer, (Mamba2, Mamba1)):
+            if isinstance(mixer, SSM_MIXERS):
                 return mixer.state_shape
         raise ValueError(f"layer {layer} has no SSM mixer")
 
@@ -209,7 +212,7 @@ class Model:
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
                     y = self._attend_step(mixer, index, x, pos, stores, positions, invariant)
-                elif isinstance(mixer, (Mamba2, Mamba1)):
+                elif isinstance(mixer, SSM_MIXERS):
                     y = self._mamba_step(mixer, index, x, pos, stores, invariant)
                 elif isinstance(mixer, Parallel):
                     ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant)

@@ -19,7 +19,7 @@ ALL_HYBRID_FAMILIES: tuple[str, ...] = (
     "qwen3_5_moe_text",
 )
 # The families families.py builds (a test keeps the two lists equal).
-PAGED_FAMILIES: tuple[str, ...] = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "jamba")
+PAGED_FAMILIES: tuple[str, ...] = ALL_HYBRID_FAMILIES
 
 
 def checkpoint_family(directory: str) -> str | None:

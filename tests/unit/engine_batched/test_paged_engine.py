@@ -4,17 +4,22 @@ decode needs (a copy of them under other block ids decodes the same)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from shared.engine.paged import families
+from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.engine import PagedEngine
 from shared.engine.paged.families import SUPPORTED_FAMILIES, UnsupportedFamily
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import BatchedDecode, ChunkedPrefill, RequestBlocks
-from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_checkpoint, paged_engine, prompt_of, start
+from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
 from tests.unit.engine_hf.helpers import spec_of
 
 STEPS = 5
@@ -129,11 +134,20 @@ def _copy_pages(rank: object, region: int, src: np.ndarray, dst: np.ndarray) -> 
         views[d] = views[s].clone()
 
 
-def test_unsupported_family_is_refused(hf_checkpoint: Callable[[str], str]) -> None:
-    directory = hf_checkpoint("jamba") if "jamba" not in SUPPORTED_FAMILIES else hf_checkpoint("qwen3_next")
-    with pytest.raises(UnsupportedFamily, match="--engine hf"):
-        paged_checkpoint(directory)
-    assert spec_of(directory) is not None
+def test_unsupported_family_is_refused(
+    hf_checkpoint: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At load, before any weight is read, naming the family and who serves it."""
+    directory = tmp_path / "llama"
+    shutil.copytree(hf_checkpoint("nemotron_h"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(UnsupportedFamily, match=r"'llama'.*no engine of this project"):
+        PagedCheckpoint(str(directory), dtype="fp32")
+    # A hybrid family transformers runs but this engine would not: the hf engine is named.
+    monkeypatch.delitem(families.BUILDERS, "jamba")
+    with pytest.raises(UnsupportedFamily, match=r"'jamba'.*--engine hf"):
+        PagedCheckpoint(hf_checkpoint("jamba"), dtype="fp32")
 
 
 def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callable[[str], str]) -> None:

@@ -157,8 +157,8 @@ def test_flags_both_services_take_are_accepted_by_both() -> None:
 def test_the_default_engine_follows_the_model(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text("{}")
-    nemotron, jamba = tmp_path / "nemotron", tmp_path / "jamba"
-    for directory, family in ((nemotron, "nemotron_h"), (jamba, "jamba")):
+    nemotron, other = tmp_path / "nemotron", tmp_path / "other"
+    for directory, family in ((nemotron, "nemotron_h"), (other, "llama")):
         directory.mkdir()
         (directory / "config.json").write_text(f'{{"model_type": "{family}"}}')
     cases = {
@@ -168,7 +168,7 @@ def test_the_default_engine_follows_the_model(tmp_path: Path) -> None:
         str(config): "synthetic",  # a config.json alone has no weights
         str(tmp_path): "hf",  # a checkpoint directory of no family the paged engine computes
         str(nemotron): "paged",  # one of a family it computes
-        str(jamba): "hf",
+        str(other): "hf",
     }
     for model, engine in cases.items():
         s = parse_settings("prefill", ["--model", model], environ={})
