@@ -164,3 +164,14 @@ def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callabl
     views = [RankViews(layout, RankCache(layout.num_regions, 8, layout.page_bytes, huge_pages=False))]
     engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False)
     assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
+
+
+def test_checkpoints_with_features_it_lacks_default_to_hf(tmp_path: Path) -> None:
+    from shared.engine.paged.support import paged_serves, unsupported_feature
+
+    assert unsupported_feature({"model_type": "nemotron_h", "layers_block_type": ["mamba", "moe"]}) is not None
+    assert unsupported_feature({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}) is not None
+    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "yarn"}}) == "rope_type 'yarn'"
+    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "default"}}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}))
+    assert not paged_serves(str(tmp_path))
