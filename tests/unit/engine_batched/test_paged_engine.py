@@ -175,3 +175,24 @@ def test_checkpoints_with_features_it_lacks_default_to_hf(tmp_path: Path) -> Non
     assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "default"}}) is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}))
     assert not paged_serves(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "jamba", "qwen3_5"])
+def test_a_restored_prefix_feeds_the_rest_of_the_prompt(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    """n-1 with state for only k < N-1 tokens (a prefix restored from a cache): the session's
+    first step feeds the rest of the prompt on its own inside step_batch, beside one-token
+    sessions, and continues as a full prefill would (to the tolerance of a scan cut elsewhere)."""
+    directory = hf_checkpoint(family)
+    engine = paged_engine(directory, boundary="n-1")
+    pool = BlockPool(engine.layout)
+    prompt, k = prompt_of(20), 7
+    whole, _ = start(engine, pool, prompt, "whole")
+    holder = [pool.blocks(len(prompt), "prefix")]
+    engine.prefill(prompt[: k + 1], holder[0])  # computes k tokens
+    restored = engine.start_decode(prompt, k, holder[0], pool.grower(holder))
+    other, _ = start(engine, pool, prompt_of(5, salt=3), "other")
+    for _ in range(3):
+        a, b, _c = engine.step_batch([whole, restored, other])
+        assert a == b
+        assert float((logits_of(whole) - logits_of(restored)).abs().max()) < 1e-4
+    assert restored.num_tokens == whole.num_tokens == len(prompt) + 2
