@@ -50,7 +50,7 @@ class ServiceSettings:
     model: str
     tp: int
     device: Literal["cpu", "cuda"]
-    engine: Literal["synthetic", "reference", "hf"]  # --engine, or the one --model implies (default_engine)
+    engine: Literal["synthetic", "reference", "hf", "paged"]  # --engine, or the one --model implies (default_engine)
     num_blocks: int | None  # logical blocks per engine (the same on every rank)
     memory_budget: int | None  # cache bytes per rank, when num_blocks is not given; neither: from the model
     block_size: int | None  # None: the smallest the hybrid page layout allows
@@ -272,23 +272,26 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "engine",
-        choice("synthetic", "reference", "hf"),
+        choice("synthetic", "reference", "hf", "paged"),
         "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model; "
-        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers. Default: follows --model "
-        "(tiny-* presets: reference; a checkpoint directory: hf; other presets and config.json files: synthetic)",
+        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers; paged: the checkpoint's "
+        "weights run by the project's own math on the paged blocks, decode steps batched and batch-invariant "
+        "(nemotron_h, bamba, granitemoehybrid). Default: follows --model (tiny-* presets: reference; a "
+        "checkpoint directory: paged where it serves the family, else hf; other presets and config.json "
+        "files: synthetic)",
     ),
     Flag(
         "dtype",
         choice("fp32", "bf16", "fp16"),
-        "--engine hf: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
+        "--engine hf or paged: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
     ),
     Flag(
         "boundary",
         choice("n-1", "full"),
         "where prefill stops; both services of a pair must use the same. full: prefill computes all N prompt "
         "tokens and samples the first output token, which decode streams before its READ completes "
-        "(bit-identical to transformers' generate(); --engine hf only); n-1: prefill computes N-1, decode the "
-        "last (vLLM's convention). Default: full for --engine hf, n-1 for the others",
+        "(with --engine hf bit-identical to transformers' generate(); --engine hf or paged only); n-1: prefill "
+        "computes N-1, decode the last (vLLM's convention). Default: full for --engine hf and paged, n-1 for the others",
     ),
     Flag(
         "num-blocks",
@@ -716,17 +719,22 @@ def _default_engine_id(role: Role) -> str:
     return f"{role}-{host}-{os.getpid()}"[:63]
 
 
-EngineKind = Literal["synthetic", "reference", "hf"]
+EngineKind = Literal["synthetic", "reference", "hf", "paged"]
+# Engines that run a checkpoint directory's weights (and sample in prefill at the full boundary).
+CHECKPOINT_ENGINES: tuple[EngineKind, ...] = ("hf", "paged")
 
 
 def default_engine(model: str) -> EngineKind:
-    """The engine `--model` implies: a checkpoint directory runs its weights (hf), a tiny-*
-    preset the reference model that matches it; anything else has no weights here, so its
-    state is synthetic (byte patterns at the model's real sizes)."""
+    """The engine `--model` implies: a checkpoint directory runs its weights (paged where that
+    engine computes the family, else hf), a tiny-* preset the reference model that matches it;
+    anything else has no weights here, so its state is synthetic (byte patterns at the model's
+    real sizes)."""
+    from shared.engine.paged.support import paged_serves
     from shared.layout.presets import PRESETS
 
-    if Path(model).expanduser().is_dir():
-        return "hf"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return "paged" if paged_serves(str(path)) else "hf"
     preset = PRESETS.get(model)
     if preset is not None and preset.model_type == "reference":
         return "reference"
@@ -734,18 +742,18 @@ def default_engine(model: str) -> EngineKind:
 
 
 def _engine(value: object, model: str) -> EngineKind:
-    if value == "reference" or value == "hf" or value == "synthetic":
+    if value == "reference" or value == "hf" or value == "synthetic" or value == "paged":
         return value
     return default_engine(model)
 
 
 def _boundary(value: object, source: str, engine: EngineKind) -> Literal["n-1", "full"]:
-    """--boundary, or the engine's default: full where the engine samples in prefill (hf)."""
+    """--boundary, or the engine's default: full where the engine samples in prefill (hf, paged)."""
     if value is None:
-        return "full" if engine == "hf" else "n-1"
-    if value == "full" and engine != "hf":
+        return "full" if engine in CHECKPOINT_ENGINES else "n-1"
+    if value == "full" and engine not in CHECKPOINT_ENGINES:
         where = " (from HYBRID_PD_BOUNDARY)" if source == "env" else ""
-        raise SettingsError(f"--boundary{where} = 'full' needs --engine hf; the {engine} engine runs n-1 only")
+        raise SettingsError(f"--boundary{where} = 'full' needs --engine hf or paged; the {engine} engine runs n-1 only")
     return "full" if value == "full" else "n-1"
 
 

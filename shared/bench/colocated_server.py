@@ -108,7 +108,7 @@ def colocated_servicer(
     """The servicer over a fresh engine: `model` is a preset name, or with `kind` hf a checkpoint
     directory (computed in `dtype`, default the checkpoint's, on `device`). `boundary`: as the
     services' --boundary (default: full for hf, n-1 for the others)."""
-    if kind == "hf":
+    if kind in ("hf", "paged"):
         from shared.engine.hf.model_spec import hf_model_spec
 
         spec = hf_model_spec(model, dtype=dtype)
@@ -116,12 +116,12 @@ def colocated_servicer(
         spec = load_model(model)
     layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
     views = Colocated.caches(layout, num_blocks)
-    chosen = boundary or ("full" if kind == "hf" else "n-1")
+    chosen = boundary or ("full" if kind in ("hf", "paged") else "n-1")
     engine = make_engine(
         kind,
         layout,
         views,
-        model_dir=model if kind == "hf" else None,
+        model_dir=model if kind in ("hf", "paged") else None,
         dtype=dtype,
         device=device,
         boundary=chosen,

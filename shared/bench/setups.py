@@ -48,12 +48,12 @@ class SetupConfig:
     prefill_chunk_tokens: int = 0  # 0: prefill in one pass, one manifest
     manifest_part_tokens: int = 0  # prefill's --manifest-part-tokens (0: a part per chunk)
     layer_parts: int = 0  # prefill's --layer-parts (0: the last chunk in one part)
-    boundary: str = ""  # "": the engine's default (full for hf, n-1 for the others)
+    boundary: str = ""  # "": the engine's default (full for hf and paged, n-1 for the others)
 
     @property
     def resolved_boundary(self) -> str:
         """The boundary every setup runs: the one asked for, or the engine's default."""
-        return self.boundary or ("full" if self.engine == "hf" else "n-1")
+        return self.boundary or ("full" if self.engine in ("hf", "paged") else "n-1")
 
 
 class WorkloadConfig(Protocol):
@@ -110,8 +110,8 @@ class Colocated:
 
 
 def model_spec(model: str, engine: str) -> ModelSpec:
-    """The spec of a preset, or with the hf engine of a checkpoint directory."""
-    if engine == "hf":
+    """The spec of a preset, or with the hf or paged engine of a checkpoint directory."""
+    if engine in ("hf", "paged"):
         from shared.engine.hf.model_spec import hf_model_spec
 
         return hf_model_spec(model)

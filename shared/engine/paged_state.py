@@ -77,6 +77,11 @@ class PagedStateStore:
             out_v[:, heads] = fa[kernel, 1, :, slot, :].to(self._device, torch.float32)
         return out_k, out_v
 
+    def read_kv_as(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`read_kv` straight into `dtype` (exact when it is the stored dtype or wider)."""
+        ((k, v),) = read_kv_many([self], layer, [length], dtype)
+        return k, v
+
     # --- SSM ----------------------------------------------------------------------------
     def _mamba_block(self, layer: int) -> tuple[int, int]:
         lay = self.layout
@@ -136,3 +141,86 @@ class PagedStateStore:
                 if bad.numel():
                     problems.append(f"layer {layer}: conv channel {int(bad[0])} differs on rank {r}")
         return problems
+
+
+# --- many requests at once (batched decode) -------------------------------------------------
+# One indexing op per rank and layer for every request of a step: the stores share one layout
+# and one set of ranks (the first store's index maps serve all).
+
+
+def _kv_slots(stores: Sequence[PagedStateStore], layer: int, positions: Sequence[np.ndarray]) -> tuple[int, Tensor, Tensor]:
+    kernels, slots = [], []
+    region = 0
+    for store, pos in zip(stores, positions):
+        region, kernel, slot = store._token_slots(layer, pos)
+        kernels.append(kernel)
+        slots.append(slot)
+    return region, torch.cat(kernels), torch.cat(slots)
+
+
+def write_kv_tokens(stores: Sequence[PagedStateStore], layer: int, positions: Sequence[int], k: Tensor, v: Tensor) -> None:
+    """Store K and V (`[B, kv_heads, head_dim]`, row b for request b) of one token per request,
+    request b's at position `positions[b]`."""
+    if not stores:
+        return
+    region, kernel, slot = _kv_slots(stores, layer, [np.array([p]) for p in positions])
+    first = stores[0]
+    for rank, heads in zip(first.ranks, first._kv_heads):
+        fa = rank.fa[region]
+        fa[kernel, 0, :, slot, :] = k[:, heads].to(fa.device, fa.dtype)
+        fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.device, fa.dtype)
+
+
+def read_kv_many(
+    stores: Sequence[PagedStateStore], layer: int, lengths: Sequence[int], dtype: torch.dtype
+) -> list[tuple[Tensor, Tensor]]:
+    """K and V of positions 0..lengths[b]-1 of every request b (`[T_b, kv_heads, head_dim]`, in
+    `dtype`), gathered in one indexing op per rank."""
+    if not stores:
+        return []
+    first = stores[0]
+    spec = first.layout.spec
+    region, kernel, slot = _kv_slots(stores, layer, [np.arange(n) for n in lengths])
+    shape = (int(kernel.shape[0]), spec.attention.num_kv_heads, spec.attention.head_dim)
+    out_k = torch.empty(shape, dtype=dtype, device=first._device)
+    out_v = torch.empty(shape, dtype=dtype, device=first._device)
+    for rank, heads in reversed(list(zip(first.ranks, first._kv_heads))):
+        fa = rank.fa[region]
+        out_k[:, heads] = fa[kernel, 0, :, slot, :].to(first._device, dtype)
+        out_v[:, heads] = fa[kernel, 1, :, slot, :].to(first._device, dtype)
+    ks, vs = torch.split(out_k, list(lengths)), torch.split(out_v, list(lengths))
+    return list(zip(ks, vs))
+
+
+def _mamba_blocks(stores: Sequence[PagedStateStore], layer: int) -> tuple[int, Tensor]:
+    region, ids = 0, []
+    for store in stores:
+        region, block = store._mamba_block(layer)
+        ids.append(block)
+    return region, torch.tensor(ids, dtype=torch.long)
+
+
+def read_ssm_many(
+    stores: Sequence[PagedStateStore], layer: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Every request's conv `[B, C, K-1]` and SSM state `[B, *ssm_shape]`, in the given dtypes."""
+    first = stores[0]
+    region, ids = _mamba_blocks(stores, layer)
+    conv = torch.empty((len(stores), *first._conv_shape), dtype=conv_dtype, device=first._device)
+    ssm = torch.empty((len(stores), *first._ssm_shape), dtype=ssm_dtype, device=first._device)
+    for rank, crow, srow in reversed(list(zip(first.ranks, first._conv_rows, first._ssm_rows))):
+        conv[:, crow] = rank.conv[region][ids.to(rank.conv[region].device)].to(first._device, conv_dtype)
+        ssm[:, srow] = rank.ssm[region][ids.to(rank.ssm[region].device)].to(first._device, ssm_dtype)
+    return conv, ssm
+
+
+def write_ssm_many(stores: Sequence[PagedStateStore], layer: int, conv: Tensor, ssm: Tensor) -> None:
+    """Store row b of `conv` and `ssm` as request b's state (the inverse of `read_ssm_many`)."""
+    if not stores:
+        return
+    first = stores[0]
+    region, ids = _mamba_blocks(stores, layer)
+    for rank, crow, srow in zip(first.ranks, first._conv_rows, first._ssm_rows):
+        dst_conv, dst_ssm = rank.conv[region], rank.ssm[region]
+        dst_conv[ids.to(dst_conv.device)] = conv[:, crow].to(dst_conv.device, dst_conv.dtype)
+        dst_ssm[ids.to(dst_ssm.device)] = ssm[:, srow].to(dst_ssm.device, dst_ssm.dtype)

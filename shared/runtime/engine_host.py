@@ -66,7 +66,7 @@ def new_incarnation() -> int:
 def layout_for(settings: ServiceSettings) -> EngineLayout:
     """The layout `settings` give (model, TP, block sizes, dtypes); bad values name their flag."""
     try:
-        if settings.engine == "hf":
+        if settings.engine in ("hf", "paged"):
             # Lossless state dtypes and the checkpoint's identity (config content + weights).
             from shared.engine.hf.model_spec import hf_model_spec
 
@@ -103,7 +103,7 @@ def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
         return (logging.WARNING if settings.engine_from_model else logging.INFO), text
     if settings.engine == "reference":
         return logging.INFO, f"engine reference{why}: the tiny seeded model {model_name}"
-    return logging.INFO, f"engine hf{why}: checkpoint {settings.model}"
+    return logging.INFO, f"engine {settings.engine}{why}: checkpoint {settings.model}"
 
 
 @dataclass
@@ -368,8 +368,9 @@ class EngineHost:
 
 
 def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> EngineFactory:
-    """The model engine behind `--engine` (synthetic, reference or hf), over typed views of each
-    rank's cache. The hf engine reads its checkpoint directory, dtype and device from `settings`."""
+    """The model engine behind `--engine` (synthetic, reference, hf or paged), over typed views of
+    each rank's cache. The hf and paged engines read their checkpoint directory, dtype and device
+    from `settings`."""
     from shared.engine.factory import make_engine
 
     def factory(layout: EngineLayout, caches: Sequence[RankCache]) -> Engine:

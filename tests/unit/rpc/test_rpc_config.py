@@ -157,12 +157,18 @@ def test_flags_both_services_take_are_accepted_by_both() -> None:
 def test_the_default_engine_follows_the_model(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text("{}")
+    nemotron, other = tmp_path / "nemotron", tmp_path / "other"
+    for directory, family in ((nemotron, "nemotron_h"), (other, "llama")):
+        directory.mkdir()
+        (directory / "config.json").write_text(f'{{"model_type": "{family}"}}')
     cases = {
         "tiny-mamba2": "reference",
         "tiny-gdn": "reference",
         "nemotron-3-nano-30b-a3b": "synthetic",
         str(config): "synthetic",  # a config.json alone has no weights
-        str(tmp_path): "hf",  # a checkpoint directory
+        str(tmp_path): "hf",  # a checkpoint directory of no family the paged engine computes
+        str(nemotron): "paged",  # one of a family it computes
+        str(other): "hf",
     }
     for model, engine in cases.items():
         s = parse_settings("prefill", ["--model", model], environ={})
@@ -185,6 +191,8 @@ def test_start_up_says_which_engine_and_warns_of_a_default_synthetic_one() -> No
     assert level == logging.INFO and "byte patterns" in line and "chosen" not in line  # asked for: no warning
     level, line = engine_line(parse_settings("prefill", [], environ={}), "tiny-mamba2")
     assert level == logging.INFO and line.startswith("engine reference (chosen by --model")
+    level, line = engine_line(parse_settings("prefill", ["--engine", "paged", "--model", "ckpt"], environ={}), "ckpt")
+    assert level == logging.INFO and line == "engine paged: checkpoint ckpt"
 
 
 def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_cannot(
@@ -196,7 +204,7 @@ def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_ca
     s = parse_settings("decode", ["--model", str(tmp_path)], environ={"HYBRID_PD_BOUNDARY": "n-1"})
     assert s.boundary == "n-1"
     for argv, env, needle in (
-        (["--boundary", "full"], {}, "--boundary = 'full' needs --engine hf; the reference engine runs n-1 only"),
+        (["--boundary", "full"], {}, "--boundary = 'full' needs --engine hf or paged; the reference engine runs n-1 only"),
         (["--engine", "synthetic"], {"HYBRID_PD_BOUNDARY": "full"}, "--boundary (from HYBRID_PD_BOUNDARY) = 'full'"),
         (["--boundary", "n"], {}, "--boundary = 'n': must be one of n-1, full"),
     ):

@@ -1,0 +1,342 @@
+"""The `paged` engine: the checkpoint's own weights, the project's own math, state only in blocks.
+
+Prefill computes a request's prompt (one forward, or chunks of `prefill_chunk_tokens`) and
+writes every attention layer's K/V and every SSM layer's conv and SSM state into its blocks.
+Decode keeps nothing per request between steps: each step reads K/V and SSM state from the
+request's blocks (the bytes a transfer moves) and writes the new token's K/V and the new SSM
+state back. `step_batch` steps many requests in one forward (`BatchedDecode`).
+
+Batch invariance (`batch_invariant`, on by default): the requests of a step are computed in
+tiles of exactly `TILE_ROWS` rows (zero-padded), so every GEMM and row-wise kernel sees one
+fixed shape, and attention runs per request on its own K/V: a request's logits are the same
+bits whatever shares its step. Off, one forward covers every request (faster, not invariant).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from shared.cache.model_views import RankViews, torch_dtype
+from shared.engine.compute_threads import pin_intra_op_threads
+from shared.engine.hf.engine import read_state
+from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.paged import tiles
+from shared.engine.paged.attention import Attention
+from shared.engine.paged.checkpoint import PagedCheckpoint
+from shared.engine.paged.mamba2 import Mamba2
+from shared.engine.paged.model import SSM_MIXERS, Parallel, SsmStates
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
+from shared.layout.page import EngineLayout
+
+log = logging.getLogger(__name__)
+
+
+def _check_layers(engine: PagedEngine) -> None:
+    """The layout's layer kinds must be the model's mixers, index for index."""
+    spec, layers = engine.spec, engine.checkpoint.model.layers
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"{spec.name}: the checkpoint has {len(layers)} layers, config.json says {spec.num_layers}")
+    for i, layer in enumerate(layers):
+        kinds = {type(sub.mixer) for sub in layer.sublayers}
+        if Parallel in kinds:
+            kinds |= {Attention, Mamba2}
+        got = (Attention in kinds, any(k in SSM_MIXERS for k in kinds))
+        if got != (i in spec.attention_layers, i in spec.ssm_layers):
+            raise ValueError(
+                f"{spec.name}: layer {i} is {spec.layer_kinds[i]!r} in the layout but the model builds {sorted(k.__name__ for k in kinds)}"
+            )
+
+
+class PagedEngine:
+    samples = True
+
+    def __init__(
+        self,
+        layout: EngineLayout,
+        ranks: Sequence[RankViews],
+        checkpoint: PagedCheckpoint,
+        *,
+        boundary: Boundary = "full",
+        prefill_chunk_tokens: int = 0,
+        batch_invariant: bool = True,
+    ) -> None:
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
+        self.spec = layout.spec
+        self.layout = layout
+        self.ranks = list(ranks)
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.boundary: Boundary = boundary
+        self.batch_invariant = batch_invariant
+        # As the hf engine's: prefill runs these chunks itself, so only they give its bits.
+        self.exact_chunk_tokens: int | None = prefill_chunk_tokens
+        self.tokenizer = HfTokenizer(checkpoint.directory)
+        self.chat_template = self.tokenizer.chat_template
+        if self.chat_template is None:
+            log.info("%s: the checkpoint has no chat template; chat completions use the byte template", checkpoint.directory)
+        self.eos_token_ids = checkpoint.eos_token_ids
+        if checkpoint.vocab_size != self.spec.vocab_size:
+            raise ValueError(
+                f"{self.spec.name}: the model has {checkpoint.vocab_size} logits, config.json vocab_size {self.spec.vocab_size}"
+            )
+        _check_layers(self)
+
+    @classmethod
+    def load(
+        cls,
+        layout: EngineLayout,
+        ranks: Sequence[RankViews],
+        directory: str,
+        *,
+        dtype: str,
+        device: str = "cpu",
+        boundary: Boundary = "full",
+        prefill_chunk_tokens: int = 0,
+        batch_invariant: bool = True,
+    ) -> PagedEngine:
+        checkpoint = PagedCheckpoint(directory, dtype=dtype, device=device)
+        return cls(
+            layout,
+            ranks,
+            checkpoint,
+            boundary=boundary,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            batch_invariant=batch_invariant,
+        )
+
+    def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
+        """As the hf engine's: a chunk of the same tokens after the same chunks runs the same
+        computation (its SSM scan included); one forward over the whole prompt changes the
+        scan's shapes with the prompt length, so no prefix is stable."""
+        return prefill_chunk_tokens or None
+
+    def num_prefill_tokens(self, prompt_len: int) -> int:
+        return num_prefill_tokens(self.spec, prompt_len, self.boundary)
+
+    def _store(self, blocks: RequestBlocks) -> PagedStateStore:
+        return PagedStateStore(self.layout, self.ranks, blocks)
+
+    # --- prefill ------------------------------------------------------------------------
+    def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
+        """Write the prompt's state into `blocks`; at the full-N boundary also sample and return
+        the first output token (output index 0), else None."""
+        if not prompt:
+            raise ValueError("prompt: at least one token is needed")
+        n = self.num_prefill_tokens(len(prompt))
+        run = self.start_prefill(prompt, blocks, sampling)
+        if n == 0:
+            self._store(blocks).reset_ssm()
+            return None
+        first = None
+        for end in chunk_ends(0, n, self.exact_chunk_tokens or 0):
+            first = run.compute(end)
+        return first
+
+    def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PagedPrefillRun:
+        return PagedPrefillRun(self, prompt, self._store(blocks), sampling)
+
+    # --- decode -------------------------------------------------------------------------
+    def start_decode(
+        self,
+        prompt: Sequence[int],
+        num_computed: int,
+        blocks: RequestBlocks,
+        ensure_capacity: EnsureCapacity,
+        *,
+        sampling: SamplingParams = GREEDY,
+        first_token: int | None = None,
+    ) -> PagedDecodeSession:
+        return PagedDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling, first_token)
+
+    @torch.no_grad()
+    def step_batch(self, sessions: Sequence[DecodeSession]) -> list[int]:
+        """One step of every session in one batched forward (BatchedDecode); each session's bits
+        are independent of the others with `batch_invariant`. A session with more than one
+        token to feed (restored after a prefix) computes them on its own."""
+        pin_intra_op_threads(1)
+        own: list[PagedDecodeSession] = []
+        for s in sessions:
+            if not isinstance(s, PagedDecodeSession) or s._engine is not self:
+                raise ValueError("step_batch: every session must come from this engine's start_decode")
+            own.append(s)
+        if len({id(s) for s in own}) != len(own):
+            raise ValueError("step_batch: a session appears more than once")
+        tokens = [0] * len(own)
+        singles = []
+        for i, s in enumerate(own):
+            if len(s._pending) > 1:
+                tokens[i] = s._feed_sequence()
+            else:
+                singles.append(i)
+        if not singles:
+            return tokens
+        batch = [own[i] for i in singles]
+        for s in batch:
+            s._store.blocks = s._ensure(s._pos + 1)
+        logits = self._step_logits(batch)
+        for i, s, row in zip(singles, batch, logits):
+            tokens[i] = s._advance(row, 1)
+        return tokens
+
+    def _step_logits(self, batch: Sequence[PagedDecodeSession]) -> list[Tensor]:
+        ids = [s._pending[0] for s in batch]
+        stores = [s._store for s in batch]
+        positions = [s._pos for s in batch]
+        if not self.batch_invariant:
+            return list(self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False))
+        out: list[Tensor] = []
+        rows = tiles.TILE_ROWS
+        for i in range(0, len(batch), rows):
+            part = slice(i, i + rows)
+            out += list(self.model.forward_step(ids[part], stores[part], positions[part], rows=rows, invariant=True))
+        return out
+
+    @torch.no_grad()
+    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+        """Recompute the prefix and compare it with the state in `blocks`, at the blocks' precision."""
+        pin_intra_op_threads(1)
+        store = self._store(blocks)
+        expected = _CapturingStore(self.layout, self.ranks, blocks)
+        carried: SsmStates = {}
+        ends = chunk_ends(0, num_computed, self.exact_chunk_tokens or 0)
+        for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
+            _, carried = self.model.forward_sequence(prompt[begin:end], begin, expected, carried, write_ssm=end == num_computed)
+        dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
+        got = read_state(store, self.spec, num_computed, dtypes)
+        problems = store.replica_mismatches(num_computed)
+        for layer, (k, v) in expected.kv.items():
+            gk, gv = got.kv[layer]
+            if not (torch.equal(k.to(gk.dtype), gk) and torch.equal(v.to(gv.dtype), gv)):
+                problems.append(f"layer {layer}: K/V differ from the prefill computation")
+        for layer, (conv, ssm) in expected.ssm.items():
+            gc, gs = got.ssm[layer]
+            if not torch.equal(conv.to(gc.dtype), gc):
+                problems.append(f"layer {layer}: conv state differs from the prefill computation")
+            if not torch.equal(ssm.to(gs.dtype), gs):
+                problems.append(f"layer {layer}: SSM state differs from the prefill computation")
+        return problems
+
+
+class _CapturingStore(PagedStateStore):
+    """A store that keeps what a prefill from token 0 writes, leaving the blocks untouched."""
+
+    def __init__(self, layout: EngineLayout, ranks: Sequence[RankViews], blocks: RequestBlocks) -> None:
+        super().__init__(layout, ranks, blocks)
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self.ssm: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def write_kv_range(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        if start == 0:
+            self.kv[layer] = (k.clone(), v.clone())
+        else:
+            old_k, old_v = self.kv[layer]
+            self.kv[layer] = (torch.cat([old_k[:start], k]), torch.cat([old_v[:start], v]))
+
+    def read_kv_as(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        k, v = self.kv[layer]
+        return k[:length].to(dtype), v[:length].to(dtype)
+
+    def write_ssm(self, layer: int, conv: Tensor, ssm: Tensor) -> None:
+        self.ssm[layer] = (conv.clone(), ssm.clone())
+
+
+class PagedPrefillRun:
+    """A prefill in chunks: each chunk's K/V go to the blocks as it is computed (later chunks
+    read them back from there); the conv / SSM states pass from chunk to chunk here and reach
+    the blocks with the last chunk, layer by layer (`on_layer`)."""
+
+    def __init__(self, engine: PagedEngine, prompt: Sequence[int], store: PagedStateStore, sampling: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt: at least one token is needed")
+        self._engine, self._prompt, self._store, self._sampling = engine, list(prompt), store, sampling
+        self._end = engine.num_prefill_tokens(len(prompt))
+        self._pos = 0
+        self._carried: SsmStates = {}
+
+    @torch.no_grad()
+    def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
+        pin_intra_op_threads(1)
+        start, engine = self._pos, self._engine
+        if not start < end <= self._end:
+            raise ValueError(f"chunk [{start}, {end}) outside the {self._end} tokens prefill computes")
+        if start == 0:
+            self._store.reset_ssm()  # its blocks may still hold an earlier request's state
+        last = end == self._end
+        logits, self._carried = engine.model.forward_sequence(
+            self._prompt[start:end], start, self._store, self._carried, write_ssm=last, on_layer=on_layer if last else None
+        )
+        self._pos = end
+        if last and engine.boundary == "full":
+            return sample(logits, self._sampling, 0)
+        return None
+
+
+class PagedDecodeSession:
+    """One request's decode. Holds only its position, the tokens still to feed and the sampling
+    index: the state itself is in the request's blocks, read and written every step."""
+
+    def __init__(
+        self,
+        engine: PagedEngine,
+        prompt: Sequence[int],
+        num_computed: int,
+        store: PagedStateStore,
+        ensure_capacity: EnsureCapacity,
+        sampling: SamplingParams,
+        first_token: int | None,
+    ) -> None:
+        if not 0 <= num_computed <= len(prompt) or not prompt:
+            raise ValueError(f"num_computed {num_computed} is outside the prompt's {len(prompt)} tokens")
+        self._engine = engine
+        self._store = store
+        self._ensure = ensure_capacity
+        self._sampling = sampling
+        if num_computed == len(prompt):
+            if first_token is None:
+                raise ValueError("first_token: at the full-N boundary decode continues from the token prefill sampled")
+            self._pending, self._index = [int(first_token)], 1
+        else:
+            if first_token is not None:
+                raise ValueError("first_token: only at the full-N boundary (prefill computed every prompt token)")
+            self._pending, self._index = [int(t) for t in prompt[num_computed:]], 0
+        self._pos = num_computed
+        if num_computed == 0:
+            store.reset_ssm()  # nothing computed: the recurrence starts from zero
+        self.last_logits: Tensor | None = None
+
+    @property
+    def blocks(self) -> RequestBlocks:
+        """The request's blocks as last grown."""
+        return self._store.blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose state sits in the blocks (prompt and generated, fed so far)."""
+        return self._pos
+
+    def step(self) -> int:
+        """`step_batch([self])[0]`."""
+        return self._engine.step_batch([self])[0]
+
+    def _feed_sequence(self) -> int:
+        """Feed the pending tokens in one forward (more than one: after a prefix restore)."""
+        self._store.blocks = self._ensure(self._pos + len(self._pending))
+        logits, _ = self._engine.model.forward_sequence(self._pending, self._pos, self._store, None, write_ssm=True)
+        return self._advance(logits, len(self._pending))
+
+    def _advance(self, logits: Tensor, fed: int) -> int:
+        self._pos += fed
+        token = sample(logits, self._sampling, self._index)
+        self._index += 1
+        self._pending = [token]
+        self.last_logits = logits
+        return token

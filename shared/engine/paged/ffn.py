@@ -1,0 +1,103 @@
+"""Feed-forward blocks: plain and gated MLPs, and top-k mixtures of experts.
+
+Experts run on the rows routed to them, gathered per expert; in decode those row counts depend
+on the batch, so every expert matmul goes through `linear`'s tiles (tiles.py), and each token
+sums its experts' outputs in its own top-k order, which no other row changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shared.engine.paged.tiles import linear
+
+Activation = Callable[[Tensor], Tensor]
+
+
+def relu2(x: Tensor) -> Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS: dict[str, Activation] = {"silu": F.silu, "relu2": relu2, "gelu": F.gelu, "relu": F.relu}
+
+
+def activation(name: str) -> Activation:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not implemented by the paged engine") from None
+
+
+@dataclass
+class Mlp:
+    """`down(act(up x))`, or gated `down(act(gate x) * up x)` when `gate` is set. A fused
+    `up` of both halves (Granite's input_linear: [gate | up]) is split with `fused_gate`."""
+
+    up: Tensor
+    down: Tensor
+    act: Activation
+    gate: Tensor | None = None
+    fused_gate: bool = False
+    gate_scale: float = 1.0  # Falcon-H1's mlp_multipliers: on the gate projection
+    down_scale: float = 1.0  # ... and on the output
+
+    def __call__(self, h: Tensor, *, invariant: bool) -> Tensor:
+        if self.fused_gate:
+            g, u = linear(h, self.up, invariant=invariant).chunk(2, dim=-1)
+            return linear(self.act(g) * u, self.down, invariant=invariant)
+        u = linear(h, self.up, invariant=invariant)
+        if self.gate is None:
+            u = self.act(u)
+        else:
+            g = linear(h, self.gate, invariant=invariant)
+            u = u * self.act(g * self.gate_scale if self.gate_scale != 1.0 else g)
+        out = linear(u, self.down, invariant=invariant)
+        return out * self.down_scale if self.down_scale != 1.0 else out
+
+
+@dataclass
+class Moe:
+    """Top-k routed experts (softmax over the router logits, then top-k, or top-k then softmax)
+    plus optional shared experts (with an optional sigmoid gate, Qwen3-Next)."""
+
+    router: Tensor  # [E, hidden]
+    experts: list[Mlp]
+    top_k: int
+    softmax_after_topk: bool  # Granite: softmax of the top-k logits; Jamba / Qwen: top-k of the softmax
+    normalize_topk: bool = False  # Qwen: renormalise the top-k probabilities
+    shared: Mlp | None = None
+    shared_gate: Tensor | None = None  # [1, hidden]
+
+    def __call__(self, h: Tensor, *, invariant: bool) -> Tensor:
+        rows, dtype = h.shape[0], h.dtype
+        logits = linear(h, self.router, invariant=invariant).float()
+        if self.softmax_after_topk:
+            top, index = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weights, index = probs.topk(self.top_k, dim=-1)
+            if self.normalize_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        # Experts in id order per token, summed from zero, as transformers' index_add_ does.
+        index, order = index.sort(dim=-1)
+        weights = weights.gather(-1, order).to(dtype)
+        outs = h.new_zeros((rows, self.top_k, h.shape[1]))
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(index == e)
+            if token.numel():
+                outs[token, slot] = expert(h[token], invariant=invariant) * weights[token, slot, None]
+        out = outs[:, 0]
+        for k in range(1, self.top_k):
+            out = out + outs[:, k]
+        if self.shared is not None:
+            s = self.shared(h, invariant=invariant)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(linear(h, self.shared_gate, invariant=invariant)) * s
+            out = out + s
+        return out

@@ -1,0 +1,191 @@
+"""The Mamba2 mixer (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1) on explicit states.
+
+States in the layout's conventions: conv `[C, K-1]` raw conv inputs (oldest..newest), SSM
+`[H, P, N]` in fp32. Prefill runs the chunked SSD scan (one request, any number of tokens,
+from any state); a decode step runs the recurrence for a tile of requests at once, each row
+its own request, with shapes fixed by the tile (tiles.py). The dtype flow follows
+transformers' torch paths (recurrent state fp32, step outputs in the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
+from shared.engine.paged.tiles import linear
+
+
+@dataclass
+class Mamba2:
+    in_proj: Tensor
+    conv_weight: Tensor  # [C, K]
+    conv_bias: Tensor | None
+    dt_bias: Tensor
+    A: Tensor  # -exp(A_log), fp32, [H]
+    D: Tensor
+    out_proj: Tensor
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    chunk_size: int
+    norm_weight: Tensor | None  # None: no gated norm (Falcon-H1 without mamba_rms_norm): y * silu(z)
+    norm_eps: float
+    norm_groups: int
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    in_bias: Tensor | None = None
+    out_bias: Tensor | None = None
+    # Falcon-H1's muP: a multiplier of the input, per-channel multipliers of the in_proj output
+    # ([z | x | B | C | dt]), and its own gated norm (weight in fp32, gate before or after).
+    in_scale: float = 1.0
+    in_multipliers: Tensor | None = None
+    falcon_norm: bool = False
+    norm_before_gate: bool = False
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.d_state
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.d_state)
+
+    def _project(self, h: Tensor, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if self.in_scale != 1.0:
+            h = h * self.in_scale
+        zxbcdt = linear(h, self.in_proj, self.in_bias, invariant=invariant)
+        if self.in_multipliers is not None:
+            zxbcdt = zxbcdt * self.in_multipliers
+        z, xbc, dt = torch.split(zxbcdt, [self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        return z, xbc, dt
+
+    def _split(self, xbc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        gn = self.n_groups * self.d_state
+        x, b, c = torch.split(xbc, [self.intermediate, gn, gn], dim=-1)
+        return x, b, c
+
+    def _finish(self, y: Tensor, z: Tensor, dtype: torch.dtype, invariant: bool) -> Tensor:
+        if self.norm_weight is not None and self.falcon_norm:
+            y = falcon_gated_rms_norm(y, z, self.norm_weight, self.norm_eps, self.norm_groups, before_gate=self.norm_before_gate)
+        elif self.norm_weight is not None:
+            y = gated_rms_norm(y, z, self.norm_weight, self.norm_eps, self.norm_groups)
+        else:
+            y = y * F.silu(z)
+        return linear(y.to(dtype), self.out_proj, self.out_bias, invariant=invariant)
+
+    # --- prefill: one request, T tokens -------------------------------------------------
+    def prefill(self, h: Tensor, conv: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`h` [T, hidden] after `conv` [C, K-1] and `ssm` [H, P, N]: output [T, hidden] and the
+        states after the T tokens."""
+        t, dtype = h.shape[0], h.dtype
+        z, xbc, dt = self._project(h, False)
+        window = torch.cat([conv.to(dtype), xbc.transpose(0, 1)], dim=1)  # [C, K-1+T]
+        new_conv = window[:, -(self.conv_weight.shape[1] - 1) :].contiguous()
+        mixed = F.conv1d(window[None], self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[0]
+        xbc = F.silu(mixed).transpose(0, 1)  # [T, C]
+        x, b, c = self._split(xbc)
+        dt = F.softplus(dt + self.dt_bias).clamp(self.dt_limit[0], self.dt_limit[1])
+        rep = self.num_heads // self.n_groups
+        y, new_ssm = ssd_scan(
+            x.reshape(t, self.num_heads, self.head_dim).float(),
+            dt,
+            self.A,
+            b.reshape(t, self.n_groups, self.d_state).float().repeat_interleave(rep, dim=1),
+            c.reshape(t, self.n_groups, self.d_state).float().repeat_interleave(rep, dim=1),
+            self.D,
+            ssm,
+            self.chunk_size,
+        )
+        return self._finish(y.reshape(t, self.intermediate), z, dtype, False), new_conv, new_ssm
+
+    # --- decode: a tile of requests, one token each -------------------------------------
+    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """`h` [R, hidden], one token of each of R rows (the first n = len(ssm) requests, then
+        padding); `conv` [R, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
+        computed yet: transformers runs their first token through the chunked form, which clamps
+        dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
+        requests' new states.
+
+        The per-head work (projections, conv, dt, exp) runs on all R rows: its shapes are the
+        tile's. The state update, the large part, runs on the n real rows only: it is products
+        and sums, exact elementwise whatever the shape, and a sum over N per output."""
+        r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
+        z, xbc, dt = self._project(h, invariant)
+        window = torch.cat([conv.to(dtype), xbc[:, :, None]], dim=2)  # [R, C, K]
+        new_conv = window[:, :, 1:].contiguous()
+        mixed = F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[:, :, 0]
+        x, b, c = self._split(F.silu(mixed))
+        x = x.reshape(r, self.num_heads, self.head_dim)
+        b, c = self._per_head(b, r), self._per_head(c, r)
+        dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
+        dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
+        decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
+        dbx = (dt[:n, :, None] * b[:n])[:, :, None, :] * x[:n, :, :, None]  # [n, H, P, N]
+        new_ssm = ssm * decay + dbx
+        y = x.new_zeros((r, self.num_heads, self.head_dim))
+        y[:n] = (new_ssm.to(dtype) * c[:n, :, None, :]).sum(-1) + x[:n] * self.D[:, None]
+        return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), new_conv, new_ssm
+
+    def _per_head(self, t: Tensor, rows: int) -> Tensor:
+        """[rows, G * N] -> [rows, H, N]: each head gets its group's vector."""
+        rep = self.num_heads // self.n_groups
+        g = t.reshape(rows, self.n_groups, 1, self.d_state).expand(rows, self.n_groups, rep, self.d_state)
+        return g.reshape(rows, self.num_heads, self.d_state)
+
+
+def ssd_scan(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """The chunked SSD form of the Mamba2 recurrence for one request, in fp32.
+
+    x [T, H, P], dt [T, H], A [H], B and C [T, H, N] (per head), D [H], state [H, P, N] entering
+    the first token. Returns y [T, H, P] (D skip included) and the state after the last token.
+    Within a chunk the output is a masked, decay-weighted matmul; between chunks the state
+    carries over by its total decay."""
+    t, heads, p = x.shape
+    pad = (-t) % chunk
+    xd = x * dt[..., None].float()
+    a = A[None, :] * dt.float()  # [T, H] log-decays
+    if pad:
+        xd, a = F.pad(xd, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
+        B, C = F.pad(B, (0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, pad))
+    n_chunks = (t + pad) // chunk
+    xd = xd.view(n_chunks, chunk, heads, p)
+    a = a.view(n_chunks, chunk, heads).permute(0, 2, 1)  # [c, H, L]
+    Bc = B.view(n_chunks, chunk, heads, -1)
+    Cc = C.view(n_chunks, chunk, heads, -1)
+    cum = torch.cumsum(a, dim=-1)  # [c, H, L]
+    # decay from position j to position i (j <= i) inside a chunk: exp(sum_{j < r <= i} a_r)
+    seg = _segment_sum(a)  # [c, H, L, L]
+    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * torch.exp(seg)
+    y_diag = torch.einsum("chls,cshp->clhp", scores, xd)
+    to_end = torch.exp(cum[:, :, -1:] - cum)  # [c, H, L]
+    local = torch.einsum("clhn,chl,clhp->chpn", Bc, to_end, xd)  # each chunk's own contribution
+    total = torch.exp(cum[:, :, -1])  # [c, H]
+    starts = []
+    s = state.to(torch.float32)
+    for i in range(n_chunks):
+        starts.append(s)
+        s = total[i][:, None, None] * s + local[i]
+    start_states = torch.stack(starts)  # [c, H, P, N]
+    y_off = torch.einsum("clhn,chpn->clhp", Cc, start_states) * torch.exp(cum).permute(0, 2, 1)[..., None]
+    y = (y_diag + y_off).reshape(n_chunks * chunk, heads, p)[:t]
+    return y + x * D.float()[None, :, None], s
+
+
+def _segment_sum(a: Tensor) -> Tensor:
+    """[..., L] -> [..., L, L]: out[..., i, j] = sum_{j < r <= i} a[r] for j <= i, -inf above."""
+    length = a.shape[-1]
+    expanded = a[..., None].expand(*a.shape, length)  # [..., r, j] = a[r]
+    strict = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
+    summed = torch.cumsum(expanded.masked_fill(~strict, 0), dim=-2)
+    keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
+    return summed.masked_fill(~keep, float("-inf"))

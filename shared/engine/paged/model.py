@@ -1,0 +1,256 @@
+"""The decoder stack: prefill of one request over many tokens, or a decode step of a tile of
+requests over one token each, reading and writing state only through the paged blocks.
+
+A layer is a list of sublayers, each `h = h + scale * mixer(norm(h))`; a mixer is attention,
+a Mamba2 mixer, an MLP or a mixture of experts (families.py builds them from a checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from shared.engine.paged.attention import Attention
+from shared.engine.paged.ffn import Mlp, Moe
+from shared.engine.paged.gdn import GatedDeltaNet
+from shared.engine.paged.mamba1 import Mamba1
+from shared.engine.paged.mamba2 import Mamba2
+from shared.engine.paged.norms import rms_norm
+from shared.engine.paged.tiles import linear, pad_rows
+from shared.engine.paged_state import (
+    PagedStateStore,
+    read_kv_many,
+    read_ssm_many,
+    write_kv_tokens,
+    write_ssm_many,
+)
+
+
+@dataclass
+class Parallel:
+    """Falcon-H1: attention and Mamba2 side by side on the same normalised input, their scaled
+    outputs summed."""
+
+    attention: Attention
+    mamba: Mamba2
+    attn_in: float = 1.0
+    attn_out: float = 1.0
+    ssm_out: float = 1.0
+
+
+Ssm = Mamba2 | Mamba1 | GatedDeltaNet
+SSM_MIXERS = (Mamba2, Mamba1, GatedDeltaNet)
+Mixer = Attention | Mamba2 | Mamba1 | GatedDeltaNet | Mlp | Moe | Parallel
+
+
+def _scaled(x: Tensor, scale: float) -> Tensor:
+    return x * scale if scale != 1.0 else x
+
+
+# Per SSM layer: (conv [C, K-1], SSM state), a prefill run's state between its chunks.
+SsmStates = dict[int, tuple[Tensor, Tensor]]
+
+
+@dataclass
+class Norm:
+    weight: Tensor
+    eps: float
+    weight_in_fp32: bool = False
+    offset: float = 0.0  # Qwen3-Next / Qwen3.5 scale by 1 + weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32, offset=self.offset)
+
+
+@dataclass
+class Sublayer:
+    norm: Norm
+    mixer: Mixer
+    scale: float = 1.0  # Granite's residual_multiplier
+
+
+@dataclass
+class Layer:
+    sublayers: list[Sublayer]
+
+
+@dataclass
+class Model:
+    family: str
+    dtype: torch.dtype
+    device: torch.device
+    embed: Tensor
+    layers: list[Layer]
+    final_norm: Norm
+    lm_head: Tensor
+    embed_scale: float = 1.0
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    logits_scale: float = 1.0  # Falcon-H1's lm_head_multiplier
+    conv_shape: dict[int, tuple[int, int]] = field(default_factory=dict)  # SSM layer -> conv state shape
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        h = self.embed[ids]
+        return h * self.embed_scale if self.embed_scale != 1.0 else h
+
+    def _logits(self, h: Tensor, *, invariant: bool) -> Tensor:
+        logits = linear(self.final_norm(h), self.lm_head, invariant=invariant)
+        if self.logits_scale != 1.0:
+            logits = logits * self.logits_scale
+        return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
+
+    # --- one request, many tokens -------------------------------------------------------
+    def forward_sequence(
+        self,
+        ids: Sequence[int],
+        start: int,
+        store: PagedStateStore,
+        carried: SsmStates | None,
+        *,
+        write_ssm: bool,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> tuple[Tensor, SsmStates]:
+        """Tokens `ids` at positions start.. of one request: K/V of earlier positions are read
+        from its blocks and the new ones written there; SSM layers start from `carried` (None:
+        the blocks' state, zero at start 0) and, with `write_ssm`, store their final state.
+        `on_layer(i)` follows layer i once its bytes are final. Logits of the last token, and
+        the SSM states after it."""
+        t = len(ids)
+        token_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + t, dtype=torch.long, device=self.device)
+        h = self._embed(token_ids)
+        states: SsmStates = {}
+        for index, layer in enumerate(self.layers):
+            for sub in layer.sublayers:
+                x = sub.norm(h)
+                mixer = sub.mixer
+                if isinstance(mixer, Attention):
+                    y = self._attend_sequence(mixer, index, x, positions, start, store)
+                elif isinstance(mixer, SSM_MIXERS):
+                    y = self._mamba_sequence(mixer, index, x, start, store, carried, states, write_ssm)
+                elif isinstance(mixer, Parallel):
+                    ssm_y = self._mamba_sequence(mixer.mamba, index, x, start, store, carried, states, write_ssm)
+                    attn_y = self._attend_sequence(mixer.attention, index, _scaled(x, mixer.attn_in), positions, start, store)
+                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
+                else:
+                    y = mixer(x, invariant=False)
+                h = h + y * sub.scale if sub.scale != 1.0 else h + y
+            if on_layer is not None:
+                on_layer(index)
+        return self._logits(h[-1:], invariant=False)[0], states
+
+    def _attend_sequence(
+        self, mixer: Attention, index: int, x: Tensor, positions: Tensor, start: int, store: PagedStateStore
+    ) -> Tensor:
+        q, k, v, gate = mixer.qkv(x, positions, invariant=False)
+        store.write_kv_range(index, start, k, v)
+        if start:
+            past_k, past_v = store.read_kv_as(index, start, self.dtype)
+            k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
+        return mixer.output(mixer.attend(q, k, v, start), gate, invariant=False)
+
+    def _mamba_sequence(
+        self,
+        mixer: Ssm,
+        index: int,
+        x: Tensor,
+        start: int,
+        store: PagedStateStore,
+        carried: SsmStates | None,
+        states: SsmStates,
+        write_ssm: bool,
+    ) -> Tensor:
+        conv, ssm = self._initial_ssm(index, start, store, carried)
+        y, conv, ssm = mixer.prefill(x, conv, ssm)
+        states[index] = (conv, ssm)
+        if write_ssm:
+            store.write_ssm(index, conv, ssm)
+        return y
+
+    def _initial_ssm(self, layer: int, start: int, store: PagedStateStore, carried: SsmStates | None) -> tuple[Tensor, Tensor]:
+        if carried is not None and layer in carried:
+            return carried[layer]
+        if carried is None and start:
+            conv, ssm = read_ssm_many([store], layer, self.dtype, torch.float32)
+            return conv[0], ssm[0]
+        conv_shape, ssm_shape = self.conv_shape[layer], self._ssm_shape(layer)
+        return (
+            torch.zeros(conv_shape, dtype=self.dtype, device=self.device),
+            torch.zeros(ssm_shape, dtype=torch.float32, device=self.device),
+        )
+
+    def _ssm_shape(self, layer: int) -> tuple[int, ...]:
+        for sub in self.layers[layer].sublayers:
+            mixer = sub.mixer.mamba if isinstance(sub.mixer, Parallel) else sub.mixer
+            if isinstance(mixer, SSM_MIXERS):
+                return mixer.state_shape
+        raise ValueError(f"layer {layer} has no SSM mixer")
+
+    # --- many requests, one token each --------------------------------------------------
+    def forward_step(
+        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], *, rows: int, invariant: bool
+    ) -> Tensor:
+        """One token of each request (`ids[b]` at `positions[b]`, state in `stores[b]`), computed
+        on `rows` rows (the requests, then zero padding): logits `[len(ids), vocab]`.
+
+        Every op but attention runs on the whole `[rows, ...]` tensors; attention runs per
+        request on its own K/V. With `invariant` and `rows` fixed (TILE_ROWS), a request's
+        bits cannot depend on the other rows."""
+        n = len(ids)
+        token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
+        pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)
+        h = self._embed(token_ids)
+        for index, layer in enumerate(self.layers):
+            for sub in layer.sublayers:
+                x = sub.norm(h)
+                mixer = sub.mixer
+                if isinstance(mixer, Attention):
+                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant)
+                elif isinstance(mixer, SSM_MIXERS):
+                    y = self._mamba_step(mixer, index, x, pos, stores, invariant)
+                elif isinstance(mixer, Parallel):
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant)
+                    attn_y = self._attend_step(
+                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant
+                    )
+                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
+                else:
+                    y = mixer(x, invariant=invariant)
+                h = h + y * sub.scale if sub.scale != 1.0 else h + y
+        return self._logits(h, invariant=invariant)[:n]
+
+    def _attend_step(
+        self,
+        mixer: Attention,
+        index: int,
+        x: Tensor,
+        pos: Tensor,
+        stores: Sequence[PagedStateStore],
+        positions: Sequence[int],
+        invariant: bool,
+    ) -> Tensor:
+        """The new tokens' K/V go to the blocks; each request then attends over its own K/V,
+        read back from them."""
+        n, rows = len(stores), x.shape[0]
+        q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
+        write_kv_tokens(stores, index, positions, k[:n], v[:n])
+        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype)
+        attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
+        for b, (kb, vb) in enumerate(kv):
+            attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
+        return mixer.output(attn, gate, invariant=invariant)
+
+    def _mamba_step(
+        self, mixer: Ssm, index: int, x: Tensor, pos: Tensor, stores: Sequence[PagedStateStore], invariant: bool
+    ) -> Tensor:
+        n, rows = len(stores), x.shape[0]
+        conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
+        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
+        write_ssm_many(stores, index, conv[:n], ssm)
+        return y

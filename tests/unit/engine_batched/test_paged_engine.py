@@ -1,0 +1,198 @@
+"""The paged engine's contract: step_batch equals stepping one by one, chunked prefill gives
+prefill's bits and reports every layer in order, TP only moves bytes, and the blocks are all
+decode needs (a copy of them under other block ids decodes the same)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared.engine.paged import families
+from shared.engine.paged.checkpoint import PagedCheckpoint
+from shared.engine.paged.engine import PagedEngine
+from shared.engine.paged.families import SUPPORTED_FAMILIES, UnsupportedFamily
+from shared.engine.paged_state import PagedStateStore
+from shared.engine.protocol import BatchedDecode, ChunkedPrefill, RequestBlocks
+from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
+from tests.unit.engine_hf.helpers import spec_of
+
+STEPS = 5
+LENGTHS = (1, 5, 18, 33)
+
+
+def _state(engine: PagedEngine, blocks: RequestBlocks, length: int) -> list[torch.Tensor]:
+    store = PagedStateStore(engine.layout, engine.ranks, blocks)
+    out: list[torch.Tensor] = []
+    for layer in engine.spec.attention_layers:
+        out += store.read_kv(layer, length)
+    for layer in engine.spec.ssm_layers:
+        out += store.read_ssm(layer)
+    return out
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_step_batch_equals_steps_one_by_one(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint(family)
+    for boundary in ("full", "n-1"):
+        together, alone = paged_engine(directory, boundary=boundary), paged_engine(directory, boundary=boundary)
+        assert isinstance(together, BatchedDecode) and isinstance(together, ChunkedPrefill)
+        pool_t, pool_a = BlockPool(together.layout), BlockPool(alone.layout)
+        batch = [start(together, pool_t, prompt_of(n, salt=n), f"r{n}")[0] for n in LENGTHS]
+        single = [start(alone, pool_a, prompt_of(n, salt=n), f"r{n}")[0] for n in LENGTHS]
+        for _ in range(STEPS):
+            tokens = together.step_batch(batch)
+            assert tokens == [s.step() for s in single]
+            for a, b in zip(batch, single):
+                assert torch.equal(logits_of(a), logits_of(b))
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_chunked_prefill_gives_prefill_bits_and_reports_layers(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint(family)
+    chunk = 8
+    engine = paged_engine(directory, chunk=chunk)
+    pool = BlockPool(engine.layout)
+    prompt = prompt_of(29)
+    whole = pool.blocks(len(prompt))
+    first = engine.prefill(prompt, whole)
+    parts = pool.blocks(len(prompt))
+    run = engine.start_prefill(prompt, parts)
+    reported: list[int] = []
+    got = None
+    for end in (8, 16, 24, 29):
+        got = run.compute(end, reported.append)
+        assert reported == ([] if end < 29 else list(range(engine.spec.num_layers)))
+    assert got == first is not None
+    for a, b in zip(_state(engine, whole, len(prompt)), _state(engine, parts, len(prompt))):
+        assert torch.equal(a, b)
+    assert engine.check_state(prompt, len(prompt), parts) == []
+    # The check can fail: a damaged SSM state is named.
+    store = PagedStateStore(engine.layout, engine.ranks, parts)
+    layer = engine.spec.ssm_layers[0]
+    conv, ssm = store.read_ssm(layer)
+    store.write_ssm(layer, conv, ssm + 1)
+    assert any("SSM state" in p for p in engine.check_state(prompt, len(prompt), parts))
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_tp_only_moves_bytes(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint(family)
+    runs = []
+    for tp in (1, 2):
+        engine = paged_engine(directory, tp)
+        pool = BlockPool(engine.layout)
+        sessions = [start(engine, pool, prompt_of(n, salt=n), f"r{n}") for n in LENGTHS]
+        tokens = [[first] for _, first in sessions]
+        for _ in range(STEPS):
+            for out, t in zip(tokens, engine.step_batch([s for s, _ in sessions])):
+                out.append(t)
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_decode_from_a_copy_of_the_blocks(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    """Prefill's blocks copied byte for byte into other block ids (what a transfer does): the
+    decode from the copy gives the tokens of the decode from the originals."""
+    directory = hf_checkpoint(family)
+    for boundary in ("full", "n-1"):
+        engine = paged_engine(directory, boundary=boundary)
+        pool = BlockPool(engine.layout)
+        prompt = prompt_of(21)
+        src = pool.blocks(len(prompt))
+        first = engine.prefill(prompt, src)
+        pool.next += 7  # other ids, not adjacent
+        dst = pool.blocks(len(prompt))
+        for rank in engine.ranks:
+            for region in range(engine.layout.num_regions):
+                for s_ids, d_ids in zip(src.block_ids, dst.block_ids):
+                    _copy_pages(rank, region, s_ids, d_ids)
+        n = engine.num_prefill_tokens(len(prompt))
+        runs = []
+        for blocks in (src, dst):
+            holder = [blocks]
+            session = engine.start_decode(prompt, n, blocks, pool.grower(holder), first_token=first)
+            runs.append([session.step() for _ in range(STEPS)])
+        assert runs[0] == runs[1]
+
+
+def _copy_pages(rank: object, region: int, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy whole logical pages of one region (every byte of K/V or conv + SSM state)."""
+    views = rank.ssm[region]  # type: ignore[attr-defined]
+    convs = rank.conv[region]  # type: ignore[attr-defined]
+    fa = rank.fa[region]  # type: ignore[attr-defined]
+    per = fa.shape[0] // convs.shape[0]
+    for s, d in zip(src.tolist(), dst.tolist()):
+        fa[d * per : (d + 1) * per] = fa[s * per : (s + 1) * per].clone()
+        convs[d] = convs[s].clone()
+        views[d] = views[s].clone()
+
+
+def test_unsupported_family_is_refused(
+    hf_checkpoint: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At load, before any weight is read, naming the family and who serves it."""
+    directory = tmp_path / "llama"
+    shutil.copytree(hf_checkpoint("nemotron_h"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(UnsupportedFamily, match=r"'llama'.*no engine of this project"):
+        PagedCheckpoint(str(directory), dtype="fp32")
+    # A hybrid family transformers runs but this engine would not: the hf engine is named.
+    monkeypatch.delitem(families.BUILDERS, "jamba")
+    with pytest.raises(UnsupportedFamily, match=r"'jamba'.*--engine hf"):
+        PagedCheckpoint(hf_checkpoint("jamba"), dtype="fp32")
+
+
+def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callable[[str], str]) -> None:
+    from shared.cache.model_views import RankViews
+    from shared.cache.regions import RankCache
+    from shared.engine.factory import ENGINE_KINDS, make_engine
+    from shared.engine.paged.support import PAGED_FAMILIES, paged_serves
+    from shared.layout.page import build_engine_layout
+
+    assert PAGED_FAMILIES == SUPPORTED_FAMILIES and "paged" in ENGINE_KINDS
+    directory = hf_checkpoint("nemotron_h")
+    assert paged_serves(directory)
+    layout = build_engine_layout(spec_of(directory), 1)
+    views = [RankViews(layout, RankCache(layout.num_regions, 8, layout.page_bytes, huge_pages=False))]
+    engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False)
+    assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
+
+
+def test_checkpoints_with_features_it_lacks_default_to_hf(tmp_path: Path) -> None:
+    from shared.engine.paged.support import paged_serves, unsupported_feature
+
+    assert unsupported_feature({"model_type": "nemotron_h", "layers_block_type": ["mamba", "moe"]}) is not None
+    assert unsupported_feature({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}) is not None
+    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "yarn"}}) == "rope_type 'yarn'"
+    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "default"}}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}))
+    assert not paged_serves(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "jamba", "qwen3_5"])
+def test_a_restored_prefix_feeds_the_rest_of_the_prompt(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    """n-1 with state for only k < N-1 tokens (a prefix restored from a cache): the session's
+    first step feeds the rest of the prompt on its own inside step_batch, beside one-token
+    sessions, and continues as a full prefill would (to the tolerance of a scan cut elsewhere)."""
+    directory = hf_checkpoint(family)
+    engine = paged_engine(directory, boundary="n-1")
+    pool = BlockPool(engine.layout)
+    prompt, k = prompt_of(20), 7
+    whole, _ = start(engine, pool, prompt, "whole")
+    holder = [pool.blocks(len(prompt), "prefix")]
+    engine.prefill(prompt[: k + 1], holder[0])  # computes k tokens
+    restored = engine.start_decode(prompt, k, holder[0], pool.grower(holder))
+    other, _ = start(engine, pool, prompt_of(5, salt=3), "other")
+    for _ in range(3):
+        a, b, _c = engine.step_batch([whole, restored, other])
+        assert a == b
+        assert float((logits_of(whole) - logits_of(restored)).abs().max()) < 1e-4
+    assert restored.num_tokens == whole.num_tokens == len(prompt) + 2
