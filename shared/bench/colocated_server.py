@@ -30,11 +30,8 @@ import grpc
 
 from decode_svc.request import DEFAULT_TIMEOUT_SECONDS
 from decode_svc.request_options import decode_options, finish_reason_message
-from shared.engine.factory import ENGINE_KINDS, make_engine
-from shared.engine.protocol import Engine
+from shared.engine.factory import ENGINE_KINDS
 from shared.errors import InvalidArgument
-from shared.layout.models import load_model
-from shared.layout.page import EngineLayout, build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.proto_time import duration
@@ -45,10 +42,9 @@ from shared.runtime.colocated import Colocated, RunTimes
 
 
 class ColocatedServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, layout: EngineLayout, engine: Engine, num_blocks: int) -> None:
-        self.layout = layout
-        self.engine = engine
-        self.colocated = Colocated(layout, engine, num_blocks)  # the decode service's step loop
+    def __init__(self, colocated: Colocated) -> None:
+        self.engine = colocated.engine
+        self.colocated = colocated  # the decode service's step loop
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -105,29 +101,19 @@ def colocated_servicer(
     boundary: str | None = None,
     prefill_chunk_tokens: int = 0,
 ) -> ColocatedServicer:
-    """The servicer over a fresh engine: `model` is a preset name, or with `kind` hf a checkpoint
-    directory (computed in `dtype`, default the checkpoint's, on `device`). `boundary`: as the
-    services' --boundary (default: full for hf, n-1 for the others)."""
-    if kind in ("hf", "paged"):
-        from shared.engine.hf.model_spec import hf_model_spec
-
-        spec = hf_model_spec(model, dtype=dtype)
-    else:
-        spec = load_model(model)
-    layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
-    views = Colocated.caches(layout, num_blocks)
-    chosen = boundary or ("full" if kind in ("hf", "paged") else "n-1")
-    engine = make_engine(
+    """The servicer over a fresh engine (`Colocated.build`)."""
+    colocated = Colocated.build(
         kind,
-        layout,
-        views,
-        model_dir=model if kind in ("hf", "paged") else None,
+        model,
+        tp,
+        num_blocks,
+        kernel_block_size=kernel_block_size,
         dtype=dtype,
         device=device,
-        boundary=chosen,
+        boundary=boundary,
         prefill_chunk_tokens=prefill_chunk_tokens,
     )
-    return ColocatedServicer(layout, engine, num_blocks)
+    return ColocatedServicer(colocated)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -114,14 +114,16 @@ def register(subparsers: Any) -> None:
         "--model",
         default=_env("model"),
         metavar="PRESET|DIR",
-        help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2, or with --engine hf a "
+        help=f"with --colocated: the tiny reference model, e.g. tiny-mamba2, or with --engine paged|hf a "
         f"checkpoint directory (env {ENV_PREFIX}MODEL)",
     )
     p.add_argument(
         "--engine",
-        choices=("reference", "hf"),
+        choices=("reference", "paged", "hf"),
         default=_env("engine", "reference"),
-        help=f"with --colocated: reference (tiny-*) or hf (a Hugging Face checkpoint; env {ENV_PREFIX}ENGINE)",
+        help="with --colocated: reference (tiny-*), paged (a Hugging Face checkpoint on the batched engine, "
+        "through the decode service's step loop) or hf (a checkpoint run by transformers' generate path, "
+        f"the oracle; env {ENV_PREFIX}ENGINE)",
     )
     p.add_argument(
         "--dtype",
@@ -266,10 +268,52 @@ def _colocated_hf(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _colocated_paged(args: argparse.Namespace) -> dict[str, Any]:
+    """The paged engine's baseline: prefill, then the decode service's step loop, one process."""
+    import os
+
+    from shared.engine.hf.tokenizer import HfTokenizer
+    from shared.engine.sampling import SamplingParams, with_min_tokens
+    from shared.engine.stopping import StopRule
+    from shared.layout.page import build_engine_layout
+    from shared.runtime.colocated import Colocated
+
+    if not args.model or not os.path.isdir(args.model):
+        raise ValueError(f"--model: --engine paged needs a checkpoint directory, got {args.model!r}")
+    tokenizer = HfTokenizer(args.model)
+    prompt = tokenizer.encode(args.prompt) if args.prompt is not None else list(args.prompt_ids)
+    if not prompt:
+        raise ValueError("--prompt: empty prompt, at least one token is needed")
+    from shared.engine.hf.model_spec import hf_model_spec
+
+    spec = hf_model_spec(args.model, dtype=args.dtype)
+    if any(t >= spec.vocab_size for t in prompt):
+        raise ValueError(f"--prompt-ids: token ids must be < {spec.vocab_size}")
+    blocks = sum(build_engine_layout(spec, 1).blocks_per_group(len(prompt) + args.max_tokens))
+    colocated = Colocated.build("paged", args.model, 1, blocks, dtype=args.dtype, device=args.device, boundary=args.boundary)
+    eos = colocated.engine.eos_token_ids
+    plain = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling = with_min_tokens(plain, args.min_tokens, eos)
+    stop = StopRule.of(args.max_tokens, eos, min_tokens=args.min_tokens)
+    try:
+        token_ids = asyncio.run(colocated.generate("colocated", prompt, args.max_tokens, sampling=sampling, stop=stop))
+    finally:
+        colocated.close()
+    return {
+        "request_id": args.request_id,
+        "token_ids": token_ids,
+        "text": tokenizer.decode(token_ids),
+        "prompt_token_count": len(prompt),
+        "summary": None,
+    }
+
+
 def _colocated(args: argparse.Namespace) -> dict[str, Any]:
     """The one-process baseline: same tokenizer, same model, no transfer."""
     if args.engine == "hf":
         return _colocated_hf(args)
+    if args.engine == "paged":
+        return _colocated_paged(args)
     from shared.engine.reference import colocated_generate, decode, encode
     from shared.layout.presets import TINY_PRESETS
 

@@ -26,7 +26,8 @@ from shared.engine.sampling import GREEDY, SamplingParams
 from shared.engine.stopping import FinishReason, StopRule
 from shared.engine.timed import timed
 from shared.errors import ResourceExhausted
-from shared.layout.page import EngineLayout
+from shared.layout.models import load_model
+from shared.layout.page import EngineLayout, build_engine_layout
 from shared.runtime.compute_thread import ComputeThread
 from shared.runtime.step_loop import AlwaysRoom, StepLoop
 
@@ -62,6 +63,48 @@ class Colocated:
         self.allocator = BlockAllocator(self.num_blocks)
         self.compute = ComputeThread("engine")  # the services' own hop to their compute thread
         self.step_loop = StepLoop(self.engine, self.compute.submit)
+
+    @classmethod
+    def build(
+        cls,
+        kind: str,
+        model: str,
+        tp: int,
+        num_blocks: int,
+        *,
+        kernel_block_size: int = 16,
+        dtype: str | None = None,
+        device: str = "cpu",
+        boundary: str | None = None,
+        prefill_chunk_tokens: int = 0,
+        batch_invariant: bool = True,
+    ) -> Colocated:
+        """A fresh engine of `kind` over caches of its own: `model` is a preset name, or for the
+        checkpoint engines (hf, paged) a checkpoint directory computed in `dtype` (default: the
+        checkpoint's) on `device`. `boundary`: as the services' --boundary (default: full for the
+        checkpoint engines, n-1 for the others)."""
+        from shared.engine.factory import CHECKPOINT_ENGINES, make_engine
+
+        checkpoint = kind in CHECKPOINT_ENGINES
+        if checkpoint:
+            from shared.engine.hf.model_spec import hf_model_spec
+
+            spec = hf_model_spec(model, dtype=dtype)
+        else:
+            spec = load_model(model)
+        layout = build_engine_layout(spec, tp, kernel_block_size=kernel_block_size)
+        engine = make_engine(
+            kind,
+            layout,
+            cls.caches(layout, num_blocks),
+            model_dir=model if checkpoint else None,
+            dtype=dtype,
+            device=device,
+            boundary=boundary or ("full" if checkpoint else "n-1"),
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            batch_invariant=batch_invariant,
+        )
+        return cls(layout, engine, num_blocks)
 
     @staticmethod
     def caches(layout: EngineLayout, num_blocks: int) -> list[RankViews]:

@@ -45,16 +45,19 @@ async def hf_pair(
     decode_flags: tuple[str, ...] = (),
     prefill_flags: tuple[str, ...] = (),
     check_state: bool = True,
+    engine: str = "hf",
 ) -> AsyncIterator[tuple[PrefillApp, DecodeApp]]:
+    """`engine`: hf (transformers, the oracle) or paged (the batched engine) on both sides."""
+    common = [*COMMON, "--engine", engine]
     ps = parse_settings(
-        "prefill", [*COMMON, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp), *prefill_flags], environ={}
+        "prefill", [*common, "--heartbeat-seconds", "1.0", "--model", prefill_dir, "--tp", str(p_tp), *prefill_flags], environ={}
     )
-    prefill = await PrefillApp.start(ps, engine_factory_for("hf", ps))
+    prefill = await PrefillApp.start(ps, engine_factory_for(engine, ps))
     try:
         ds = parse_settings(
             "decode",
             [
-                *COMMON,
+                *common,
                 "--model",
                 decode_dir,
                 "--tp",
@@ -67,7 +70,7 @@ async def hf_pair(
             ],
             environ={},
         )
-        decode = await DecodeApp.start(ds, engine_factory_for("hf", ds))
+        decode = await DecodeApp.start(ds, engine_factory_for(engine, ds))
         try:
             if ready:
                 await decode.wait_ready(30)
