@@ -29,33 +29,32 @@ from shared.http.params import ChatMessage
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from tests.integration.services.colocated import colocated_port
+from tests.integration.services.colocated_tokens import CHECKPOINT_ENGINES, colocated_tokens
 from tests.integration.services.hf_services import generate_ids, generate_with, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
 
+@pytest.mark.parametrize("engine", CHECKPOINT_ENGINES)
 async def test_hf_pair_equals_colocated_and_pairs_across_directory_names(
-    hf_checkpoint: Callable[[str], str], tmp_path: Path
+    hf_checkpoint: Callable[[str], str], tmp_path: Path, engine: str
 ) -> None:
     original = hf_checkpoint("qwen3_5")
     renamed = str(tmp_path / "a-different-name")
     shutil.copytree(original, renamed)  # same config and weights elsewhere: the same model
-    ckpt = HfCheckpoint(original, dtype="fp32")
-    async with hf_pair(original, renamed, 2, 4) as (prefill, decode):
+    async with hf_pair(original, renamed, 2, 4, engine=engine) as (prefill, decode):
         assert prefill.host.message.model.fingerprint == decode.host.message.model.fingerprint
         block = decode.host.layout.block_size
         for prompt in ([42], [7, 8, 9, 10, 11], [(5 * i) % 150 + 4 for i in range(block + 1)]):
             ids, summary = await generate_ids(decode.port, prompt, block // 2 + 3)
             # Off the event loop: the services in this process keep their heartbeats meanwhile.
-            want = (
-                await asyncio.to_thread(colocated_generate, ckpt, prompt, block // 2 + 3, boundary="full", stop_at_eos=False)
-            ).token_ids
+            want = await colocated_tokens(engine, original, prompt, block // 2 + 3, stop_at_eos=False)
             assert ids == want, prompt
             assert summary.state_verified
             assert summary.prompt_token_count == len(prompt)
             # prefill's engine time came through the manifest: part of the time prefill took
-            engine = summary.prefill_engine_duration.ToNanoseconds()
-            assert 0 < engine < summary.prefill_duration.ToNanoseconds()
+            engine_ns = summary.prefill_engine_duration.ToNanoseconds()
+            assert 0 < engine_ns < summary.prefill_duration.ToNanoseconds()
             assert summary.first_step_engine_duration.ToNanoseconds() == 0  # full-N: prefill drew the first token
 
 

@@ -17,9 +17,8 @@ from decode_svc.reader import ReadStats
 from decode_svc.request import RequestContext
 from prefill_svc.jobs import JobRunner
 from shared.cache.digest import SectionDigest
-from shared.engine.hf.checkpoint import HfCheckpoint
-from shared.engine.hf.colocated import colocated_generate
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from tests.integration.services.colocated_tokens import CHECKPOINT_ENGINES, colocated_tokens
 from tests.integration.services.hf_services import generate_ids, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -27,9 +26,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(
 CHUNK = 40
 
 
+@pytest.mark.parametrize("engine", CHECKPOINT_ENGINES)
 @pytest.mark.parametrize("family,p_tp,d_tp", [("nemotron_h", 1, 1), ("bamba", 1, 2), ("qwen3_5", 2, 1)])
 async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
-    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, family: str, p_tp: int, d_tp: int
+    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, family: str, p_tp: int, d_tp: int, engine: str
 ) -> None:
     span_seconds: list[float] = []  # the engine seconds of each part's span, as the job measured them
     compute_span = JobRunner._compute_span
@@ -41,19 +41,18 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
 
     monkeypatch.setattr(JobRunner, "_compute_span", recorded)
     directory = hf_checkpoint(family)
-    ckpt = HfCheckpoint(directory, dtype="fp32")
     prompts = [[(7 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate((CHUNK, CHUNK + 1, 150, 233))]
     flags = ("--prefill-chunk-tokens", str(CHUNK))
     spans: list[list[float]] = []
     got = []
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False) as (_, decode):
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False, engine=engine) as (_, decode):
         for p in prompts:  # one at a time: each request's spans apart
             span_seconds.clear()
             got.append(await generate_ids(decode.port, p, 6))
             spans.append(list(span_seconds))
         pairs = len(decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
     for prompt, (ids, summary), parts in zip(prompts, got, spans, strict=True):
-        want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
+        want = await colocated_tokens(engine, directory, prompt, 6, prefill_chunk_tokens=CHUNK)
         assert ids == want, len(prompt)
         assert summary.digests_verified
         engine_ns = summary.prefill_engine_duration.ToNanoseconds()
@@ -95,21 +94,24 @@ async def test_a_first_token_that_ends_the_request_stops_the_reads_of_its_parts(
     assert freed == (0, 0, 0)
 
 
+@pytest.mark.parametrize("engine", CHECKPOINT_ENGINES)
 @pytest.mark.parametrize("family,p_tp,d_tp,layer_parts", [("nemotron_h", 1, 1, 3), ("falcon_h1", 1, 2, 2), ("qwen3_5", 2, 1, 4)])
 async def test_hf_layer_parts_tokens_equal_colocated_with_the_same_chunks(
-    hf_checkpoint: Callable[[str], str], family: str, p_tp: int, d_tp: int, layer_parts: int
+    hf_checkpoint: Callable[[str], str], family: str, p_tp: int, d_tp: int, layer_parts: int, engine: str
 ) -> None:
     """--layer-parts: the last chunk's state leaves layer range by layer range, each as forward
     hooks saw its layers computed; tokens still equal colocated with the same chunks."""
     directory = hf_checkpoint(family)
-    ckpt = HfCheckpoint(directory, dtype="fp32")
     prompt = [(7 * i) % 300 + 4 for i in range(233)]
     flags = ("--prefill-chunk-tokens", str(CHUNK), "--layer-parts", str(layer_parts))
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False) as (prefill, decode):
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False, engine=engine) as (
+        prefill,
+        decode,
+    ):
         ids, summary = await generate_ids(decode.port, prompt, 6)
         unsplit = prefill.servicer.runner.layer_parts
         prefill.servicer.runner.layer_parts = 0  # the same prefill, the last chunk in one part
         _, whole_last = await generate_ids(decode.port, prompt, 6)
-    want = colocated_generate(ckpt, prompt, 6, prefill_chunk_tokens=CHUNK, stop_at_eos=True).token_ids
+    want = await colocated_tokens(engine, directory, prompt, 6, prefill_chunk_tokens=CHUNK)
     assert ids == want and summary.digests_verified and unsplit == layer_parts
     assert summary.transfer.read_count > whole_last.transfer.read_count  # more parts: the layer parts
