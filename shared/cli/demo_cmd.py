@@ -4,9 +4,11 @@ For each model it starts a prefill and a decode service as subprocesses on free 
 requests concurrently, and checks every one: with the reference engine the tokens must equal a
 colocated run of the same model in this process, bit for bit; with either engine the decode
 service compares every transferred byte with what prefill must have written (--check-state).
-With the reference engine it also runs one Hugging Face family (--hf-family, default qwen3_5)
-through `--engine hf`: a tiny seeded checkpoint, made on first run and cached (nothing is
-downloaded), text through its own BPE tokenizer, tokens equal to transformers run colocated.
+With the reference engine it also runs one Hugging Face family (--hf-family, default qwen3_5):
+a tiny seeded checkpoint, made on first run and cached (nothing is downloaded), text through its
+own BPE tokenizer, on `--engine paged` (the batched engine: tokens equal to each request run
+alone, though the requests decoded in shared steps) and `--engine hf` (tokens equal to
+transformers run colocated).
 It prints a summary table, stops both services with SIGTERM (they must exit 0), and exits
 non-zero on any mismatch.
 """
@@ -131,6 +133,8 @@ async def demo_model(args: argparse.Namespace, model: str, engine: str) -> tuple
             r.expected = colocated_generate(spec, encode(r.prompt), args.max_tokens)
     elif engine == "hf":
         _expect_hf(model, results, args.max_tokens)
+    elif engine == "paged":
+        await _expect_paged(model, results, args.max_tokens)
     row = summarize(_label(model, engine), engine, args.prefill_tp, args.decode_tp, list(results), wall)
     row["exit_codes"] = {"decode": codes[0], "prefill": codes[1]}
     if codes != (0, 0):
@@ -139,7 +143,7 @@ async def demo_model(args: argparse.Namespace, model: str, engine: str) -> tuple
 
 
 def _label(model: str, engine: str) -> str:
-    return f"hf:{os.path.basename(model).split('-seed')[0]}" if engine == "hf" else model
+    return f"hf:{os.path.basename(model).split('-seed')[0]}" if engine in ("hf", "paged") else model
 
 
 def _expect_hf(directory: str, results: list[RequestResult], max_tokens: int) -> None:
@@ -153,6 +157,24 @@ def _expect_hf(directory: str, results: list[RequestResult], max_tokens: int) ->
     checkpoint = HfCheckpoint(directory, dtype=compute_dtype(directory, None))
     for r in results:
         r.expected = colocated_generate(checkpoint, tokenizer.encode(r.prompt), max_tokens, boundary="full").token_ids
+
+
+async def _expect_paged(directory: str, results: list[RequestResult], max_tokens: int) -> None:
+    """Each request alone on the paged engine in this process (prefill, then the step loop), at
+    the services' boundary for it (full), stopping at the same EOS ids: what it computed beside
+    the demo's other requests must equal it bit for bit."""
+    from shared.engine.hf.tokenizer import HfTokenizer
+    from shared.engine.stopping import StopRule
+    from shared.runtime.colocated import Colocated
+
+    tokenizer = HfTokenizer(directory)
+    colocated = await asyncio.to_thread(Colocated.build, "paged", directory, 1, 256)
+    try:
+        stop = StopRule.of(max_tokens, colocated.engine.eos_token_ids)
+        for i, r in enumerate(results):
+            r.expected = await colocated.generate(f"alone-{i}", tokenizer.encode(r.prompt), max_tokens, stop=stop)
+    finally:
+        colocated.close()
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -177,7 +199,8 @@ async def run(args: argparse.Namespace) -> int:
             print(f"making (or reusing) the tiny {args.hf_family} checkpoint ...", flush=True)
         from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
-        runs.append((cached_checkpoint(args.hf_family), "hf"))
+        checkpoint = cached_checkpoint(args.hf_family)
+        runs += [(checkpoint, "paged"), (checkpoint, "hf")]
     for model, engine in runs:
         if not args.json:
             print(
