@@ -115,6 +115,15 @@ class Servers:
             f.write(f"{proc.pid}\n")
         return server
 
+    def run(self, name: str, cmd: Sequence[str]) -> int:
+        """Run a client to its end, tracked like a server, so an interruption ends it too."""
+        client = self.start(name, cmd)
+        try:
+            return client.proc.wait()
+        finally:
+            client.stop()
+            self.running.remove(client)
+
     def stop_all(self) -> None:
         for server in reversed(self.running):
             server.stop()
@@ -361,7 +370,7 @@ def start_ours_colocated(o: Options, servers: Servers) -> Running:
 STARTERS = {"vllm": start_vllm, "vllm-pd": start_vllm_pd, "ours": start_ours, "ours-colocated": start_ours_colocated}
 
 
-def run_client(o: Options, setup: str, running: Running, level: int) -> dict[str, Any]:
+def run_client(o: Options, servers: Servers, setup: str, running: Running, level: int) -> dict[str, Any]:
     raw = o.out / "raw"
     name = f"{setup}-c{level}.json"
     cmd = [
@@ -405,9 +414,8 @@ def run_client(o: Options, setup: str, running: Running, level: int) -> dict[str
         "--result-filename",
         name,
     ]
+    rc = servers.run(f"client-{setup}-c{level}", cmd)
     log = o.out / "logs" / f"client-{setup}-c{level}.log"
-    with open(log, "wb") as sink:
-        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=o.out).returncode
     if rc != 0 or not (raw / name).is_file():
         raise RuntimeError(f"vllm bench serve failed against {setup} at {level} users (exit {rc}); see {log}")
     result: dict[str, Any] = json.loads((raw / name).read_text())
@@ -436,7 +444,7 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
             highest = level == max(o.levels)
             sampler = RssSampler(running.rss_pid, running.rss_tree)
             with sampler if highest else contextlib.nullcontext(sampler):
-                result = run_client(o, setup, running, level)
+                result = run_client(o, servers, setup, running, level)
             row = Row(setup, level, result)
             if highest:
                 row.rss_mib, row.rss_what = sampler.peak_kib / 1024, running.rss_what
@@ -641,4 +649,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt as interrupt:
+        print(f"bench_vs_vllm: interrupted ({interrupt or 'Ctrl-C'}); the servers it started are stopped", file=sys.stderr)
+        sys.exit(130)
