@@ -249,6 +249,11 @@ class Running:
     rss_pid: int
     rss_what: str
     rss_tree: bool
+    # (server, log line) pairs counted after each level: events that explain outliers.
+    watch: list[tuple[Server, str]] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {f"{server.name}: {line}": server.text().count(line) for server, line in self.watch}
 
 
 @dataclass
@@ -346,7 +351,10 @@ def start_vllm_pd(o: Options, servers: Servers) -> Running:
     base = f"http://127.0.0.1:{router_port}"
     wait_healthy(base, [router, *(s for s, _ in ends.values())], o.startup_timeout)
     consumer = ends["consumer"][0]
-    return Running(base, served_model(f"http://127.0.0.1:{ends['consumer'][1]}"), consumer.proc.pid, "consumer tree", True)
+    # Seen on a loaded machine: a READ that waits 30 s, the producer having released the blocks.
+    watch = [(ends["producer"][0], "Releasing expired KV blocks")]
+    model = served_model(f"http://127.0.0.1:{ends['consumer'][1]}")
+    return Running(base, model, consumer.proc.pid, "consumer tree", True, watch)
 
 
 def start_ours(o: Options, servers: Servers) -> Running:
@@ -441,6 +449,7 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
         print(f"[{setup}] ready in {time.monotonic() - started:.0f} s at {running.base} (model {running.model})", flush=True)
         warm_up(running.base, running.model)
         for level in o.levels:
+            before = running.counts()
             highest = level == max(o.levels)
             sampler = RssSampler(running.rss_pid, running.rss_tree)
             with sampler if highest else contextlib.nullcontext(sampler):
@@ -449,13 +458,13 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
             if highest:
                 row.rss_mib, row.rss_what = sampler.peak_kib / 1024, running.rss_what
             failed = int(result.get("failed", 0) or 0)
-            if failed:
-                row.note = f"{failed} failed"
+            events = [f"{n - before.get(what, 0)} x {what!r}" for what, n in running.counts().items() if n > before.get(what, 0)]
+            row.note = "; ".join(([f"{failed} failed"] if failed else []) + events)
             rows.append(row)
             print(
                 f"[{setup}] {level} users: {result.get('output_throughput', 0):.0f} tok/s, "
                 f"TTFT p50 {result.get('median_ttft_ms', 0):.0f} ms, TPOT p50 {result.get('median_tpot_ms', 0):.1f} ms"
-                + (f", {failed} failed" if failed else ""),
+                + (f" ({row.note})" if row.note else ""),
                 flush=True,
             )
     except SetupSkipped as e:
