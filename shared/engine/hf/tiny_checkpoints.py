@@ -11,6 +11,8 @@ slow, so that tokens depend visibly on the state (negative controls can then fai
 Used by the tests (once per session) and by demos. `size="small"` (nemotron_h only) makes a
 checkpoint about 60 times heavier per token, for benchmarks: with the tiny one a 2k-token prefill
 costs so little that the few milliseconds of two extra network hops dominate any ratio.
+`size="bench64"` (nemotron_h only) is the checkpoint measured against vLLM
+(scripts/bench-vs-vllm.sh): attention heads of 64, a size vLLM's CPU attention runs (16 is not).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_5_moe_text",
 )
 
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "small", "bench64")
 SMALL_FAMILIES: tuple[str, ...] = ("nemotron_h",)
 VOCAB_SIZE = 320  # 4 special tokens, the 256 bytes (any text encodes), merges
 EOS_TOKEN = "</s>"
@@ -131,11 +133,43 @@ def _small_config(family: str) -> Any:
     )
 
 
+def _bench64_config(family: str) -> Any:
+    """The checkpoint both vLLM and our services run in `scripts/bench-vs-vllm.sh`: hidden 256,
+    6 layers (mamba, attention, mamba, mlp, mamba, attention), 4 attention heads and 2 KV heads of
+    64, 8 Mamba2 heads of 32 in 2 groups with a state of 32, the tests' 320-token vocabulary."""
+    if family not in SMALL_FAMILIES:
+        raise ValueError(f"size 'bench64' is made for {', '.join(SMALL_FAMILIES)} only, not {family!r}")
+    return _transformers().NemotronHConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=0.02,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        layers_block_type=["mamba", "attention", "mamba", "mlp", "mamba", "attention"],
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        n_groups=2,
+        ssm_state_size=32,
+        conv_kernel=4,
+        chunk_size=128,
+        expand=1,
+    )
+
+
 def _config(family: str, size: str = "tiny") -> Any:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "small":
         return _small_config(family)
+    if size == "bench64":
+        return _bench64_config(family)
     tf = _transformers()
     ids: dict[str, Any] = dict(bos_token_id=0, eos_token_id=1, pad_token_id=3)
     builders: dict[str, Callable[[], Any]] = {
