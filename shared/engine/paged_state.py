@@ -37,6 +37,11 @@ class PagedStateStore:
         self._ssm_rows = [torch.from_numpy(ssm_row_index(spec, tp, r)) for r in range(tp)]
         self._conv_shape = (global_conv_dim(spec), layout.shapes.conv_rows)
         self._ssm_shape = global_ssm_shape(spec)
+        # One rank holding every conv channel and SSM row in the global order: its pages are the
+        # global state as they are.
+        self._whole_pages = tp == 1 and all(
+            bool(torch.equal(rows, torch.arange(len(rows)))) for rows in (self._conv_rows[0], self._ssm_rows[0])
+        )
         device = ranks[0].cache.device
         self._device = device
 
@@ -148,22 +153,54 @@ class PagedStateStore:
 # and one set of ranks (the first store's index maps serve all).
 
 
-def _kv_slots(stores: Sequence[PagedStateStore], layer: int, positions: Sequence[np.ndarray]) -> tuple[int, Tensor, Tensor]:
+class StepIndex:
+    """The block-table lookups of one batched step, made once per KV-cache group and kept for
+    every other layer of the group (the layers of a group share their block ids)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}
+        self.mamba: dict[int, Tensor] = {}
+
+
+def _kv_slots(
+    stores: Sequence[PagedStateStore],
+    layer: int,
+    positions: Sequence[np.ndarray],
+    index: StepIndex | None = None,
+    use: str = "",
+) -> tuple[int, Tensor, Tensor]:
+    """(region, kernel block ids, slots) of `positions[b]` of every request b; with `index`,
+    looked up once per group and `use` (what the positions are: they must be the same for every
+    layer that names that use)."""
+    lay = stores[0].layout
+    region = lay.region_of("attention", layer)
+    key = (use, lay.group_of("attention", layer))
+    if index is not None and key in index.kv:
+        return region, *index.kv[key]
     kernels, slots = [], []
-    region = 0
     for store, pos in zip(stores, positions):
-        region, kernel, slot = store._token_slots(layer, pos)
+        _, kernel, slot = store._token_slots(layer, pos)
         kernels.append(kernel)
         slots.append(slot)
-    return region, torch.cat(kernels), torch.cat(slots)
+    found = torch.cat(kernels), torch.cat(slots)
+    if index is not None:
+        index.kv[key] = found
+    return region, *found
 
 
-def write_kv_tokens(stores: Sequence[PagedStateStore], layer: int, positions: Sequence[int], k: Tensor, v: Tensor) -> None:
+def write_kv_tokens(
+    stores: Sequence[PagedStateStore],
+    layer: int,
+    positions: Sequence[int],
+    k: Tensor,
+    v: Tensor,
+    index: StepIndex | None = None,
+) -> None:
     """Store K and V (`[B, kv_heads, head_dim]`, row b for request b) of one token per request,
     request b's at position `positions[b]`."""
     if not stores:
         return
-    region, kernel, slot = _kv_slots(stores, layer, [np.array([p]) for p in positions])
+    region, kernel, slot = _kv_slots(stores, layer, [np.array([p]) for p in positions], index, "new token")
     first = stores[0]
     for rank, heads in zip(first.ranks, first._kv_heads):
         fa = rank.fa[region]
@@ -171,41 +208,88 @@ def write_kv_tokens(stores: Sequence[PagedStateStore], layer: int, positions: Se
         fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.device, fa.dtype)
 
 
+def _kv_blocks(
+    stores: Sequence[PagedStateStore], layer: int, lengths: Sequence[int], index: StepIndex | None
+) -> tuple[int, Tensor, Tensor]:
+    """(region, the kernel blocks holding positions 0..lengths[b]-1 of every request b, in
+    order, and the rows of those tokens in the blocks' tokens laid end to end)."""
+    lay = stores[0].layout
+    region = lay.region_of("attention", layer)
+    group = lay.group_of("attention", layer)
+    key = ("blocks", group)
+    if index is not None and key in index.kv:
+        return region, *index.kv[key]
+    kb = lay.kernel_block_size
+    blocks, rows, first_row = [], [], 0
+    for store, n in zip(stores, lengths):
+        ids = np.asarray(store.blocks.block_ids[group], dtype=np.int64)
+        needed = -(-n // kb)
+        kernel = lay.kernel_block_ids(ids)
+        if kernel.size < needed:
+            raise IndexError(f"request {store.blocks.request_id}, group {group}: {n} tokens need {needed} kernel blocks")
+        blocks.append(kernel[:needed])
+        rows.append(np.arange(first_row, first_row + n, dtype=np.int64))
+        first_row += needed * kb
+    found = torch.from_numpy(np.concatenate(blocks)), torch.from_numpy(np.concatenate(rows))
+    if index is not None:
+        index.kv[key] = found
+    return region, *found
+
+
 def read_kv_many(
-    stores: Sequence[PagedStateStore], layer: int, lengths: Sequence[int], dtype: torch.dtype
+    stores: Sequence[PagedStateStore],
+    layer: int,
+    lengths: Sequence[int],
+    dtype: torch.dtype,
+    index: StepIndex | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """K and V of positions 0..lengths[b]-1 of every request b (`[T_b, kv_heads, head_dim]`, in
-    `dtype`), gathered in one indexing op per rank."""
+    `dtype`): whole kernel blocks gathered in one copy per rank, then the tokens picked out."""
     if not stores:
         return []
     first = stores[0]
     spec = first.layout.spec
-    region, kernel, slot = _kv_slots(stores, layer, [np.arange(n) for n in lengths])
-    shape = (int(kernel.shape[0]), spec.attention.num_kv_heads, spec.attention.head_dim)
-    out_k = torch.empty(shape, dtype=dtype, device=first._device)
-    out_v = torch.empty(shape, dtype=dtype, device=first._device)
+    region, blocks, rows = _kv_blocks(stores, layer, lengths, index)
+    total = int(rows.shape[0])
+    shape = (total, 2, spec.attention.num_kv_heads, spec.attention.head_dim)
+    out = torch.empty(shape, dtype=dtype, device=first._device)
     for rank, heads in reversed(list(zip(first.ranks, first._kv_heads))):
-        fa = rank.fa[region]
-        out_k[:, heads] = fa[kernel, 0, :, slot, :].to(first._device, dtype)
-        out_v[:, heads] = fa[kernel, 1, :, slot, :].to(first._device, dtype)
-    ks, vs = torch.split(out_k, list(lengths)), torch.split(out_v, list(lengths))
-    return list(zip(ks, vs))
+        fa = rank.fa[region]  # [kernel blocks, 2, heads_r, kb, hd]
+        got = fa.index_select(0, blocks.to(fa.device)).to(first._device, dtype)
+        tokens = got.permute(0, 3, 1, 2, 4).reshape(-1, *got.shape[1:3], got.shape[4])  # [blocks * kb, 2, heads_r, hd]
+        out[:, :, heads] = tokens.index_select(0, rows.to(first._device))
+    parts = torch.split(out, list(lengths))
+    return [(p[:, 0], p[:, 1]) for p in parts]
 
 
-def _mamba_blocks(stores: Sequence[PagedStateStore], layer: int) -> tuple[int, Tensor]:
-    region, ids = 0, []
-    for store in stores:
-        region, block = store._mamba_block(layer)
-        ids.append(block)
-    return region, torch.tensor(ids, dtype=torch.long)
+def _mamba_blocks(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[int, Tensor]:
+    lay = stores[0].layout
+    region, group = lay.region_of("mamba", layer), lay.group_of("mamba", layer)
+    if index is not None and group in index.mamba:
+        return region, index.mamba[group]
+    ids = torch.tensor([store._mamba_block(layer)[1] for store in stores], dtype=torch.long)
+    if index is not None:
+        index.mamba[group] = ids
+    return region, ids
 
 
 def read_ssm_many(
-    stores: Sequence[PagedStateStore], layer: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+    stores: Sequence[PagedStateStore],
+    layer: int,
+    conv_dtype: torch.dtype,
+    ssm_dtype: torch.dtype,
+    index: StepIndex | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Every request's conv `[B, C, K-1]` and SSM state `[B, *ssm_shape]`, in the given dtypes."""
     first = stores[0]
-    region, ids = _mamba_blocks(stores, layer)
+    region, ids = _mamba_blocks(stores, layer, index)
+    if first._whole_pages:  # one rank holds every row in order: a plain gather of the requests' pages
+        rank = first.ranks[0]
+        conv_all, ssm_all = rank.conv[region], rank.ssm[region]
+        return (
+            conv_all.index_select(0, ids.to(conv_all.device)).to(first._device, conv_dtype),
+            ssm_all.index_select(0, ids.to(ssm_all.device)).to(first._device, ssm_dtype),
+        )
     conv = torch.empty((len(stores), *first._conv_shape), dtype=conv_dtype, device=first._device)
     ssm = torch.empty((len(stores), *first._ssm_shape), dtype=ssm_dtype, device=first._device)
     for rank, crow, srow in reversed(list(zip(first.ranks, first._conv_rows, first._ssm_rows))):
@@ -214,12 +298,20 @@ def read_ssm_many(
     return conv, ssm
 
 
-def write_ssm_many(stores: Sequence[PagedStateStore], layer: int, conv: Tensor, ssm: Tensor) -> None:
+def write_ssm_many(
+    stores: Sequence[PagedStateStore], layer: int, conv: Tensor, ssm: Tensor, index: StepIndex | None = None
+) -> None:
     """Store row b of `conv` and `ssm` as request b's state (the inverse of `read_ssm_many`)."""
     if not stores:
         return
     first = stores[0]
-    region, ids = _mamba_blocks(stores, layer)
+    region, ids = _mamba_blocks(stores, layer, index)
+    if first._whole_pages:  # one rank holds every row in order: the requests' pages written in place
+        rank = first.ranks[0]
+        dst_conv, dst_ssm = rank.conv[region], rank.ssm[region]
+        dst_conv.index_copy_(0, ids.to(dst_conv.device), conv.to(dst_conv.device, dst_conv.dtype))
+        dst_ssm.index_copy_(0, ids.to(dst_ssm.device), ssm.to(dst_ssm.device, dst_ssm.dtype))
+        return
     for rank, crow, srow in zip(first.ranks, first._conv_rows, first._ssm_rows):
         dst_conv, dst_ssm = rank.conv[region], rank.ssm[region]
         dst_conv[ids.to(dst_conv.device)] = conv[:, crow].to(dst_conv.device, dst_conv.dtype)

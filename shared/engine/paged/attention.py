@@ -85,17 +85,18 @@ class Attention:
         """Causal attention of queries at positions start.. over K/V of positions 0.. ([S, kv, hd]):
         [T, heads * hd]."""
         t, s = q.shape[0], k.shape[0]
-        rep = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 1)
-        kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)
-        vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)
-        scores = torch.matmul(qh, kh.transpose(1, 2)) * self.scaling
+        kv, rep, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        # Query heads j * rep .. j * rep + rep - 1 share KV head j: each KV head's queries are
+        # one [rep * t, hd] matrix against its keys, no K/V copied per query head.
+        qh = q.view(t, kv, rep, hd).permute(1, 2, 0, 3).reshape(kv, rep * t, hd)
+        scores = torch.matmul(qh, k.permute(1, 2, 0)) * self.scaling  # [kv, rep * t, s]
         if t > 1:
             key_pos = torch.arange(s, device=q.device)
-            query_pos = torch.arange(start, start + t, device=q.device)
+            query_pos = torch.arange(start, start + t, device=q.device).repeat(rep)
             scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, vh).transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+        out = torch.matmul(probs, v.transpose(0, 1))  # [kv, rep * t, hd]
+        return out.view(kv, rep, t, hd).permute(2, 0, 1, 3).reshape(t, self.num_heads * hd)
 
     def output(self, attn: Tensor, gate: Tensor | None, *, invariant: bool) -> Tensor:
         if gate is not None:

@@ -22,6 +22,7 @@ from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear, pad_rows
 from shared.engine.paged_state import (
     PagedStateStore,
+    StepIndex,
     read_kv_many,
     read_ssm_many,
     write_kv_tokens,
@@ -206,18 +207,19 @@ class Model:
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
         pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)
         h = self._embed(token_ids)
+        lookups = StepIndex()  # block tables looked up once per group, not per layer
         for index, layer in enumerate(self.layers):
             for sub in layer.sublayers:
                 x = sub.norm(h)
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
-                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant)
+                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, lookups)
                 elif isinstance(mixer, SSM_MIXERS):
-                    y = self._mamba_step(mixer, index, x, pos, stores, invariant)
+                    y = self._mamba_step(mixer, index, x, pos, stores, invariant, lookups)
                 elif isinstance(mixer, Parallel):
-                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant)
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant, lookups)
                     attn_y = self._attend_step(
-                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant
+                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, lookups
                     )
                     y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
                 else:
@@ -234,23 +236,31 @@ class Model:
         stores: Sequence[PagedStateStore],
         positions: Sequence[int],
         invariant: bool,
+        lookups: StepIndex,
     ) -> Tensor:
         """The new tokens' K/V go to the blocks; each request then attends over its own K/V,
         read back from them."""
         n, rows = len(stores), x.shape[0]
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
-        write_kv_tokens(stores, index, positions, k[:n], v[:n])
-        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype)
+        write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
+        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype, lookups)
         attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
         for b, (kb, vb) in enumerate(kv):
             attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
         return mixer.output(attn, gate, invariant=invariant)
 
     def _mamba_step(
-        self, mixer: Ssm, index: int, x: Tensor, pos: Tensor, stores: Sequence[PagedStateStore], invariant: bool
+        self,
+        mixer: Ssm,
+        index: int,
+        x: Tensor,
+        pos: Tensor,
+        stores: Sequence[PagedStateStore],
+        invariant: bool,
+        lookups: StepIndex,
     ) -> Tensor:
         n, rows = len(stores), x.shape[0]
-        conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32)
+        conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
         y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
-        write_ssm_many(stores, index, conv[:n], ssm)
+        write_ssm_many(stores, index, conv[:n], ssm, lookups)
         return y
