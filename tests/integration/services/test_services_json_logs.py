@@ -74,7 +74,8 @@ def test_a_finished_request_is_one_json_line_with_its_numbers(pair: LocalPair) -
     assert job["peer"].startswith("json-decode") and job["prompt_tokens"] == 4 and job["blocks"] > 0
     # Every line of either service is JSON (nothing printed in another format on stderr).
     for service in (pair.decode, pair.prefill):
-        assert all(line.startswith("{") or line.startswith(("LISTENING", "METRICS", "HTTP")) for line in service.output)
+        other = [line for line in service.output if not line.startswith(("{", "LISTENING", "METRICS", "HTTP"))]
+        assert other == [], other
 
 
 def test_a_failed_request_logs_its_status_with_its_id(pair: LocalPair) -> None:
