@@ -287,7 +287,7 @@ def _engine_and_model(args: argparse.Namespace) -> None:
     if args.engine is None:
         args.engine = "reference" if args.workload in ("concurrency", "repeat") else "hf"
     if args.model is None:
-        if args.engine == "hf":
+        if args.engine in ("hf", "paged"):
             from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
             args.model = cached_checkpoint(args.hf_family, size=args.hf_size)
@@ -535,9 +535,10 @@ def register(subparsers: Any) -> None:
         e,
         "engine",
         None,
-        "reference (tiny models, real math), synthetic (real-model sizes, no math) or hf (a Hugging Face "
-        "checkpoint); default reference for the concurrency workload, hf for long-prompt and multi-turn",
-        choices=("reference", "synthetic", "hf"),
+        "reference (tiny models, real math), synthetic (real-model sizes, no math), paged (a Hugging Face "
+        "checkpoint on the batched engine) or hf (a checkpoint run by transformers); default reference for the "
+        "concurrency workload, hf for long-prompt and multi-turn",
+        choices=("reference", "synthetic", "paged", "hf"),
     )
     _add(e, "hf-family", "nemotron_h", "with --engine hf and no --model: the family of the tiny checkpoint", metavar="FAMILY")
     _add(
