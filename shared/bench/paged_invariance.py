@@ -4,7 +4,7 @@ Runs `step_batch` over B requests (B in 1, 8, 32, 64) on one process, first with
 batch-invariant tiles, then with one forward over the whole batch, interleaved in rounds (a
 shared machine's drift hits both alike), and prints the median step time of each and their
 ratio. Two checkpoints, both random and made offline: the small nemotron_h benchmark checkpoint
-and a tiny one with head_dim 64 (the shape vLLM's CPU attention accepts). `--tile N` sets the
+and the one scripts/bench-vs-vllm.sh runs (`bench64`: heads of 64, which vLLM's CPU attention accepts). `--tile N` sets the
 tile row count (tiles.TILE_ROWS) to compare tile sizes.
 
     python -m shared.bench.paged_invariance [--steps 20] [--rounds 3] [--tile 16]
@@ -13,11 +13,9 @@ tile row count (tiles.TILE_ROWS) to compare tile sizes.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +23,7 @@ from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.hf.model_spec import hf_model_spec
-from shared.engine.hf.tiny_checkpoints import build_tokenizer, cache_root, cached_checkpoint
+from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 from shared.engine.paged import tiles
 from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.engine import PagedDecodeSession, PagedEngine
@@ -34,43 +32,6 @@ from shared.layout.page import build_engine_layout
 
 BATCHES = (1, 8, 32, 64)
 PROMPT_TOKENS = 32
-
-
-def head_dim_64_checkpoint() -> str:
-    """A tiny nemotron_h with attention heads of 64 (hidden 256, 6 layers), made once and kept."""
-    import importlib
-
-    import torch
-
-    transformers: Any = importlib.import_module("transformers")  # untyped: its signatures fail --strict
-    directory = os.path.join(cache_root(), "tiny-checkpoints", f"nemotron_h-hd64-transformers{transformers.__version__}")
-    if os.path.isfile(os.path.join(directory, "config.json")):
-        return directory
-    config: Any = transformers.NemotronHConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=3,
-        layers_block_type=["mamba", "attention", "mamba", "mlp", "mamba", "attention"],
-        mamba_num_heads=8,
-        mamba_head_dim=32,
-        n_groups=2,
-        ssm_state_size=32,
-        conv_kernel=4,
-        chunk_size=64,
-    )
-    torch.manual_seed(0)
-    model: Any = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    build_tokenizer(directory)
-    return directory
 
 
 def _fixed(blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
@@ -133,7 +94,7 @@ def main() -> None:
     pin_intra_op_threads(1)
     for name, directory in (
         ("nemotron_h small (hidden 512, 8 layers)", cached_checkpoint("nemotron_h", size="small")),
-        ("nemotron_h head_dim 64 (hidden 256, 6 layers)", head_dim_64_checkpoint()),
+        ("nemotron_h head_dim 64 (hidden 256, 6 layers)", cached_checkpoint("nemotron_h", size="bench64")),
     ):
         print(f"{name}, tile {args.tile} rows, fp32, 1 thread:")
         print(f"  {'batch':>5} {'tiles ms/step':>14} {'one GEMM ms/step':>17} {'ratio':>6}")

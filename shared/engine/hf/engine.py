@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from shared.cache.model_views import RankViews, torch_dtype
+from shared.engine.first_feed import first_feed
 from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_ssm_layer, extract_state
 from shared.engine.hf.checkpoint import HfCheckpoint, decoder_layers
 from shared.engine.hf.tokenizer import HfTokenizer
@@ -306,20 +307,11 @@ class HfDecodeSession:
         sampling: SamplingParams,
         first_token: int | None,
     ) -> None:
-        if not 0 <= num_computed <= len(prompt) or not prompt:
-            raise ValueError(f"num_computed {num_computed} is outside the prompt's {len(prompt)} tokens")
         self._engine = engine
         self._store = store
         self._ensure = ensure_capacity
         self._sampling = sampling
-        if num_computed == len(prompt):
-            if first_token is None:
-                raise ValueError("first_token: at the full-N boundary decode continues from the token prefill sampled")
-            self._pending, self._index = [int(first_token)], 1
-        else:
-            if first_token is not None:
-                raise ValueError("first_token: only at the full-N boundary (prefill computed every prompt token)")
-            self._pending, self._index = [int(t) for t in prompt[num_computed:]], 0
+        self._pending, self._index = first_feed(prompt, num_computed, first_token)
         self._pos = num_computed
         state = engine.read_state(store.blocks, num_computed)
         self._cache = build_cache(engine.checkpoint.config, engine.spec, state)

@@ -23,20 +23,10 @@ from typing import Any
 
 import torch
 
+from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.logs.third_party import transformers_module
 
-FAMILIES: tuple[str, ...] = (
-    "nemotron_h",
-    "bamba",
-    "granitemoehybrid",
-    "falcon_h1",
-    "jamba",
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-)
+FAMILIES: tuple[str, ...] = ALL_HYBRID_FAMILIES  # one list: the paged engine reads it without torch
 
 SIZES: tuple[str, ...] = ("tiny", "small", "bench64")
 SMALL_FAMILIES: tuple[str, ...] = ("nemotron_h",)

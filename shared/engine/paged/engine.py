@@ -22,6 +22,7 @@ from torch import Tensor
 
 from shared.cache.model_views import RankViews, torch_dtype
 from shared.engine.compute_threads import pin_intra_op_threads
+from shared.engine.first_feed import first_feed
 from shared.engine.hf.engine import read_state
 from shared.engine.hf.tokenizer import HfTokenizer
 from shared.engine.paged import tiles
@@ -294,20 +295,11 @@ class PagedDecodeSession:
         sampling: SamplingParams,
         first_token: int | None,
     ) -> None:
-        if not 0 <= num_computed <= len(prompt) or not prompt:
-            raise ValueError(f"num_computed {num_computed} is outside the prompt's {len(prompt)} tokens")
         self._engine = engine
         self._store = store
         self._ensure = ensure_capacity
         self._sampling = sampling
-        if num_computed == len(prompt):
-            if first_token is None:
-                raise ValueError("first_token: at the full-N boundary decode continues from the token prefill sampled")
-            self._pending, self._index = [int(first_token)], 1
-        else:
-            if first_token is not None:
-                raise ValueError("first_token: only at the full-N boundary (prefill computed every prompt token)")
-            self._pending, self._index = [int(t) for t in prompt[num_computed:]], 0
+        self._pending, self._index = first_feed(prompt, num_computed, first_token)
         self._pos = num_computed
         if num_computed == 0:
             store.reset_ssm()  # nothing computed: the recurrence starts from zero
