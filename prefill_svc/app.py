@@ -45,6 +45,7 @@ class PrefillApp:
                 lease_seconds=settings.lease_seconds,
                 max_pinned_requests=settings.max_pinned_requests,
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                max_batched_tokens=settings.max_batched_tokens,
                 manifest_part_tokens=settings.manifest_part_tokens,
                 layer_parts=settings.layer_parts,
             ),
@@ -106,6 +107,7 @@ class PrefillApp:
         try:
             await self.shell.drain(wait_idle=self._idle)
         finally:
+            await self.servicer.runner.aclose()
             await self.pins.aclose()
             await self.host.aclose()
             self.shell.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import threading
@@ -43,8 +44,9 @@ from prefill_svc.pins import Pin, PinTable
 from shared import tracing
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
+from shared.config import DEFAULT_MAX_BATCHED_TOKENS
 from shared.engine.prefill_chunks import chunk_ends
-from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
+from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, leaves_a_token
 from shared.errors import Aborted, DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.layout.spec import layer_ranges
@@ -55,6 +57,7 @@ from shared.rpc.proto_time import seconds
 from shared.rpc.sampling_message import sampling_of_job
 from shared.rpc.token_ids import token_list
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.prefill_loop import PrefillLoop
 from shared.tracing import Step
 
 
@@ -141,7 +144,13 @@ pin and the manifest."""
 
 class JobRunner:
     def __init__(
-        self, host: EngineHost, pins: PinTable, chunk_tokens: int = 0, part_tokens: int = 0, layer_parts: int = 0
+        self,
+        host: EngineHost,
+        pins: PinTable,
+        chunk_tokens: int = 0,
+        part_tokens: int = 0,
+        layer_parts: int = 0,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host
         self.pins = pins
@@ -149,9 +158,18 @@ class JobRunner:
         self.part_tokens = part_tokens  # --manifest-part-tokens (0: a part per chunk)
         self.layer_parts = layer_parts  # --layer-parts (0: the last part covers every layer)
         self._ids = itertools.count(1)
+        engine = host.engine
+        # Batched prefill (shared/runtime/prefill_loop.py) for engines whose runs compute together.
+        self.steps: PrefillLoop | None = None
+        if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
+            self.steps = PrefillLoop(engine, host.submit_compute, max_batched_tokens)
         # TEST-ONLY: awaited after each manifest part but the last left, with the request id and
         # the part's index, before the next chunk computes (tests hold prefill there).
         self.after_part: Callable[[str, int], Awaitable[None]] | None = None
+
+    async def aclose(self) -> None:
+        if self.steps is not None:
+            await self.steps.aclose()
 
     def spans_for(self, job: Job, computed: int, on_part: PartSink | None) -> list[PartSpan]:
         """The job's parts; one span (no parts) unless the job, the engine and the flag allow them."""
@@ -206,12 +224,20 @@ class JobRunner:
         if len(spans) > 1:
             assert on_part is not None
             return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part, announce)
-        # Queued now as the compute thread's own future: no task around it to schedule and resume.
-        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce))
+        stepped = self.steps is not None and computed > 0
+        if stepped:
+            compute: asyncio.Future[tuple[int | None, list[SectionDigest], float, float]] = asyncio.ensure_future(
+                self._compute_in_steps(job, blocks, computed, announce)
+            )
+        else:
+            # Queued now as the compute thread's own future: no task around it to schedule and resume.
+            compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce))
         try:
             first_token, digests, digest_seconds, engine_seconds = await asyncio.shield(compute)
             tracing.mark(Step.COMPUTED)
         except asyncio.CancelledError:
+            if stepped:
+                compute.cancel()  # a chunk not in a step yet is withdrawn; one in a step ends with it
             # The engine may still be writing these blocks: free them only once it is done.
             compute.add_done_callback(lambda _: self.host.free(tid))
             raise
@@ -506,6 +532,47 @@ class JobRunner:
             _flip_one_byte(self.host, blocks, section, span.tokens_from)
         return digests, took
 
+    async def _compute_in_steps(
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
+    ) -> tuple[int | None, list[SectionDigest], float, float]:
+        """`_compute`, the engine's part in prefill steps beside other jobs' chunks (the engine's
+        own chunks, so the bits are its `prefill`'s); the digests follow on the digest thread
+        (a device cache: on the compute thread, ordered after the steps' kernels). The engine
+        seconds are those of the steps the job was in."""
+        assert self.steps is not None
+        engine = self.host.engine
+        assert isinstance(engine, ChunkedPrefill)
+        run = engine.start_prefill(job.prompt, blocks, job.sampling)
+        order = self.steps.arrival()
+        first_token, engine_seconds, start = None, 0.0, 0
+        for end in chunk_ends(0, computed, engine.exact_chunk_tokens or 0):
+            done = await self.steps.compute(run, start, end, order)
+            first_token, start = done.first_token, end
+            engine_seconds += done.step_seconds
+        if announce is not None and first_token is not None:
+            announce(first_token, engine_seconds)
+        if not self.host.verify_transfer:
+            return first_token, [], 0.0, engine_seconds
+        on = self.host.digest_thread.submit if self.host.device == "cpu" else self.host.submit_compute
+        digesting = on(functools.partial(self._prompt_digests, job, blocks, computed))
+        try:
+            digests, took = await asyncio.shield(digesting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(digesting)  # the digest thread reads the blocks until it is done
+            raise
+        return first_token, digests, took, engine_seconds
+
+    def _prompt_digests(self, job: Job, blocks: RequestBlocks, computed: int) -> Digests:
+        """The digests of the whole computed prompt (but decode's cached prefix) and their seconds."""
+        started = time.monotonic()
+        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed, tokens_from=job.cached_tokens)
+        took = time.monotonic() - started
+        section = fault_hooks.corruption_for(job.request_id)
+        if section is not None:  # fa: in the first token decode READs (the cached K/V is not)
+            _flip_one_byte(self.host, blocks, section, min(job.cached_tokens, max(0, computed - 1)))
+        return digests, took
+
     def _compute(
         self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
     ) -> tuple[int | None, list[SectionDigest], float, float]:
@@ -519,12 +586,7 @@ class JobRunner:
             announce(first_token, computing)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
-        started = time.monotonic()
-        digests = state_digests(self.host.layout, self.host.views, blocks.block_ids, computed, tokens_from=job.cached_tokens)
-        took = time.monotonic() - started
-        section = fault_hooks.corruption_for(job.request_id)
-        if section is not None:  # fa: in the first token decode READs (the cached K/V is not)
-            _flip_one_byte(self.host, blocks, section, min(job.cached_tokens, max(0, computed - 1)))
+        digests, took = self._prompt_digests(job, blocks, computed)
         return first_token, digests, took, computing
 
 

@@ -40,7 +40,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.config = config
         self.metrics = metrics or ServiceMetrics("prefill")
         self.peers = DecodePeers()
-        self.runner = JobRunner(host, pins, config.prefill_chunk_tokens, config.manifest_part_tokens, config.layer_parts)
+        self.runner = JobRunner(
+            host,
+            pins,
+            config.prefill_chunk_tokens,
+            config.manifest_part_tokens,
+            config.layer_parts,
+            config.max_batched_tokens,
+        )
+        if self.runner.steps is not None:
+            self.runner.steps.on_step = self.metrics.telemetry.observe_prefill_step
         self.load = LoadBoard(pins)  # what every session reports to its decode engine
         self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 

@@ -42,6 +42,7 @@ from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
 from shared import tracing
 from shared.cache.manifest import Manifest
+from shared.config import DEFAULT_MAX_BATCHED_TOKENS
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.logs import context as log_context
 from shared.otel import spans
@@ -66,6 +67,7 @@ class SessionConfig:
     lease_seconds: float
     max_pinned_requests: int = DEFAULT_MAX_PINNED
     prefill_chunk_tokens: int = 0  # --prefill-chunk-tokens: manifest parts for jobs that accept them (0: off)
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # --max-batched-tokens: a batched prefill step's budget
     manifest_part_tokens: int = 0  # --manifest-part-tokens: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # --layer-parts: the last chunk's state in this many layer parts (0: one part)
 

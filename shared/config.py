@@ -26,6 +26,8 @@ ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0
+# Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays).
+DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class ServiceSettings:
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
+    max_batched_tokens: int = 0  # prefill only: tokens one batched prefill step computes at most
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
@@ -465,6 +468,17 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
     ),
     Flag(
+        "max-batched-tokens",
+        positive_int,
+        "prefill: the most prompt tokens one prefill step computes (batched prefill, on an engine that batches: "
+        "paged). Jobs' next chunks share a step oldest first; the oldest always runs, even alone over the budget, "
+        "and with --prefill-chunk-tokens a long prompt takes one chunk a step, so short prompts arriving "
+        "meanwhile share its steps. A prompt's bits do not depend on what shares its steps",
+        DEFAULT_MAX_BATCHED_TOKENS,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
         "manifest-part-tokens",
         non_negative_int,
         "prefill, with --prefill-chunk-tokens: send a manifest part only once at least N more tokens' attention "
@@ -840,6 +854,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
+        max_batched_tokens=_own(values, "max_batched_tokens", int) if role == "prefill" else 0,
         manifest_part_tokens=(
             _needs_chunks(values, "manifest_part_tokens", "parts leave only between the chunks a prefill computes")
             if role == "prefill"

@@ -27,6 +27,7 @@ REQUEST_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 # Between two tokens of one request: a decode step, or a chunk of them.
 TOKEN_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PREFILL_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 SECTIONS = ("fa", "conv", "ssm")
 # gRPC statuses a request can end with here (pre-created on hybrid_pd_requests_total).
@@ -101,6 +102,24 @@ class Telemetry:
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
         for result in HANDSHAKE_RESULTS:
             self.handshakes.labels(result=result)
+        self.prefill_batch_size = Histogram(
+            "hybrid_pd_prefill_batch_size",
+            "Jobs that computed a chunk in one prefill step (batched prefill)",
+            buckets=BATCH_BUCKETS,
+            registry=prefill,
+        )
+        self.prefill_batch_tokens = Histogram(
+            "hybrid_pd_prefill_batch_tokens",
+            "Prompt tokens computed in one prefill step (at most --max-batched-tokens, or one larger chunk)",
+            buckets=PREFILL_TOKEN_BUCKETS,
+            registry=prefill,
+        )
+        self.prefill_step_seconds = Histogram(
+            "hybrid_pd_prefill_step_seconds",
+            "Engine time of one prefill step",
+            buckets=LATENCY_BUCKETS,
+            registry=prefill,
+        )
         # Decode only.
         self.transferred_bytes = Counter(
             "hybrid_pd_transferred_bytes", "Bytes moved by NIXL READs, by kind of state", ["section"], registry=decode
@@ -216,6 +235,11 @@ class Telemetry:
             self.failures.labels(reason=reason)
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
+
+    def observe_prefill_step(self, batch_size: int, tokens: int, seconds: float) -> None:
+        self.prefill_batch_size.observe(batch_size)
+        self.prefill_batch_tokens.observe(tokens)
+        self.prefill_step_seconds.observe(seconds)
 
     def observe_decode_step(self, batch_size: int, seconds: float) -> None:
         self.decode_batch_size.observe(batch_size)

@@ -140,3 +140,24 @@ class ChunkedPrefill(Protocol):
     def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PrefillRun:
         """A prefill of `prompt` into `blocks`, nothing computed yet."""
         ...
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A run's next chunk in a batched prefill step: its prompt tokens up to `end`, `on_layer`
+    as in `PrefillRun.compute`."""
+
+    run: PrefillRun
+    end: int
+    on_layer: Callable[[int], None] | None = None
+
+
+@runtime_checkable
+class BatchedPrefill(Protocol):
+    """An engine whose prefill runs compute their next chunks together in one forward
+    (prefill's step loop: shared/runtime/prefill_loop.py)."""
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
+        """Each chunk as its run's `compute(end, on_layer)` alone would compute it, to the bit,
+        and what that returns; at most one chunk per run."""
+        ...

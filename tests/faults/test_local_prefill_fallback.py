@@ -1,11 +1,13 @@
 """Decode's fallback (--local-prefill fallback) when its only prefill engine is killed (SIGKILL of a
 real subprocess) with a batch of jobs in flight: the requests whose jobs died fail UNAVAILABLE
 naming the prefill, decode frees every block, READ handle and remote agent, stays SERVING, and
-computes the next requests itself (prefilled_locally, counted per reason) until a prefill is back."""
+computes the next requests itself (prefilled_locally, counted per reason) until a prefill is back.
+On the paged engine (a tiny checkpoint) the jobs were computed in batched prefill steps."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -16,17 +18,21 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 BATCH = 4
 
 
-async def test_prefill_killed_with_jobs_in_flight_then_decode_computes_the_next_requests() -> None:
+@pytest.mark.parametrize("engine", ["synthetic", "paged"])
+async def test_prefill_killed_with_jobs_in_flight_then_decode_computes_the_next_requests(
+    engine: str, hf_checkpoint: Callable[[str], str]
+) -> None:
+    model = ("--engine", engine) if engine == "synthetic" else ("--engine", engine, "--model", hf_checkpoint("nemotron_h"))
     port = free_port()
     started: list[Service] = []
     try:
         prefill = await start_async(
-            "prefill", "--engine-id", "fallback-prefill", "--num-blocks", "64", "--heartbeat-seconds", "0.5",
+            "prefill", *model, "--engine-id", "fallback-prefill", "--num-blocks", "64", "--heartbeat-seconds", "0.5",
             "--port", str(port), pauses="before_manifest:30:batch-",
         )  # fmt: skip
         started.append(prefill)
         decode = await start_async(
-            "decode", "--engine-id", "fallback-decode", "--num-blocks", "64", "--check-state",
+            "decode", *model, "--engine-id", "fallback-decode", "--num-blocks", "64", "--check-state",
             "--prefill", f"127.0.0.1:{port}", env={"HYBRID_PD_LOCAL_PREFILL": "fallback"},
         )  # fmt: skip
         started.append(decode)
@@ -36,6 +42,8 @@ async def test_prefill_killed_with_jobs_in_flight_then_decode_computes_the_next_
         calls = [asyncio.ensure_future(generate(decode.address, f"batch-{i}")) for i in range(BATCH)]
         for i in range(BATCH):  # every job of the batch is held on prefill before its manifest
             await prefill.wait_line(f"TEST PAUSE before_manifest batch-{i}")
+        if engine == "paged":  # computed in prefill steps: one chunk per job, steps shared as they arrived
+            assert (await prefill.metrics())["hybrid_pd_prefill_batch_size_sum"] == 1 + BATCH
         prefill.kill()
         outcomes = await asyncio.gather(*calls)
         for o in outcomes:

@@ -29,10 +29,10 @@ from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import SSM_MIXERS, Parallel, SsmStates
+from shared.engine.paged.model import SSM_MIXERS, ChunkInput, Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
-from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
+from shared.engine.protocol import DecodeSession, EnsureCapacity, PrefillChunk, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
 from shared.layout.page import EngineLayout
@@ -145,6 +145,25 @@ class PagedEngine:
     def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PagedPrefillRun:
         return PagedPrefillRun(self, prompt, self._store(blocks), sampling)
 
+    @torch.no_grad()
+    def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
+        """The next chunk of each run in one forward (BatchedPrefill); what each returns is what
+        its `compute` alone returns, to the bit, with `batch_invariant`."""
+        pin_intra_op_threads(1)
+        runs: list[PagedPrefillRun] = []
+        for c in chunks:
+            if not isinstance(c.run, PagedPrefillRun) or c.run.engine is not self:
+                raise ValueError("prefill_batch: every run must come from this engine's start_prefill")
+            runs.append(c.run)
+        if len({id(r) for r in runs}) != len(runs):
+            raise ValueError("prefill_batch: a run appears more than once (its chunks follow each other)")
+        inputs = [run._input(c.end, c.on_layer) for run, c in zip(runs, chunks)]
+        for run, given in zip(runs, inputs):
+            if given.start == 0:
+                run._store.reset_ssm()  # its blocks may still hold an earlier request's state
+        outputs = self.model.forward_chunks(inputs, invariant=self.batch_invariant)
+        return [run._advance(c.end, logits, carried) for run, c, (logits, carried) in zip(runs, chunks, outputs)]
+
     # --- decode -------------------------------------------------------------------------
     def start_decode(
         self,
@@ -210,7 +229,8 @@ class PagedEngine:
         carried: SsmStates = {}
         ends = chunk_ends(0, num_computed, self.exact_chunk_tokens or 0)
         for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
-            _, carried = self.model.forward_sequence(prompt[begin:end], begin, expected, carried, write_ssm=end == num_computed)
+            chunk = ChunkInput(prompt[begin:end], begin, expected, carried, end == num_computed)
+            _, carried = self.model.forward_chunks([chunk], invariant=self.batch_invariant)[0]
         dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
         got = read_state(store, self.spec, num_computed, dtypes)
         problems = store.replica_mismatches(num_computed)
@@ -253,7 +273,8 @@ class _CapturingStore(PagedStateStore):
 class PagedPrefillRun:
     """A prefill in chunks: each chunk's K/V go to the blocks as it is computed (later chunks
     read them back from there); the conv / SSM states pass from chunk to chunk here and reach
-    the blocks with the last chunk, layer by layer (`on_layer`)."""
+    the blocks with the last chunk, layer by layer (`on_layer`). A chunk computes alone
+    (`compute`) or beside other runs' chunks (`PagedEngine.prefill_batch`), with the same bits."""
 
     def __init__(self, engine: PagedEngine, prompt: Sequence[int], store: PagedStateStore, sampling: SamplingParams) -> None:
         if not prompt:
@@ -262,21 +283,32 @@ class PagedPrefillRun:
         self._end = engine.num_prefill_tokens(len(prompt))
         self._pos = 0
         self._carried: SsmStates = {}
+        self.last_logits: Tensor | None = None  # the prompt's last token's, once computed
 
-    @torch.no_grad()
+    @property
+    def engine(self) -> PagedEngine:
+        return self._engine
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens computed so far."""
+        return self._pos
+
     def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
-        pin_intra_op_threads(1)
-        start, engine = self._pos, self._engine
+        return self._engine.prefill_batch([PrefillChunk(self, end, on_layer)])[0]
+
+    def _input(self, end: int, on_layer: Callable[[int], None] | None) -> ChunkInput:
+        start = self._pos
         if not start < end <= self._end:
             raise ValueError(f"chunk [{start}, {end}) outside the {self._end} tokens prefill computes")
-        if start == 0:
-            self._store.reset_ssm()  # its blocks may still hold an earlier request's state
         last = end == self._end
-        logits, self._carried = engine.model.forward_sequence(
-            self._prompt[start:end], start, self._store, self._carried, write_ssm=last, on_layer=on_layer if last else None
-        )
-        self._pos = end
-        if last and engine.boundary == "full":
+        return ChunkInput(self._prompt[start:end], start, self._store, self._carried, last, on_layer if last else None)
+
+    def _advance(self, end: int, logits: Tensor, carried: SsmStates) -> int | None:
+        self._pos, self._carried = end, carried
+        if end == self._end:
+            self.last_logits = logits
+        if end == self._end and self._engine.boundary == "full":
             return sample(logits, self._sampling, 0)
         return None
 

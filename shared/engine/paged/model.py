@@ -19,7 +19,7 @@ from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.norms import rms_norm
-from shared.engine.paged.tiles import linear, pad_rows
+from shared.engine.paged.tiles import TILE_ROWS, linear, pad_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
@@ -53,6 +53,21 @@ def _scaled(x: Tensor, scale: float) -> Tensor:
 
 # Per SSM layer: (conv [C, K-1], SSM state), a prefill run's state between its chunks.
 SsmStates = dict[int, tuple[Tensor, Tensor]]
+
+
+@dataclass
+class ChunkInput:
+    """One request's chunk in a batched prefill forward (`Model.forward_chunks`): tokens `ids`
+    at positions start.., state in `store`, SSM layers starting from `carried` (None: the
+    blocks' state), writing their final state with `write_ssm`; `on_layer` as in
+    `forward_sequence`."""
+
+    ids: Sequence[int]
+    start: int
+    store: PagedStateStore
+    carried: SsmStates | None
+    write_ssm: bool
+    on_layer: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -145,6 +160,94 @@ class Model:
             if on_layer is not None:
                 on_layer(index)
         return self._logits(h[-1:], invariant=False)[0], states
+
+    # --- many requests, a chunk of tokens each ------------------------------------------
+    def forward_chunks(self, chunks: Sequence[ChunkInput], *, invariant: bool) -> list[tuple[Tensor, SsmStates]]:
+        """Each chunk as `forward_sequence` computes it alone, all in one forward: logits of each
+        chunk's last token and its SSM states after it.
+
+        The chunks' rows are stacked; every row-wise op (norms, projections, MLPs, experts) runs
+        once over the stack, attention and the SSM scans per chunk on the chunk's own rows. With
+        `invariant`, each chunk starts on a whole tile and the stack ends in a tile of padding,
+        so the GEMMs (tiles.linear) see only whole tiles and no real row falls into a kernel's
+        scalar tail: a chunk's bits do not depend on the other chunks (nor on whether it has
+        any). Without it the chunks are packed and each GEMM is one call (the negative control)."""
+        if not chunks:
+            return []
+        tile = TILE_ROWS if invariant else 1
+        starts: list[int] = []
+        rows = 0
+        for c in chunks:
+            if not c.ids:
+                raise ValueError("forward_chunks: a chunk has no tokens")
+            starts.append(rows)
+            rows += -(-len(c.ids) // tile) * tile
+        total = rows + (TILE_ROWS if invariant else 0)
+        token_ids = torch.zeros(total, dtype=torch.long, device=self.device)
+        positions = torch.zeros(total, dtype=torch.long, device=self.device)
+        spans: list[slice] = []
+        for c, at in zip(chunks, starts):
+            t = len(c.ids)
+            token_ids[at : at + t] = torch.tensor(list(c.ids), dtype=torch.long, device=self.device)
+            positions[at : at + t] = torch.arange(c.start, c.start + t, dtype=torch.long, device=self.device)
+            spans.append(slice(at, at + t))
+        h = self._embed(token_ids)
+        states: list[SsmStates] = [{} for _ in chunks]
+        for index, layer in enumerate(self.layers):
+            for sub in layer.sublayers:
+                x = sub.norm(h)
+                mixer = sub.mixer
+                if isinstance(mixer, Attention):
+                    y = self._attend_chunks(mixer, index, x, positions, chunks, spans, invariant)
+                elif isinstance(mixer, SSM_MIXERS):
+                    y = self._mamba_chunks(mixer, index, x, chunks, spans, states)
+                elif isinstance(mixer, Parallel):
+                    ssm_y = self._mamba_chunks(mixer.mamba, index, x, chunks, spans, states)
+                    attn_y = self._attend_chunks(
+                        mixer.attention, index, _scaled(x, mixer.attn_in), positions, chunks, spans, invariant
+                    )
+                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
+                else:
+                    y = mixer(x, invariant=invariant)
+                h = h + y * sub.scale if sub.scale != 1.0 else h + y
+            for c in chunks:
+                if c.on_layer is not None:
+                    c.on_layer(index)
+        last = torch.tensor([s.stop - 1 for s in spans], dtype=torch.long, device=self.device)
+        # The last rows again on whole tiles with padding after them (a decode step's shape).
+        ends = h[last] if not invariant else pad_rows(h[last], -(-(len(chunks) + 1) // TILE_ROWS) * TILE_ROWS)
+        logits = self._logits(ends, invariant=invariant)
+        return [(logits[i], states[i]) for i in range(len(chunks))]
+
+    def _attend_chunks(
+        self,
+        mixer: Attention,
+        index: int,
+        x: Tensor,
+        positions: Tensor,
+        chunks: Sequence[ChunkInput],
+        spans: Sequence[slice],
+        invariant: bool,
+    ) -> Tensor:
+        q, k, v, gate = mixer.qkv(x, positions, invariant=invariant)
+        attn = q.new_zeros((x.shape[0], mixer.num_heads * mixer.head_dim))
+        for c, rows in zip(chunks, spans):
+            kc, vc = k[rows], v[rows]
+            c.store.write_kv_range(index, c.start, kc, vc)
+            if c.start:
+                past_k, past_v = c.store.read_kv_as(index, c.start, self.dtype)
+                kc, vc = torch.cat([past_k, kc]), torch.cat([past_v, vc])
+            attn[rows] = mixer.attend(q[rows], kc, vc, c.start)
+        return mixer.output(attn, gate, invariant=invariant)
+
+    def _mamba_chunks(
+        self, mixer: Ssm, index: int, x: Tensor, chunks: Sequence[ChunkInput], spans: Sequence[slice], states: list[SsmStates]
+    ) -> Tensor:
+        """Each chunk's scan on its own rows: the same shapes alone or beside others."""
+        y = x.new_zeros(x.shape)
+        for c, rows, out in zip(chunks, spans, states):
+            y[rows] = self._mamba_sequence(mixer, index, x[rows], c.start, c.store, c.carried, out, c.write_ssm)
+        return y
 
     def _attend_sequence(
         self, mixer: Attention, index: int, x: Tensor, positions: Tensor, start: int, store: PagedStateStore

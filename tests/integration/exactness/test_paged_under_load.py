@@ -2,7 +2,8 @@
 of mixed prompt lengths, lengths and sampling run at once through a real pair (tiny checkpoints
 loaded from disk, real NIXL READs, prefill TP 1 -> decode TP 2), and every request's tokens
 equal the same request computed ALONE by the colocated runner (one engine, the decode service's
-step loop). Decode steps were shared, so each request was batched with others of varying number.
+step loop). Decode steps were shared, and so were prefill steps (whole prompts, or chunks of
+16 tokens), so each request was batched with others of varying number on both sides.
 
 Below the services, the same load in the step loop keeps every step's logits: bit-identical to
 each request's run alone with invariance on; with it off (one GEMM over the batch, the negative
@@ -37,7 +38,7 @@ def load(vocab: int) -> list[tuple[list[int], int, SamplingParams | None]]:
     return out
 
 
-async def alone(directory: str, requests: Sequence[tuple[list[int], int, SamplingParams | None]], **kw: bool) -> list[list[int]]:
+async def alone(directory: str, requests: Sequence[tuple[list[int], int, SamplingParams | None]], **kw: Any) -> list[list[int]]:
     """Each request on its own through the colocated runner (one engine, nothing beside it)."""
     colocated = await asyncio.to_thread(Colocated.build, "paged", directory, 2, 256, **kw)
     try:
@@ -59,18 +60,31 @@ async def together(port: int, requests: Sequence[tuple[list[int], int, SamplingP
     return [ids for ids, _ in got]
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
-async def test_requests_under_load_equal_each_alone(hf_checkpoint: Callable[[str], str], family: str) -> None:
+# Prefill computes the prompts in batched steps too: whole prompts under the default budget, or
+# chunks of 16 tokens under a budget of 64 (decode takes one manifest, so every job is stepped).
+CHUNKED = ("--prefill-chunk-tokens", "16", "--max-batched-tokens", "64")
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("nemotron_h", 0), ("qwen3_5", 0), ("nemotron_h", 16)])
+async def test_requests_under_load_equal_each_alone(hf_checkpoint: Callable[[str], str], family: str, chunk: int) -> None:
     directory = hf_checkpoint(family)
-    async with hf_pair(directory, directory, 1, 2, engine="paged", check_state=False, decode_flags=("--num-blocks", "256")) as (
-        _,
-        decode,
-    ):
+    async with hf_pair(
+        directory,
+        directory,
+        1,
+        2,
+        engine="paged",
+        check_state=not chunk,  # decode recomputes each prompt alone (in one forward): the READ state must be its bits
+        prefill_flags=CHUNKED if chunk else (),
+        decode_flags=("--num-blocks", "256", *(("--manifest-parts", "false") if chunk else ())),
+    ) as (prefill, decode):
         requests = load(decode.host.spec.vocab_size)
         got = await together(decode.port, requests)
         loop = decode.servicer.generation.step_loop
         assert loop.largest_batch >= 4, loop.largest_batch  # shared steps of varying size
-    want = await alone(directory, requests)
+        steps = prefill.servicer.runner.steps
+        assert steps is not None and steps.largest_batch >= 2, "no prefill step had two jobs"
+    want = await alone(directory, requests, prefill_chunk_tokens=chunk)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}: under load {g}, alone {w}"
 
