@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
+from hybridpd_tools.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe

@@ -78,7 +78,7 @@ def report(what: str, seconds: float) -> None:
 
 async def cli(*argv: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shared.cli.main", "generate", *argv,
+        sys.executable, "-m", "hybridpd_tools.cli.main", "generate", *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 30)

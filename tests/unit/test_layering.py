@@ -1,7 +1,7 @@
 """Import direction and import cycles, read from the source with the stdlib ast.
 
-Layers, bottom to top: the library (shared/, without shared/bench and shared/cli), the services
-(prefill_svc, decode_svc), the benchmarks (shared/bench), the CLI (shared/cli). A module may
+Layers, bottom to top: the library (shared/), the services (prefill_svc, decode_svc), the
+benchmarks (hybridpd_tools/bench), the CLI (hybridpd_tools/cli). A module may
 import its own layer and the layers below it, never above; the two services never import each
 other; scripts/ uses the library only. Every import counts, also one inside a function body,
 and the module graph has no cycle.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("shared", "prefill_svc", "decode_svc", "scripts")
+PACKAGES = ("shared", "prefill_svc", "decode_svc", "hybridpd_tools", "scripts")
 GENERATED = "shared.pb"
 
 LIBRARY, SERVICE, BENCH, CLI, SCRIPTS = "library", "service", "bench", "cli", "scripts"
@@ -63,9 +63,9 @@ def layer(module: str) -> str:
         return SERVICE
     if top == "scripts":
         return SCRIPTS
-    if module == "shared.bench" or module.startswith("shared.bench."):
+    if module == "hybridpd_tools.bench" or module.startswith("hybridpd_tools.bench."):
         return BENCH
-    if module == "shared.cli" or module.startswith("shared.cli."):
+    if module == "hybridpd_tools.cli" or module.startswith("hybridpd_tools.cli."):
         return CLI
     return LIBRARY
 
@@ -148,7 +148,7 @@ def test_the_graph_sees_the_tree(graph: Graph) -> None:
     # Known edges, one per kind of import statement: the checks above are not vacuous.
     assert "shared.layout.spec" in graph["shared.layout.presets"]  # from a.b import name
     assert "shared.tracing" in graph["prefill_svc.pins"]  # from a import module
-    assert "decode_svc.reader" in graph["shared.bench.control"]  # from a.b import name (a service)
+    assert "decode_svc.reader" in graph["hybridpd_tools.bench.control"]  # from a.b import name (a service)
     assert "shared.engine.hf.engine" in graph["shared.engine.factory"]  # inside a function body
 
 
@@ -167,9 +167,9 @@ def test_negative_controls_an_upward_import_and_a_cycle_are_reported(tmp_path: P
             "shared/layout/__init__.py": "",
             "shared/layout/a.py": "def f():\n    from shared.layout import b\n",
             "shared/layout/b.py": "import shared.layout.a\n",
-            "shared/cli/__init__.py": "",
-            "shared/cli/main.py": "",
-            "shared/bench/__init__.py": "from shared.cli import main\n",
+            "hybridpd_tools/cli/__init__.py": "",
+            "hybridpd_tools/cli/main.py": "",
+            "hybridpd_tools/bench/__init__.py": "from hybridpd_tools.cli import main\n",
             "shared/runtime.py": "from decode_svc.app import App\n",
             "decode_svc/__init__.py": "",
             "decode_svc/app.py": "from prefill_svc import jobs\n",
@@ -177,10 +177,10 @@ def test_negative_controls_an_upward_import_and_a_cycle_are_reported(tmp_path: P
             "prefill_svc/jobs.py": "",
         },
     )
-    g = import_graph(tmp_path, ("shared", "decode_svc", "prefill_svc"))
+    g = import_graph(tmp_path, ("shared", "decode_svc", "prefill_svc", "hybridpd_tools"))
     assert violations(g) == [
         "decode_svc.app (service) imports prefill_svc.jobs (service)",
-        "shared.bench (bench) imports shared.cli.main (cli)",
+        "hybridpd_tools.bench (bench) imports hybridpd_tools.cli.main (cli)",
         "shared.runtime (library) imports decode_svc.app (service)",
     ]
     assert cycles(g) == [["shared.layout.a", "shared.layout.b"]]

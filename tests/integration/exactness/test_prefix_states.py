@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from shared.bench.colocated_server import colocated_servicer
+from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.config import parse_settings
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.presets import TINY_PRESETS

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.bench.local_pair import LocalPair, ServiceProcess, start_pair
+from hybridpd_tools.bench.local_pair import LocalPair, ServiceProcess, start_pair
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.bench.colocated_server import colocated_servicer
+from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe

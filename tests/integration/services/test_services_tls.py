@@ -95,7 +95,7 @@ async def test_generate_cli_without_client_certificate_is_refused(
 
     async def cli(*flags: str) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shared.cli.main", "generate", "--decode", f"127.0.0.1:{decode.port}",
+            sys.executable, "-m", "hybridpd_tools.cli.main", "generate", "--decode", f"127.0.0.1:{decode.port}",
             "--prompt-ids", "1,2,3", "--max-tokens", "2", "--timeout", "10", *flags,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip

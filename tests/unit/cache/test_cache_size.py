@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench.local_pair import start_service
+from hybridpd_tools.bench.local_pair import start_service
 from shared.errors import InvalidArgument
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout

@@ -1,6 +1,6 @@
 """`bench transfer --hosts`: the same benchmark with prefill on another host, over UCX TCP.
 
-Two namespace hosts on a private bridge (shared/bench/netns.py; needs root). The benchmark itself
+Two namespace hosts on a private bridge (hybridpd_tools/bench/netns.py; needs root). The benchmark itself
 runs on the decode host: its decode service and raw NIXL reader there, and the prefill service
 and raw NIXL target started on the prefill host. Ours and raw NIXL therefore READ over the same
 link, through the same TCP stack, with the same UCX settings (`UCX_ENV`, `UCX_TCP_SEGMENTS`),
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.bench.netns import Host, Network, why_unavailable
+from hybridpd_tools.bench.netns import Host, Network, why_unavailable
 
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 # UCX emulates a READ over TCP with messages of at most these segments: the defaults (8 KiB out,
@@ -71,7 +71,7 @@ def run_on_hosts(inner_args: Sequence[str], rate: str | None, delay: str | None)
         argv = [
             sys.executable,
             "-m",
-            "shared.cli.main",
+            "hybridpd_tools.cli.main",
             "bench",
             "transfer",
             *inner_args,

@@ -42,17 +42,17 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shared.bench.client import generate, seconds
-from shared.bench.hash_pass import HashPassBaseline
-from shared.bench.local_pair import start_pair
-from shared.bench.memcpy import CopyBaseline
-from shared.bench.pairs import pair_lists, request_reads, total_sections
-from shared.bench.progress import Progress
-from shared.bench.raw_nixl import PreparedRead, RawReader, RawTarget, coalesce_per_region
-from shared.bench.raw_pumping import ACROSS_HOSTS, ONE_HOST
-from shared.bench.sections import SectionBytes
-from shared.bench.sizing import blocks_needed, prefill_tokens, request_blocks
-from shared.bench.transfer_report import TransferSamples, build_result
+from hybridpd_tools.bench.client import generate, seconds
+from hybridpd_tools.bench.hash_pass import HashPassBaseline
+from hybridpd_tools.bench.local_pair import start_pair
+from hybridpd_tools.bench.memcpy import CopyBaseline
+from hybridpd_tools.bench.pairs import pair_lists, request_reads, total_sections
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.raw_nixl import PreparedRead, RawReader, RawTarget, coalesce_per_region
+from hybridpd_tools.bench.raw_pumping import ACROSS_HOSTS, ONE_HOST
+from hybridpd_tools.bench.sections import SectionBytes
+from hybridpd_tools.bench.sizing import blocks_needed, prefill_tokens, request_blocks
+from hybridpd_tools.bench.transfer_report import TransferSamples, build_result
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.plan import build_plan
@@ -95,7 +95,7 @@ async def run_transfer(
     link: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`prefill_launch` puts the prefill service and the raw target on another host (see
-    shared/bench/hosts.py); `link` describes that link in the result."""
+    hybridpd_tools/bench/hosts.py); `link` describes that link in the result."""
     spec = load_model(cfg.model)
     prefill = build_engine_layout(spec, cfg.prefill_tp, kernel_block_size=cfg.kernel_block_size)
     decode = build_engine_layout(spec, cfg.decode_tp, kernel_block_size=cfg.kernel_block_size)

@@ -1,6 +1,6 @@
 """The prefill service of `bench control --separate-processes`, in a process of its own.
 
-`python -m shared.bench.control_prefill PREFILL-SVC-FLAGS...` starts a real prefill service
+`python -m hybridpd_tools.bench.control_prefill PREFILL-SVC-FLAGS...` starts a real prefill service
 (the flags of `prefill-svc`) with the engine that computes nothing (no_compute.py), prints one
 JSON line `{"port": N}`, then answers commands on stdin, one JSON line each on stdout:
 
@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hybridpd_tools.bench.no_compute import NoComputeEngine
 from prefill_svc.app import PrefillApp
-from shared.bench.no_compute import NoComputeEngine
 from shared.config import parse_settings
 from shared.errors import InvalidArgument, ServiceError
 from shared.logs.setup import configure_logging
@@ -44,7 +44,7 @@ class PrefillProcess:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "shared.bench.control_prefill",
+            "hybridpd_tools.bench.control_prefill",
             *flags,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.bench.sections import SectionBytes
-from shared.bench.stats import Summary, gbps, json_number, median, ratio
+from hybridpd_tools.bench.sections import SectionBytes
+from hybridpd_tools.bench.stats import Summary, gbps, json_number, median, ratio
 
 SCHEMA = "hybrid-pd.bench.transfer/v1"
 TARGET_VS_RAW_NIXL = 0.95

@@ -8,8 +8,8 @@ streamed as its step ends) as the decode service; blocks for prompt + max_tokens
 up front; no NIXL, no prefill peer. Prefills and the decode steps of concurrent requests share
 the one compute thread, which is the interference disaggregation removes.
 
-    python -m shared.bench.colocated_server --model tiny-mamba2 --engine reference --tp 1 --num-blocks N
-    python -m shared.bench.colocated_server --engine hf --model CHECKPOINT_DIR --tp 1 --num-blocks N
+    python -m hybridpd_tools.bench.colocated_server --model tiny-mamba2 --engine reference --tp 1 --num-blocks N
+    python -m hybridpd_tools.bench.colocated_server --engine hf --model CHECKPOINT_DIR --tp 1 --num-blocks N
 
 prints `LISTENING port=N` (port 0 by default picks a free one) and serves until SIGTERM.
 """

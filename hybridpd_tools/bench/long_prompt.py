@@ -36,10 +36,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shared.bench.client import Timed, generate, seconds
-from shared.bench.progress import Progress
-from shared.bench.setups import PIPELINE_SETUPS, SETUPS, SetupConfig, flat_config, model_spec, start_setups
-from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
+from hybridpd_tools.bench.client import Timed, generate, seconds
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.setups import PIPELINE_SETUPS, SETUPS, SetupConfig, flat_config, model_spec, start_setups
+from hybridpd_tools.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 
 SCHEMA = "hybrid-pd.bench.e2e.long-prompt/v1"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.bench.pairs import fake_bases, pair_lists, request_reads, total_sections
-from shared.bench.sections import SectionBytes
-from shared.bench.sizing import blocks_needed, prefill_tokens, request_blocks
+from hybridpd_tools.bench.pairs import fake_bases, pair_lists, request_reads, total_sections
+from hybridpd_tools.bench.sections import SectionBytes
+from hybridpd_tools.bench.sizing import blocks_needed, prefill_tokens, request_blocks
 from shared.layout.page import EngineLayout
 from shared.layout.plan import build_plan
 

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 
-from shared.bench.local_pair import LocalPair, ServiceStartError, start_pair
+from hybridpd_tools.bench.local_pair import LocalPair, ServiceStartError, start_pair
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""HTTP front door vs gRPC Generate on the same pair, same run (`python -m shared.bench.http_front`).
+"""HTTP front door vs gRPC Generate on the same pair, same run (`python -m hybridpd_tools.bench.http_front`).
 
 One prefill + one decode service in this process (real grpc.aio and uvicorn servers on port 0,
 real NIXL READs over UCX on DRAM, the tiny reference model), requests strictly one at a time and
@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import h11
 
-from shared.bench.stats import median, percentile
+from hybridpd_tools.bench.stats import median, percentile
 from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -148,7 +148,7 @@ async def run(requests: int, model: str) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m shared.bench.http_front", description=__doc__.splitlines()[0] if __doc__ else None
+        prog="python -m hybridpd_tools.bench.http_front", description=__doc__.splitlines()[0] if __doc__ else None
     )
     parser.add_argument("--requests", type=int, default=200, help="measured requests per kind (after 10 warm-up)")
     parser.add_argument("--model", default="tiny-mamba2")

@@ -1,6 +1,6 @@
 """The process the raw NIXL baselines read from: plain agents, nothing of ours in between.
 
-`python -m shared.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
+`python -m hybridpd_tools.bench.raw_target --ranks P --regions R --region-bytes B` creates P plain
 NIXL agents (no progress thread, as the services run them), registers R pre-faulted regions of
 B bytes with each (the services' kind of memory: on huge pages unless `--huge-pages off`),
 or, with `--device cuda`, R regions of rank r's GPU memory (cuda:r, as the services place ranks),
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from shared.bench.raw_memory import region_buffer
-from shared.bench.raw_pumping import pause
+from hybridpd_tools.bench.raw_memory import region_buffer
+from hybridpd_tools.bench.raw_pumping import pause
 from shared.transport.nixl_env import load_nixl
 
 PUMP_SECONDS = 0.001

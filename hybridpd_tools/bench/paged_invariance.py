@@ -7,7 +7,7 @@ ratio. Two checkpoints, both random and made offline: the small nemotron_h bench
 and the one scripts/bench-vs-vllm.sh runs (`bench64`: heads of 64, which vLLM's CPU attention accepts). `--tile N` sets the
 tile row count (tiles.TILE_ROWS) to compare tile sizes.
 
-    python -m shared.bench.paged_invariance [--steps 20] [--rounds 3] [--tile 16]
+    python -m hybridpd_tools.bench.paged_invariance [--steps 20] [--rounds 3] [--tile 16]
 """
 
 from __future__ import annotations

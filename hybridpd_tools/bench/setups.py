@@ -25,8 +25,16 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
-from shared.bench.local_pair import DECODE_SERVICE, LISTENING, LocalPair, ServiceProcess, start_pair, start_service, wait_serving
-from shared.bench.sizing import blocks_needed, prefill_tokens
+from hybridpd_tools.bench.local_pair import (
+    DECODE_SERVICE,
+    LISTENING,
+    LocalPair,
+    ServiceProcess,
+    start_pair,
+    start_service,
+    wait_serving,
+)
+from hybridpd_tools.bench.sizing import blocks_needed, prefill_tokens
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.spec import ModelSpec
@@ -75,7 +83,7 @@ class Colocated:
     """The colocated_server process."""
 
     def __init__(self, args: Sequence[str], timeout: float = 60.0) -> None:
-        cmd = [sys.executable, "-m", "shared.bench.colocated_server", "--port", "0", *args]
+        cmd = [sys.executable, "-m", "hybridpd_tools.bench.colocated_server", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NamedTuple
 
+from hybridpd_tools.bench.stats import Summary, json_number, percentile
 from shared import tracing
-from shared.bench.stats import Summary, json_number, percentile
 from shared.tracing import Step
 
 NOTIFICATION_WAIT_STEP = "prefill: READ done -> pump fetched the notification"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from shared.bench.sections import SectionBytes, section_bytes
+from hybridpd_tools.bench.sections import SectionBytes, section_bytes
 from shared.layout.plan import SourceRead, TransferPlan
 from shared.layout.read_lists import IdArray, ReadLists, build_read_lists, read_indices
 

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shared.bench.pairs import fake_bases, pair_lists
-from shared.bench.progress import Progress
-from shared.bench.sizing import blocks_needed, request_blocks
-from shared.bench.stats import Summary, json_number
+from hybridpd_tools.bench.pairs import fake_bases, pair_lists
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.sizing import blocks_needed, request_blocks
+from hybridpd_tools.bench.stats import Summary, json_number
 from shared.cache.id_buffers import IdBufferPool
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout

@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shared.bench.client import Timed, generate
-from shared.bench.progress import Progress
-from shared.bench.setups import SetupConfig, flat_config, model_spec, start_setups
-from shared.bench.sizing import blocks_needed
-from shared.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
+from hybridpd_tools.bench.client import Timed, generate
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.setups import SetupConfig, flat_config, model_spec, start_setups
+from hybridpd_tools.bench.sizing import blocks_needed
+from hybridpd_tools.bench.stats import Summary, fixed, json_number, megabytes, ms_summary, ratio
 from shared.layout.page import build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 

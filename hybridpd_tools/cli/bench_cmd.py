@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from shared.config import ENV_PREFIX, boolean
 
 if TYPE_CHECKING:
-    from shared.bench.setups import SetupConfig
+    from hybridpd_tools.bench.setups import SetupConfig
 
 DESCRIPTION = __doc__
 
@@ -65,7 +65,7 @@ def _non_negative(text: str) -> int:
 
 
 def _levels(text: str) -> tuple[int, ...]:
-    from shared.bench.e2e import parse_levels
+    from hybridpd_tools.bench.e2e import parse_levels
 
     try:
         return parse_levels(text)
@@ -74,7 +74,7 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def _lengths(text: str) -> tuple[int, ...]:
-    from shared.bench.e2e import parse_levels
+    from hybridpd_tools.bench.e2e import parse_levels
 
     try:
         return parse_levels(text, "prompt length")
@@ -126,7 +126,7 @@ def _finish(
     else:
         print(table)
     if chart is not None and getattr(args, "plot", None):
-        from shared.bench.plotting import save
+        from hybridpd_tools.bench.plotting import save
 
         for path, figure in chart():
             written, note = save(figure, path)
@@ -137,7 +137,7 @@ def _finish(
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         if getattr(args, "plot", None):
-            from shared.bench.plotting import MISSING_MATPLOTLIB, available
+            from hybridpd_tools.bench.plotting import MISSING_MATPLOTLIB, available
 
             if not available():  # refused before the run, not after it
                 print(f"hybrid-pd bench {args.bench_command}: --plot {args.plot} {MISSING_MATPLOTLIB}", file=sys.stderr)
@@ -160,19 +160,19 @@ TRANSFER_FLAGS = (
 
 
 def _transfer(args: argparse.Namespace) -> int:
-    from shared.bench.plotting import Chart, Series
-    from shared.bench.transfer import TransferConfig, run_transfer
-    from shared.bench.transfer_report import chart_rows, format_table
+    from hybridpd_tools.bench.plotting import Chart, Series
+    from hybridpd_tools.bench.transfer import TransferConfig, run_transfer
+    from hybridpd_tools.bench.transfer_report import chart_rows, format_table
 
     if args.hosts and args.inside_hosts is None:
-        from shared.bench.hosts import run_on_hosts
+        from hybridpd_tools.bench.hosts import run_on_hosts
 
         inner = _command("transfer", args, TRANSFER_FLAGS).split()[3:]
         inner += [flag for flag, on in (("--json", args.json), ("--no-progress", args.no_progress)) if on]
         inner += ["--plot", args.plot] if args.plot else []
         return run_on_hosts(inner, args.link_rate, args.link_delay)
     if args.device == "cuda":
-        from shared.bench.raw_memory import cuda_ready
+        from hybridpd_tools.bench.raw_memory import cuda_ready
 
         why = cuda_ready(max(args.prefill_tp, args.decode_tp))
         if why is not None:
@@ -188,7 +188,7 @@ def _transfer(args: argparse.Namespace) -> int:
     prefill_host = "127.0.0.1"
     link = None
     if args.inside_hosts is not None:
-        from shared.bench.hosts import inside_launch
+        from hybridpd_tools.bench.hosts import inside_launch
 
         launch, prefill_host = inside_launch(args.inside_hosts)
         link = json.loads(args.link_note or "{}")
@@ -242,7 +242,7 @@ CONTROL_FLAGS = (
 
 
 def _control(args: argparse.Namespace) -> int:
-    from shared.bench.control import ControlConfig, format_control, run_control
+    from hybridpd_tools.bench.control import ControlConfig, format_control, run_control
 
     cfg = ControlConfig(
         model=args.model,
@@ -298,7 +298,7 @@ def _engine_and_model(args: argparse.Namespace) -> None:
 def _setup_config(args: argparse.Namespace, flags: Sequence[str]) -> SetupConfig:
     """What the workload's setups share, from the flags it takes (`flags`): a flag the workload
     does not take keeps the default."""
-    from shared.bench.setups import SetupConfig
+    from hybridpd_tools.bench.setups import SetupConfig
 
     return SetupConfig(
         model=args.model,
@@ -320,8 +320,8 @@ def _e2e(args: argparse.Namespace) -> int:
         return _multi_turn(args)
     if args.workload == "repeat":
         return _repeat(args)
-    from shared.bench.e2e import E2EConfig, e2e_charts, format_e2e, run_e2e
-    from shared.bench.plotting import sibling
+    from hybridpd_tools.bench.e2e import E2EConfig, e2e_charts, format_e2e, run_e2e
+    from hybridpd_tools.bench.plotting import sibling
 
     cfg = E2EConfig(
         setup=_setup_config(args, E2E_FLAGS),
@@ -347,7 +347,7 @@ def _no_chart(args: argparse.Namespace) -> None:
 
 
 def _long_prompt(args: argparse.Namespace) -> int:
-    from shared.bench.long_prompt import LongPromptConfig, format_long_prompt, run_long_prompt
+    from hybridpd_tools.bench.long_prompt import LongPromptConfig, format_long_prompt, run_long_prompt
 
     cfg = LongPromptConfig(
         setup=_setup_config(args, LONG_PROMPT_FLAGS),
@@ -363,7 +363,7 @@ def _long_prompt(args: argparse.Namespace) -> int:
 
 
 def _multi_turn(args: argparse.Namespace) -> int:
-    from shared.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
+    from hybridpd_tools.bench.multi_turn import MultiTurnConfig, format_multi_turn, run_multi_turn
 
     cfg = MultiTurnConfig(
         setup=_setup_config(args, MULTI_TURN_FLAGS),
@@ -382,7 +382,7 @@ def _multi_turn(args: argparse.Namespace) -> int:
 
 
 def _repeat(args: argparse.Namespace) -> int:
-    from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
+    from hybridpd_tools.bench.repeat import RepeatConfig, format_repeat, run_repeat
 
     cfg = RepeatConfig(
         setup=_setup_config(args, REPEAT_FLAGS),
@@ -404,7 +404,7 @@ DESCIDS_FLAGS = ("model", "blocks", "prefill-tp", "decode-tp", "kernel-block-siz
 
 
 def _descids(args: argparse.Namespace) -> int:
-    from shared.bench.descids import DescIdsConfig, format_descids, run_descids
+    from hybridpd_tools.bench.descids import DescIdsConfig, format_descids, run_descids
 
     cfg = DescIdsConfig(
         model=args.model,
@@ -432,7 +432,7 @@ def register(subparsers: Any) -> None:
     t = sub.add_parser(
         "transfer",
         help="our READ path vs raw NIXL and memcpy (real services, real-model sizes)",
-        description=_doc("shared.bench.transfer"),
+        description=_doc("hybridpd_tools.bench.transfer"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(t, "model", "nemotron-3-nano-30b-a3b", "model preset or config.json path", metavar="PRESET")
@@ -464,7 +464,7 @@ def register(subparsers: Any) -> None:
         "--hosts",
         action="store_true",
         help="prefill on a second host: two Linux namespace hosts on a private bridge, UCX over TCP "
-        "(needs root; shared/bench/hosts.py)",
+        "(needs root; hybridpd_tools/bench/hosts.py)",
     )
     t.add_argument("--link-rate", metavar="RATE", help="with --hosts: shape the link to RATE (tc syntax, e.g. 10gbit)")
     t.add_argument("--link-delay", metavar="DELAY", help="with --hosts and --link-rate: one-way delay (e.g. 100us)")
@@ -476,7 +476,7 @@ def register(subparsers: Any) -> None:
     c = sub.add_parser(
         "control",
         help="control-plane cost of one request with a tiny state",
-        description=_doc("shared.bench.control"),
+        description=_doc("hybridpd_tools.bench.control"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(c, "model", "tiny-mamba2", "model preset (a tiny one keeps the state tiny)", metavar="PRESET")
@@ -510,7 +510,13 @@ def register(subparsers: Any) -> None:
         "e2e",
         help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
         description="\n\n".join(
-            _doc(m) for m in ("shared.bench.e2e", "shared.bench.long_prompt", "shared.bench.multi_turn", "shared.bench.repeat")
+            _doc(m)
+            for m in (
+                "hybridpd_tools.bench.e2e",
+                "hybridpd_tools.bench.long_prompt",
+                "hybridpd_tools.bench.multi_turn",
+                "hybridpd_tools.bench.repeat",
+            )
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -647,7 +653,7 @@ def register(subparsers: Any) -> None:
     d = sub.add_parser(
         "descids",
         help="micro-benchmark of per-request descriptor ids (read_indices)",
-        description=_doc("shared.bench.descids"),
+        description=_doc("hybridpd_tools.bench.descids"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(d, "model", "nemotron-3-nano-30b-a3b", "model preset", metavar="PRESET")

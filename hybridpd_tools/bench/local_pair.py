@@ -71,7 +71,7 @@ def start_service(
 ) -> ServiceProcess:
     """Start `python -m {role}_svc --port 0 ARGS` and wait for its LISTENING line.
 
-    `launch` runs it on another host (a command prefix, e.g. shared/bench/netns.py's
+    `launch` runs it on another host (a command prefix, e.g. hybridpd_tools/bench/netns.py's
     Host.command([])), listening on that host's address `host`."""
     cmd = [*launch, sys.executable, "-m", f"{role}_svc", "--port", "0", *(["--host", host] if launch else []), *args]
     proc = subprocess.Popen(

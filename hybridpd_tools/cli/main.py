@@ -21,7 +21,7 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
+    from hybridpd_tools.cli import bench_cmd, demo_cmd, generate_cmd, layout_cmds
     from shared.version import version
 
     parser = OneLineErrors(

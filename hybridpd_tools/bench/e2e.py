@@ -31,13 +31,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shared.bench.client import Timed, generate, seconds
-from shared.bench.cpu import process_cpu_seconds
-from shared.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
-from shared.bench.plotting import Chart, Series
-from shared.bench.progress import Progress
-from shared.bench.setups import SETUPS, SetupConfig, flat_config, model_spec, start_setups
-from shared.bench.stats import Summary, fixed, json_number, ratio
+from hybridpd_tools.bench.client import Timed, generate, seconds
+from hybridpd_tools.bench.cpu import process_cpu_seconds
+from hybridpd_tools.bench.crossover import DEFAULT_LENGTHS, bytes_by_prompt_length
+from hybridpd_tools.bench.plotting import Chart, Series
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.setups import SETUPS, SetupConfig, flat_config, model_spec, start_setups
+from hybridpd_tools.bench.stats import Summary, fixed, json_number, ratio
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc

@@ -50,11 +50,9 @@ import grpc
 
 from decode_svc.app import DecodeApp
 from decode_svc.reader import ReadStats, read_request
-from prefill_svc.app import PrefillApp
-from shared import tracing
-from shared.bench.client import generate
-from shared.bench.control_prefill import PrefillProcess
-from shared.bench.control_trace import (
+from hybridpd_tools.bench.client import generate
+from hybridpd_tools.bench.control_prefill import PrefillProcess
+from hybridpd_tools.bench.control_trace import (
     NOTIFICATION_WAIT_STEP,
     CallCounter,
     StepTrace,
@@ -63,13 +61,15 @@ from shared.bench.control_trace import (
     thread_hop_seconds,
     traced,
 )
-from shared.bench.echo import echo_round_trips
-from shared.bench.no_compute import NoComputeEngine
-from shared.bench.pairs import pair_lists, request_reads
-from shared.bench.progress import Progress
-from shared.bench.raw_nixl import RawReader, RawTarget
-from shared.bench.sizing import prefill_tokens, request_blocks
-from shared.bench.stats import Summary, json_number, ratio
+from hybridpd_tools.bench.echo import echo_round_trips
+from hybridpd_tools.bench.no_compute import NoComputeEngine
+from hybridpd_tools.bench.pairs import pair_lists, request_reads
+from hybridpd_tools.bench.progress import Progress
+from hybridpd_tools.bench.raw_nixl import RawReader, RawTarget
+from hybridpd_tools.bench.sizing import prefill_tokens, request_blocks
+from hybridpd_tools.bench.stats import Summary, json_number, ratio
+from prefill_svc.app import PrefillApp
+from shared import tracing
 from shared.config import parse_settings
 from shared.layout.read_lists import read_indices
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc

@@ -30,8 +30,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared.bench.raw_memory import region_buffer
-from shared.bench.raw_pumping import pause
+from hybridpd_tools.bench.raw_memory import region_buffer
+from hybridpd_tools.bench.raw_pumping import pause
 from shared.layout.read_lists import IdArray
 from shared.transport.memory import MemoryPlace, nixl_descs
 from shared.transport.nixl_env import load_nixl
@@ -81,7 +81,7 @@ class RawTarget:
         launch: Sequence[str] = (),
     ) -> None:
         cmd = [
-            *launch, sys.executable, "-m", "shared.bench.raw_target",
+            *launch, sys.executable, "-m", "hybridpd_tools.bench.raw_target",
             "--ranks", str(ranks), "--regions", str(regions), "--region-bytes", str(region_bytes), "--name", name,
             "--huge-pages", "on" if huge_pages else "off", "--device", device,
         ]  # fmt: skip

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shared.bench.raw_memory import region_buffer
+from hybridpd_tools.bench.raw_memory import region_buffer
 
 
 class CopyBaseline:
