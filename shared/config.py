@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from shared.runtime.cache_size import DEFAULT_MEMORY_FRACTION, DEFAULT_REQUEST_TOKENS, DEFAULT_REQUESTS
+from shared.cache.cache_size import DEFAULT_MEMORY_FRACTION, DEFAULT_REQUEST_TOKENS, DEFAULT_REQUESTS
 from shared.version import version
 
 ENV_PREFIX = "HYBRID_PD_"

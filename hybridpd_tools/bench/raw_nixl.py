@@ -32,8 +32,9 @@ import torch
 
 from hybridpd_tools.bench.raw_memory import region_buffer
 from hybridpd_tools.bench.raw_pumping import pause
+from shared.cache.memory_place import MemoryPlace
 from shared.layout.read_lists import IdArray
-from shared.transport.memory import MemoryPlace, nixl_descs
+from shared.transport.memory import nixl_descs
 from shared.transport.nixl_env import load_nixl
 
 IntArray = npt.NDArray[np.int64]

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shared.cache.memory_place import MemoryPlace
 from shared.cache.regions import RankCache
 from shared.transport.agent import PreppedList, RankAgent
-from shared.transport.memory import MemoryPlace
 from shared.transport.poller import CompletionPoller
 
 HERE = Path(__file__).resolve().parent

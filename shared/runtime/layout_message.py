@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.protocol_version import PROTOCOL_VERSION
+from shared.runtime.protocol_version import PROTOCOL_VERSION
 
 DATA_TYPES: dict[str, int] = {
     "bf16": pb.DATA_TYPE_BF16,
