@@ -7,7 +7,7 @@ must fail only the affected request with UNAVAILABLE naming the peer, free its b
 dead incarnation's agent, reconnect and handshake the new incarnation. Last, a decode engine is
 SIGKILLed while prefill holds blocks for it: prefill frees them when the lease runs out.
 
-The TEST-ONLY pause hook (HYBRID_PD_TEST_PAUSE, shared/rpc/fault_hooks.py) holds a request at
+The TEST-ONLY pause hook (HYBRID_PD_TEST_PAUSE, shared/runtime/faults.py) holds a request at
 the step under test so the kill lands there. Times are measured and printed (run with -s);
 bounds are generous on purpose.
 """
