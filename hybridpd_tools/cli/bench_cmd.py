@@ -424,11 +424,19 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    _add_transfer(sub)
+    _add_control(sub)
+    _add_e2e(sub)
+    _add_descids(sub)
 
-    def tp_flags(p: argparse.ArgumentParser) -> None:
-        _add(p, "prefill-tp", 1, "prefill TP size", type=_positive, metavar="P")
-        _add(p, "decode-tp", 1, "decode TP size", type=_positive, metavar="D")
 
+def _tp_flags(p: argparse.ArgumentParser) -> None:
+    _add(p, "prefill-tp", 1, "prefill TP size", type=_positive, metavar="P")
+    _add(p, "decode-tp", 1, "decode TP size", type=_positive, metavar="D")
+
+
+def _add_transfer(sub: Any) -> None:
+    """`hybrid-pd bench transfer`."""
     t = sub.add_parser(
         "transfer",
         help="our READ path vs raw NIXL and memcpy (real services, real-model sizes)",
@@ -436,7 +444,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(t, "model", "nemotron-3-nano-30b-a3b", "model preset or config.json path", metavar="PRESET")
-    tp_flags(t)
+    _tp_flags(t)
     _add(t, "prompt-tokens", 2048, "prompt length N (N - 1 tokens are transferred for SSM models)", type=_positive, metavar="N")
     _add(t, "requests", 10, "measured requests (each interleaved with one round of every baseline)", type=_positive, metavar="K")
     _add(t, "warmup", 1, "unmeasured rounds first (connection wire-up, first-touch)", type=_non_negative, metavar="N")
@@ -473,6 +481,9 @@ def register(subparsers: Any) -> None:
     _common(t)
     t.set_defaults(func=_guarded(_transfer))
 
+
+def _add_control(sub: Any) -> None:
+    """`hybrid-pd bench control`."""
     c = sub.add_parser(
         "control",
         help="control-plane cost of one request with a tiny state",
@@ -480,7 +491,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add(c, "model", "tiny-mamba2", "model preset (a tiny one keeps the state tiny)", metavar="PRESET")
-    tp_flags(c)
+    _tp_flags(c)
     _add(c, "prompt-tokens", 8, "prompt length", type=_positive, metavar="N")
     _add(c, "requests", 200, "measured requests", type=_positive, metavar="K")
     _add(c, "warmup", 20, "unmeasured requests first", type=_non_negative, metavar="N")
@@ -506,6 +517,9 @@ def register(subparsers: Any) -> None:
     _common(c, plot=False)
     c.set_defaults(func=_guarded(_control))
 
+
+def _add_e2e(sub: Any) -> None:
+    """`hybrid-pd bench e2e`."""
     e = sub.add_parser(
         "e2e",
         help="TTFT, inter-token latency, tokens/s: disaggregated vs colocated",
@@ -575,7 +589,7 @@ def register(subparsers: Any) -> None:
         type=_positive,
         metavar="N",
     )
-    tp_flags(e)
+    _tp_flags(e)
     _add(
         e,
         "boundary",
@@ -586,6 +600,14 @@ def register(subparsers: Any) -> None:
         "repeat too: at full a state checkpoint also keeps the first token prefill drew",
         choices=("full", "n-1"),
     )
+    _add_long_prompt_flags(e)
+    _add_multi_turn_and_repeat_flags(e)
+    _common(e)
+    e.set_defaults(func=_guarded(_e2e))
+
+
+def _add_long_prompt_flags(e: argparse.ArgumentParser) -> None:
+    """bench e2e: the long-prompt workload's flags (and the transfer modes multi-turn shares)."""
     _add(e, "crossover-model", None, "model of the bytes-vs-prompt-length crossover (default: --model)", metavar="PRESET")
     _add(
         e,
@@ -626,6 +648,10 @@ def register(subparsers: Any) -> None:
         type=_non_negative,
         metavar="L",
     )
+
+
+def _add_multi_turn_and_repeat_flags(e: argparse.ArgumentParser) -> None:
+    """bench e2e: the multi-turn and repeat workloads' flags."""
     _add(e, "turns", 4, "multi-turn: turns per conversation", type=_positive, metavar="K")
     _add(e, "prompts", 3, "repeat: distinct prompts, each sent --repeats times", type=_positive, metavar="N")
     _add(e, "repeats", 3, "repeat: times each prompt is sent, in a row", type=_positive, metavar="K")
@@ -647,9 +673,10 @@ def register(subparsers: Any) -> None:
         type=_non_negative,
         metavar="N",
     )
-    _common(e)
-    e.set_defaults(func=_guarded(_e2e))
 
+
+def _add_descids(sub: Any) -> None:
+    """`hybrid-pd bench descids`."""
     d = sub.add_parser(
         "descids",
         help="micro-benchmark of per-request descriptor ids (read_indices)",
@@ -658,7 +685,7 @@ def register(subparsers: Any) -> None:
     )
     _add(d, "model", "nemotron-3-nano-30b-a3b", "model preset", metavar="PRESET")
     _add(d, "blocks", 100_000, "kernel blocks of the request, in every attention group", type=_positive, metavar="B")
-    tp_flags(d)
+    _tp_flags(d)
     _add(d, "kernel-block-size", 16, "attention kernel block size, both sides", type=_positive, metavar="TOKENS")
     _add(d, "repeat", 30, "timed calls", type=_positive, metavar="N")
     _common(d, plot=False)
