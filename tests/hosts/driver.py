@@ -29,28 +29,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.decode_stream import Streamed, stream
 from tests.metric_samples import scrape
 
 
 async def generate(req: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
-    tokens: list[int] = []
-    summary = dpb.GenerateSummary()
+    got = Streamed()
     request = dpb.GenerateRequest(request_id=req["request_id"], prompt_token_ids=req["prompt"], max_tokens=req["max_tokens"])
     async with grpc.aio.insecure_channel(req["target"]) as channel:
         try:
-            async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=req.get("timeout", 60)):
-                if reply.HasField("chunk"):
-                    tokens += reply.chunk.token_ids
-                else:
-                    summary = reply.summary
+            await stream(channel, request, timeout=req.get("timeout", 60), into=got)
             status, message = "OK", ""
         except grpc.aio.AioRpcError as e:
             status, message = e.code().name, e.details() or ""
+    summary = got.summary_or_empty()
     return {
         "status": status,
         "message": message,
-        "tokens": tokens,
+        "tokens": got.tokens,
         "seconds": time.monotonic() - started,
         "state_verified": summary.state_verified,
         "num_transferred_tokens": summary.num_transferred_tokens,
