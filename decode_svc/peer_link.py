@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.cache.id_buffers import IdBufferPool
+from shared.cache.memory_place import MemoryPlace
 from shared.errors import InvalidArgument, Unavailable
 from shared.layout.plan import TransferPlan
 from shared.layout.read_lists import ReadLists, build_read_lists, read_indices
@@ -28,7 +29,6 @@ from shared.rpc.manifest_message import ManifestSource
 from shared.runtime.engine_host import EngineHost
 from shared.transport.agent import PreppedList
 from shared.transport.errors import PeerAlreadyKnown, PeerMetadataRejected, TransportError
-from shared.transport.memory import MemoryPlace
 from shared.transport.read_fence import ReadFence
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from shared.engine.protocol import RequestBlocks
 from shared.engine.stopping import FinishReason
 from shared.errors import DataLoss, Internal
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.rpc import fault_hooks
+from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
 
@@ -270,7 +270,7 @@ class DecodeReuse:
         first = state.first_token
         if first is not None:
             yield out.chunk([first])  # before the checks and any decode step, as after a manifest
-        await fault_hooks.pause("after_read", req.request_id)
+        await faults.pause("after_read", req.request_id)
         checking = time.monotonic()
         if self.host.verify_transfer:
             await self.verify(run, req, reused, local)

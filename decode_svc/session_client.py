@@ -48,6 +48,7 @@ from shared.rpc.manifest_message import ManifestSource, manifest_from_message
 from shared.rpc.proto_time import duration, seconds
 from shared.rpc.sampling_message import job_sampling_message
 from shared.rpc.status import code_name, describe, from_rpc_status
+from shared.runtime import faults
 from shared.tracing import Step
 
 log = logging.getLogger(__name__)
@@ -316,6 +317,7 @@ class SessionClient:
                 self.release(msg.request_id, f"manifest refused: {e.reason}")
             return
         self._resolve(msg.request_id, manifest=manifest)
+        faults.manifest_delivered(msg.request_id)
 
     def _resolve(self, request_id: str, *, manifest: Manifest | None = None, error: ServiceError | None = None) -> None:
         tracing.mark(Step.MANIFEST_RECEIVED)

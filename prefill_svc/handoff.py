@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import time
 from collections.abc import Sequence
 
 from prefill_svc.jobs import Job, JobRunner
@@ -80,8 +79,8 @@ class Handoffs:
             )
         del self._unclaimed[transfer_id]
         pin.on_end = None
-        lease_ns = max(0, int((pin.lease_deadline - asyncio.get_running_loop().time()) * 1e9))
-        return dataclasses.replace(manifest, lease_ns=lease_ns, lease_expire_time_ns=time.time_ns() + lease_ns)
+        lease = pin.lease_left()
+        return dataclasses.replace(manifest, lease_ns=lease.ns, lease_expire_time_ns=lease.expire_time_ns)
 
     def give_up(self, request_id: str, transfer_id: str) -> bool:
         """A decode engine failed the decode leg before its claim (its params did not match this

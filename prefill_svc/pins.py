@@ -55,6 +55,17 @@ class Pin:
     # (None: nothing writes them any more). A pin that ends meanwhile frees them once it is done.
     writer: asyncio.Future[object] | None = None
 
+    def lease_left(self) -> LeaseLeft:
+        """The lease as a manifest carries it: what is left of it now, and when that runs out."""
+        ns = max(0, int((self.lease_deadline - asyncio.get_running_loop().time()) * 1e9))
+        return LeaseLeft(ns, time.time_ns() + ns)
+
+
+@dataclass(frozen=True)
+class LeaseLeft:
+    ns: int  # nanoseconds of the lease left (0: it ran out); decode's timers use this
+    expire_time_ns: int  # prefill's wall clock when it runs out, for people
+
 
 class PinTable:
     def __init__(self, host: EngineHost, lease_seconds: float, on_ended: Callable[[str], None] | None = None) -> None:
@@ -86,7 +97,7 @@ class PinTable:
     ) -> Pin:
         """Pin a prefilled request's blocks; they are freed when every reader notified."""
         loop = asyncio.get_running_loop()
-        pin = Pin(transfer_id, request_id, owner, loop.time() + self.lease_seconds, on_end=on_end)
+        pin = Pin(transfer_id, request_id, owner, self._lease_deadline(), on_end=on_end)
         self._trace(pin)
         self._pins[transfer_id] = pin
         self._by_request[(owner, request_id)] = transfer_id
@@ -118,10 +129,14 @@ class PinTable:
         del self._by_request[(UNCLAIMED, request_id)]
         pin.owner = owner
         self._by_request[(owner, request_id)] = transfer_id
-        pin.lease_deadline = asyncio.get_running_loop().time() + self.lease_seconds
+        pin.lease_deadline = self._lease_deadline()
         self._trace(pin)
         self._expect(pin, readers_per_rank)
         return pin
+
+    def _lease_deadline(self) -> float:
+        """A lease that starts (or is renewed) now ends then, in event-loop time."""
+        return asyncio.get_running_loop().time() + self.lease_seconds
 
     def lookup(self, owner: str, request_id: str) -> Pin | None:
         tid = self._by_request.get((owner, request_id))
@@ -129,7 +144,7 @@ class PinTable:
 
     def renew(self, owner: str, request_ids: list[str]) -> int:
         """Extend the leases of the named requests; returns how many were found."""
-        deadline = asyncio.get_running_loop().time() + self.lease_seconds
+        deadline = self._lease_deadline()
         found = 0
         for rid in request_ids:
             pin = self.lookup(owner, rid)

@@ -13,7 +13,7 @@ failure or interruption):
   behind vllm-router (skipped when vLLM's venv has no vllm-router);
 - `ours`: prefill-svc + decode-svc (`--engine` as given, else the services' default for a
   checkpoint directory), measured through decode's OpenAI-compatible HTTP front door;
-- `ours-colocated`: our colocated path serves gRPC only (shared/bench/colocated_server.py), not
+- `ours-colocated`: our colocated path serves gRPC only (hybridpd_tools/bench/colocated_server.py), not
   HTTP, so vLLM's client cannot reach it: reported as skipped.
 
 For every setup and level the same client runs (`vllm bench serve`, random dataset, the same
@@ -374,7 +374,9 @@ def start_ours(o: Options, servers: Servers) -> Running:
 
 
 def start_ours_colocated(o: Options, servers: Servers) -> Running:
-    raise SetupSkipped("our colocated path (shared/bench/colocated_server.py) serves gRPC only, no HTTP for vLLM's client")
+    raise SetupSkipped(
+        "our colocated path (hybridpd_tools/bench/colocated_server.py) serves gRPC only, no HTTP for vLLM's client"
+    )
 
 
 STARTERS = {"vllm": start_vllm, "vllm-pd": start_vllm_pd, "ours": start_ours, "ours-colocated": start_ours_colocated}

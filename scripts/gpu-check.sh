@@ -23,6 +23,6 @@ export PYTHONPATH=$PWD
 echo "gpu-check: VRAM path, synthetic and hf engines"
 timeout 240 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/integration/gpu
 echo "gpu-check: bench transfer, VRAM to VRAM (TP 1 -> 1: one GPU is enough)"
-timeout 240 "$python" -c 'import sys; from shared.cli.main import main; sys.exit(main())' \
+timeout 240 "$python" -c 'import sys; from hybridpd_tools.cli.main import main; sys.exit(main())' \
   bench transfer --device cuda --prompt-tokens 2048 --requests 10 --no-progress
 echo "gpu-check: OK"

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from shared.runtime import faults
 from tests.sigterm import unwind_on_sigterm
 
 # Tiny tensor ops on 2 cores: intra-op threads only add overhead, and one thread keeps every
@@ -95,3 +96,11 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], s
         return built[family]
 
     return get
+
+
+@pytest.fixture
+def inject_faults() -> Iterator[Callable[[faults.Injector], None]]:
+    """Install a fault injector in this process (shared/runtime/faults.py) for one test."""
+    before = faults.active()
+    yield faults.install
+    faults.install(before)

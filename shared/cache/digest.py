@@ -201,7 +201,7 @@ def state_digests(
         if group.kind == "attention":
             if "fa" in sections:
                 spans = token_spans(layout, block_ids[g], tokens_from, num_tokens)
-                digests = _fa_digests(ranks, spans, plan.runs["fa"], plan.local_ranks("fa"), regions)
+                digests = _fa_digests(layout, ranks, spans, plan.runs["fa"], plan.local_ranks("fa"), regions)
                 for p, digest in enumerate(digests):
                     per_rank[p].append(SectionDigest(p, "fa", g, digest))
             continue
@@ -266,7 +266,7 @@ def block_digests(
                 continue
             ids = np.asarray(block_ids[g], dtype=np.int64).reshape(-1)[indices]
             spans = token_spans(layout, ids, 0, ids.size * layout.block_size)
-            fa = _FaBytes(spans)
+            fa = _FaBytes(layout, spans)
             hashers = [xxhash.xxh3_128() for _ in indices]
             for region in range(len(group.layers)):
                 data, starts, stops = fa.layer(ranks[p].fa[region])
@@ -283,6 +283,7 @@ def block_digests(
 
 
 def _fa_digests(
+    layout: EngineLayout,
     ranks: Sequence[RankViews],
     spans: _TokenSpans,
     runs: Sequence[Sequence[_Run]],
@@ -292,7 +293,7 @@ def _fa_digests(
     """One attention group's K/V for every source rank: layer by layer (`regions`), K then V,
     head by head, the head's tokens in order, each kernel block's rows hashed where they lie."""
     hashers = [xxhash.xxh3_128() for _ in runs]
-    fa = {r: _FaBytes(spans) for r in local_ranks}
+    fa = {r: _FaBytes(layout, spans) for r in local_ranks}
     for region in regions:
         layer = {r: fa[r].layer(ranks[r].fa[region]) for r in local_ranks}
         for h, source_runs in zip(hashers, runs):
@@ -313,35 +314,36 @@ class _FaBytes:
     """The K/V of the spans' tokens on one local rank, layer by layer, as host bytes, and where in
     them each head's rows lie: one contiguous slab per kernel block. The bytes are the cache
     itself where it is in host memory (nothing copied); a device cache is copied to the host once
-    per layer, just the spans' kernel blocks, not slab by slab. The slab offsets depend only on
-    the layer's strides (every layer of a rank has the same), so they are computed once."""
+    per layer, just the spans' kernel blocks, not slab by slab. The slab offsets come from the
+    layout (`EngineLayout.fa_offset`) and are the same for every layer, so they are computed once
+    for the cache itself and once for a copy."""
 
-    def __init__(self, spans: _TokenSpans) -> None:
+    def __init__(self, layout: EngineLayout, spans: _TokenSpans) -> None:
+        self._layout = layout
         self._spans = spans
-        self._offsets: dict[tuple[tuple[int, ...], bool], tuple[SlabOffsets, SlabOffsets]] = {}
+        self._offsets: dict[bool, tuple[SlabOffsets, SlabOffsets]] = {}
 
     def layer(self, fa: Tensor) -> tuple[memoryview, SlabOffsets, SlabOffsets]:
         """One layer's bytes, and the (starts, stops) in them of every head's K and V slabs."""
         spans = self._spans
-        raw = fa.view(torch.uint8)  # [kernel block, K|V, head, slot, head_dim bytes]: strides in bytes
+        raw = fa.view(torch.uint8)  # [kernel block, K|V, head, slot, head_dim bytes]
         copied = raw.device.type != "cpu" or not raw.is_contiguous()
-        if copied:
-            raw = raw.index_select(0, torch.from_numpy(spans.blocks).to(raw.device)).cpu()
-        key = (tuple(raw.stride()), copied)
-        offsets = self._offsets.get(key)
+        if copied:  # the spans' kernel blocks, in order, contiguous: kernel block i of the copy
+            raw = raw.index_select(0, torch.from_numpy(spans.blocks).to(raw.device)).cpu().contiguous()
+        offsets = self._offsets.get(copied)
         if offsets is None:
-            offsets = self._offsets[key] = self._slabs(raw, copied)
+            offsets = self._offsets[copied] = self._slabs(copied)
         starts, stops = offsets
         return raw.reshape(-1).numpy().data, starts, stops
 
-    def _slabs(self, raw: Tensor, copied: bool) -> tuple[SlabOffsets, SlabOffsets]:
-        spans = self._spans
-        blocks = np.arange(spans.blocks.size, dtype=np.int64) if copied else spans.blocks
-        # Contiguous: a head's slots in a kernel block are one run of bytes.
-        block, kv, head, slot = raw.stride()[:4]
-        at = (np.arange(2)[:, None] * kv + np.arange(raw.shape[2])[None, :] * head)[:, :, None]  # [K|V, head, 1]
-        starts = at + (blocks * block + spans.starts * slot)[None, None, :]
-        stops = at + (blocks * block + spans.stops * slot)[None, None, :]
+    def _slabs(self, copied: bool) -> tuple[SlabOffsets, SlabOffsets]:
+        spans, layout = self._spans, self._layout
+        blocks = (np.arange(spans.blocks.size, dtype=np.int64) if copied else spans.blocks)[None, None, :]
+        kv = np.arange(2)[:, None, None]
+        heads = np.arange(layout.shapes.kv_heads_per_rank)[None, :, None]
+        # A head's slots in a kernel block are one run of bytes: [K|V, head, kernel block].
+        starts = layout.fa_offset(blocks, kv, heads, spans.starts[None, None, :])
+        stops = layout.fa_offset(blocks, kv, heads, spans.stops[None, None, :])
         return starts.tolist(), stops.tolist()
 
 

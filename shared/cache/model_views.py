@@ -43,11 +43,8 @@ class RankViews:
         n_log = cache.num_blocks
         n_phys = layout.num_kernel_blocks(n_log)
         kv_dtype = torch_dtype(spec.kv_dtype)
-        # FA: [N_phys, 2 (K, V), kv_heads_per_rank, kernel_block_size, head_dim] (HND per kernel block).
-        self.fa = [
-            region.view(kv_dtype).view(n_phys, 2, shapes.kv_heads_per_rank, layout.kernel_block_size, shapes.head_dim)
-            for region in cache.regions
-        ]
+        # FA: [N_phys, *EngineLayout.fa_block_shape] (HND per kernel block).
+        self.fa = [region.view(kv_dtype).view(n_phys, *layout.fa_block_shape) for region in cache.regions]
         # Mamba: per logical block, conv DS (conv_dim, conv_rows) then the SSM state (offsets: RankShapes).
         conv_dtype, ssm_dtype = torch_dtype(spec.conv_dtype), torch_dtype(spec.ssm_dtype)
         conv_span = slice(shapes.conv_offset, shapes.conv_offset + shapes.conv_bytes)

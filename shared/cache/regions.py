@@ -9,17 +9,22 @@ must outlive every peer that holds this rank's metadata.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from shared.cache.host_memory import host_buffer
-from shared.transport.memory import MemoryPlace
+from shared.cache.memory_place import MemoryPlace
 
-if TYPE_CHECKING:
-    from shared.transport.agent import RankAgent
+
+class Registrar(Protocol):
+    """What registers a rank's memory for transfers (the transport's `RankAgent`): the cache
+    sits below the transport, so it names only this."""
+
+    async def register(self, tensors: Sequence[torch.Tensor]) -> MemoryPlace: ...
 
 
 def region_tensor(nbytes: int, device: torch.device, *, huge_pages: bool = True) -> torch.Tensor:
@@ -56,7 +61,7 @@ class RankCache:
         """Start address of each region (sent to peers in the handshake)."""
         return np.array([t.data_ptr() for t in self.regions], dtype=np.int64)
 
-    async def register(self, agent: RankAgent) -> MemoryPlace:
+    async def register(self, agent: Registrar) -> MemoryPlace:
         """Register every region with the rank's agent (once)."""
         return await agent.register(self.regions)
 

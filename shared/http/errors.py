@@ -36,13 +36,6 @@ MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
 DEFAULT_RETRY_AFTER_SECONDS = 1
 
 
-class NotImplementedYet(ServiceError):
-    """A well-formed request this engine cannot serve yet (HTTP 501)."""
-
-    status = "UNIMPLEMENTED"
-    default_reason = "NOT_IMPLEMENTED"
-
-
 @dataclass(frozen=True)
 class HttpError:
     status: int

@@ -119,10 +119,24 @@ class EngineLayout:
         return num_logical_blocks * self.page_bytes
 
     # --- FA view ------------------------------------------------------------------------
+    # The one definition of the FA page: a kernel block is HND `fa_block_shape`, C order, so byte
+    # offsets follow from it in `fa_offset`; the cache's torch views, the digests and the read
+    # lists all take them from here.
     @property
-    def fa_half_bytes(self) -> int:
-        """K (or V) bytes of one kernel block: all local heads."""
-        return self.kernel_page_bytes // 2
+    def fa_block_shape(self) -> tuple[int, int, int, int]:
+        """One kernel block of one region, in elements: [2 (K, V), kv_heads_per_rank, kernel_block_size, head_dim]."""
+        return (2, self.shapes.kv_heads_per_rank, self.kernel_block_size, self.shapes.head_dim)
+
+    def fa_offset(self, kernel_block: npt.ArrayLike, kv: npt.ArrayLike, head: npt.ArrayLike, slot: npt.ArrayLike) -> IntArray:
+        """Byte offset in a region of token slot `slot` of local head `head`'s K (`kv` 0) or V (1)
+        in kernel block `kernel_block` (numpy broadcasting over the four)."""
+        i64 = np.int64
+        return (
+            np.asarray(kernel_block, dtype=i64) * self.kernel_page_bytes
+            + np.asarray(kv, dtype=i64) * (self.kernel_page_bytes // 2)
+            + np.asarray(head, dtype=i64) * self.fa_head_bytes
+            + np.asarray(slot, dtype=i64) * self.fa_token_bytes
+        )
 
     @property
     def fa_head_bytes(self) -> int:

@@ -220,14 +220,14 @@ def _fa_side(
     head_unit = unit_tokens * token_bytes
     first_head = (read.fa.local_offset if local else read.fa.remote_offset) // head_unit
     num_heads = read.fa.size // head_unit
-    kb, L = layout.kernel_block_size, layout.kernel_page_bytes
+    kb = layout.kernel_block_size
     heads = np.arange(num_heads, dtype=np.int64) if per_head else np.zeros(1, dtype=np.int64)
-    head_offsets = (first_head + heads) * kb * token_bytes
-    offsets = np.concatenate([head_offsets, L // 2 + head_offsets])
+    # K of every head, then V of every head, at a kernel block's first slot.
+    offsets = layout.fa_offset(0, np.arange(2)[:, None], (first_head + heads)[None, :], 0).reshape(-1)
     size = unit_tokens * token_bytes if per_head else num_heads * kb * token_bytes
     q = kb // unit_tokens
     units = np.arange(num_logical * layout.physical_per_logical * q, dtype=np.int64)
-    unit_offsets = (units // q) * L + (units % q) * unit_tokens * token_bytes
+    unit_offsets = layout.fa_offset(units // q, 0, 0, (units % q) * unit_tokens)
     return offsets, np.full(len(offsets), size, dtype=np.int64), unit_offsets
 
 

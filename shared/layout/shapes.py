@@ -102,11 +102,6 @@ class RankShapes:
         return (*(self.conv_offset + o for o in self.section_offsets), self.ssm_offset)
 
     @property
-    def piece_bytes(self) -> tuple[int, ...]:
-        """Size of every Mamba piece, in the order of `piece_offsets`."""
-        return (*self.section_bytes, self.ssm_bytes)
-
-    @property
     def num_sections(self) -> int:
         return len(self.section_names)
 

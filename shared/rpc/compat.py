@@ -22,8 +22,8 @@ from shared.layout.page import EngineLayout
 from shared.layout.plan import TransferPlan, build_plan
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.layout_message import BOUNDARY_NAMES, rank_geometry, rebuild_layout
-from shared.rpc.protocol_version import PROTOCOL_VERSION
+from shared.runtime.layout_message import BOUNDARY_NAMES, rank_geometry, rebuild_layout
+from shared.runtime.protocol_version import PROTOCOL_VERSION
 
 
 def _enum_text(enum: Callable[[Any], str], value: int) -> str:

@@ -10,11 +10,11 @@ import grpc
 
 from shared.config import ServiceSettings
 from shared.http.server import HttpServer, announce_http_port
-from shared.rpc import fault_hooks
 from shared.rpc.health import HealthStatus
 from shared.rpc.lifecycle import Lifecycle
 from shared.rpc.metrics import ServiceMetrics, announce_metrics_port
 from shared.rpc.server import build_server, enable_reflection, listen
+from shared.runtime import faults
 
 
 def announce_port(port: int) -> None:
@@ -43,7 +43,7 @@ class ServiceShell:
 
     async def start(self) -> int:
         """Listen (NOT_SERVING until `set_ready(True)`) and return the bound port."""
-        fault_hooks.warn_if_active()
+        faults.warn_if_active()
         if self.settings.http_port is not None and self.http_app is not None:
             # Bound first: a taken HTTP port fails the start before gRPC listens.
             self.http = HttpServer(self.http_app, self.settings.host, self.settings.http_port)

@@ -22,22 +22,22 @@ import numpy.typing as npt
 
 from shared import tracing
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
+from shared.cache.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.config import ServiceSettings
 from shared.engine.protocol import Engine, RequestBlocks
+from shared.engine.vocabulary import check_token_ids
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
-from shared.rpc.layout_message import RankMemory, engine_layout_message
-from shared.rpc.loopback import loopback_read
-from shared.rpc.token_ids import check_token_ids
-from shared.runtime.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.runtime.compute_thread import ComputeThread
+from shared.runtime.layout_message import RankMemory, engine_layout_message
 from shared.tracing import Step
 from shared.transport.agent import RankAgent
+from shared.transport.loopback import loopback_read
 from shared.transport.notifications import UnknownHandler
 from shared.transport.poller import CompletionPoller
 

@@ -40,6 +40,7 @@ import numpy.typing as npt
 import torch
 
 from shared import tracing
+from shared.cache.memory_place import MemoryPlace
 from shared.tracing import Step
 from shared.transport.errors import (
     PeerAlreadyKnown,
@@ -48,7 +49,7 @@ from shared.transport.errors import (
     TransferFailed,
     TransportError,
 )
-from shared.transport.memory import MemoryPlace, nixl_descs
+from shared.transport.memory import nixl_descs
 from shared.transport.nixl_env import NixlApi, load_nixl
 from shared.transport.owner_thread import OwnerThread
 

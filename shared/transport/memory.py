@@ -1,44 +1,17 @@
-"""Where registered memory lives, and descriptor lists in the form NIXL takes.
+"""Descriptor lists in the form NIXL takes.
 
 The layout math describes memory as Nx2 int64 arrays of (address, length); NIXL wants
 Nx3 (address, length, device id) plus a memory type. The device id and memory type are
-a property of the rank's memory, so they travel once per rank in the handshake.
+a property of the rank's memory (`MemoryPlace`, shared/cache/memory_place.py), so they travel
+once per rank in the handshake.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
-
 import numpy as np
 import numpy.typing as npt
-import torch
 
-MemType = Literal["DRAM", "VRAM"]
-
-
-@dataclass(frozen=True)
-class MemoryPlace:
-    """A rank's memory: host DRAM (device id 0) or the VRAM of one GPU."""
-
-    mem_type: MemType
-    device_id: int
-
-    @staticmethod
-    def of_tensors(tensors: Sequence[torch.Tensor]) -> MemoryPlace:
-        """The place of a set of tensors that must all live on one device."""
-        if not tensors:
-            raise ValueError("no tensors given")
-        devices = {t.device for t in tensors}
-        if len(devices) != 1:
-            raise ValueError(f"tensors of one rank must share a device, got {sorted(map(str, devices))}")
-        device = tensors[0].device
-        if device.type == "cpu":
-            return MemoryPlace("DRAM", 0)
-        if device.type == "cuda":
-            return MemoryPlace("VRAM", 0 if device.index is None else device.index)
-        raise ValueError(f"NIXL cannot register memory on device {device}")
+from shared.cache.memory_place import MemoryPlace
 
 
 def nixl_descs(descs: npt.ArrayLike, place: MemoryPlace) -> npt.NDArray[np.uint64]:

@@ -14,19 +14,19 @@ import re
 import signal
 import socket
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from shared.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
+from hybridpd_tools.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
+from tests.decode_stream import Streamed, stream
+from tests.metric_samples import scrape
 from tests.reuse import REUSE_OFF
 
 METRICS = re.compile(r"METRICS port=(\d+)")
@@ -82,14 +82,7 @@ class Service:
 
     def scrape(self) -> dict[str, float]:
         """Every sample, keyed `name` or `name{k=v,...}` (labels sorted)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     async def metrics(self) -> dict[str, float]:
         return await asyncio.to_thread(self.scrape)
@@ -140,7 +133,7 @@ class Service:
 def start(role: str, *args: str, pauses: str = "", env: dict[str, str] | None = None) -> Service:
     """`python -m {role}_svc` on port 0 (unless `--port` is in args) with metrics on port 0.
 
-    `pauses` sets the TEST-ONLY HYBRID_PD_TEST_PAUSE hook (see shared/rpc/fault_hooks.py).
+    `pauses` sets the TEST-ONLY HYBRID_PD_TEST_PAUSE hook (see shared/runtime/faults.py).
     """
     # The fault tests check how decode fails and recovers when its prefill engines fail; with
     # decode's fallback (--local-prefill, tested on its own) it would serve those requests itself.
@@ -206,20 +199,14 @@ async def generate(
     own = channel is None
     chan = channel or grpc.aio.insecure_channel(address)
     started = time.monotonic()
-    tokens: list[int] = []
-    summary = None
+    got = Streamed()
     try:
-        stub = dpb_grpc.DecodeServiceStub(chan)
         request = dpb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens)
-        async for reply in stub.Generate(request, timeout=timeout):
-            if reply.HasField("chunk"):
-                tokens += reply.chunk.token_ids
-            else:
-                summary = reply.summary
-        return Outcome("OK", "", tokens, time.monotonic() - started, summary)
+        await stream(chan, request, timeout=timeout, into=got)
+        return Outcome("OK", "", got.tokens, time.monotonic() - started, got.summary)
     except grpc.aio.AioRpcError as e:
         failure = describe(e)
-        return Outcome(failure.status, failure.message, tokens, time.monotonic() - started)
+        return Outcome(failure.status, failure.message, got.tokens, time.monotonic() - started)
     finally:
         if own:
             await chan.close()

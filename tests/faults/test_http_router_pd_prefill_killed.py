@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
-from typing import Any
 
 import openai
 import pytest
@@ -26,6 +24,7 @@ import pytest
 from tests.faults.harness import Service, Spec, peer_status, start_many
 from tests.faults.router_requests import REFERENCE, expected, http_base, one
 from tests.integration.http.test_http_vllm_router import needs_router, router, wait_routing
+from tests.waiting import until
 
 pytestmark = [pytest.mark.faults, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -63,13 +62,6 @@ async def learned(decodes: list[Service]) -> list[str]:
     return [p.target for d in decodes for p in await peer_status(d)]
 
 
-async def until(check: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.05)
-
-
 @needs_router
 async def test_prefill_killed_under_the_router_in_pd_mode() -> None:
     specs = [Spec("prefill", PREFILL), Spec("prefill", PREFILL)]
@@ -93,7 +85,7 @@ async def test_prefill_killed_under_the_router_in_pd_mode() -> None:
                     m = await victim.metrics()
                     return m["hybrid_pd_pinned_requests"] - m["hybrid_pd_unclaimed_requests"] > 0
 
-                await until(victim_holds_claimed_requests, "a decode leg claimed a request on the victim")
+                await until(victim_holds_claimed_requests, "a decode leg claimed a request on the victim", timeout=30, every=0.05)
                 assert victim.address in await learned(decodes)
                 victim.kill()
                 results = await asyncio.gather(*batch)
@@ -102,8 +94,13 @@ async def test_prefill_killed_under_the_router_in_pd_mode() -> None:
                 async def forgotten() -> bool:
                     return victim.address not in await learned(decodes)
 
-                await until(forgotten, "the decode engines forget the dead prefill engine")
-                await until(lambda: asyncio.to_thread(router_sees_unhealthy, base, victim_http), "the router drops it")
+                await until(forgotten, "the decode engines forget the dead prefill engine", timeout=30, every=0.05)
+                await until(
+                    lambda: asyncio.to_thread(router_sees_unhealthy, base, victim_http),
+                    "the router drops it",
+                    timeout=30,
+                    every=0.05,
+                )
                 after = await asyncio.gather(*(one(client, 100 + i) for i in range(8)))
 
         for i, (how, answer) in enumerate(results):

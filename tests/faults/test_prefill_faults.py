@@ -7,7 +7,7 @@ must fail only the affected request with UNAVAILABLE naming the peer, free its b
 dead incarnation's agent, reconnect and handshake the new incarnation. Last, a decode engine is
 SIGKILLed while prefill holds blocks for it: prefill frees them when the lease runs out.
 
-The TEST-ONLY pause hook (HYBRID_PD_TEST_PAUSE, shared/rpc/fault_hooks.py) holds a request at
+The TEST-ONLY pause hook (HYBRID_PD_TEST_PAUSE, shared/runtime/faults.py) holds a request at
 the step under test so the kill lands there. Times are measured and printed (run with -s);
 bounds are generous on purpose.
 """
@@ -78,7 +78,7 @@ def report(what: str, seconds: float) -> None:
 
 async def cli(*argv: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shared.cli.main", "generate", *argv,
+        sys.executable, "-m", "hybridpd_tools.cli.main", "generate", *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 30)

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.bench.local_pair import DECODE_SERVICE
+from hybridpd_tools.bench.local_pair import DECODE_SERVICE
 from tests.faults.harness import Outcome, Service, Spec, free_port, generate, start_many
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.asyncio]

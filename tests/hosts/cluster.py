@@ -1,4 +1,4 @@
-"""Real services on namespace hosts (shared/bench/netns.py), driven from a client host.
+"""Real services on namespace hosts (hybridpd_tools/bench/netns.py), driven from a client host.
 
 `Cluster` owns a `Network`: `start(role, host, ...)` runs `python -m prefill_svc` /
 `python -m decode_svc` on a host (listening on the host's address, port 0, metrics port 0,
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.bench.netns import Host, Network
+from hybridpd_tools.bench.netns import Host, Network
 from tests.reuse import REUSE_OFF
 
 CHECKOUT = Path(__file__).resolve().parents[2]

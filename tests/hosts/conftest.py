@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.bench.netns import why_unavailable
+from hybridpd_tools.bench.netns import why_unavailable
 
 _REASON: list[str | None] = []
 

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from shared.bench.netns import Host, Network
+from hybridpd_tools.bench.netns import Host, Network
 
 
 def why_no_dnsmasq() -> str | None:

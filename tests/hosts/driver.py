@@ -22,51 +22,40 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.decode_stream import Streamed, stream
+from tests.metric_samples import scrape
 
 
 async def generate(req: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
-    tokens: list[int] = []
-    summary = dpb.GenerateSummary()
+    got = Streamed()
     request = dpb.GenerateRequest(request_id=req["request_id"], prompt_token_ids=req["prompt"], max_tokens=req["max_tokens"])
     async with grpc.aio.insecure_channel(req["target"]) as channel:
         try:
-            async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=req.get("timeout", 60)):
-                if reply.HasField("chunk"):
-                    tokens += reply.chunk.token_ids
-                else:
-                    summary = reply.summary
+            await stream(channel, request, timeout=req.get("timeout", 60), into=got)
             status, message = "OK", ""
         except grpc.aio.AioRpcError as e:
             status, message = e.code().name, e.details() or ""
+    summary = got.summary_or_empty()
     return {
         "status": status,
         "message": message,
-        "tokens": tokens,
+        "tokens": got.tokens,
         "seconds": time.monotonic() - started,
         "state_verified": summary.state_verified,
         "num_transferred_tokens": summary.num_transferred_tokens,
     }
 
 
-def scrape(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return {"samples": samples}
+def metrics(url: str) -> dict[str, Any]:
+    return {"samples": scrape(url)}
 
 
 async def health(req: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +85,7 @@ async def handle(req: dict[str, Any]) -> None:
         if op == "generate":
             result = await generate(req)
         elif op == "metrics":
-            result = await asyncio.to_thread(scrape, req["url"])
+            result = await asyncio.to_thread(metrics, req["url"])
         elif op == "health":
             result = await health(req)
         elif op == "peers":

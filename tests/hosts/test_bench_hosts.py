@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from shared.bench.raw_pumping import ACROSS_HOSTS
+from hybridpd_tools.bench.raw_pumping import ACROSS_HOSTS
 from tests.hosts.cluster import CHECKOUT
 
 pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -26,7 +26,7 @@ def test_bench_transfer_across_hosts() -> None:
         [
             sys.executable,
             "-m",
-            "shared.cli.main",
+            "hybridpd_tools.cli.main",
             "bench",
             "transfer",
             "--hosts",

@@ -1,6 +1,6 @@
 """Disaggregated == colocated, bit for bit, with prefill and decode on different hosts.
 
-Each reference family runs one prefill and one decode on two namespace hosts (shared/bench/netns.py)
+Each reference family runs one prefill and one decode on two namespace hosts (hybridpd_tools/bench/netns.py)
 at a heterogeneous TP pair; UCX is limited to TCP over the hosts' eth0, so every byte crosses
 the bridge. Decode checks the state it read (`--check-state`), the tokens must equal a colocated
 run, and the kernel's own TCP counters on the decode host must show at least the transferred

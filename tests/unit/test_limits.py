@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from hybridpd_tools.cli.main import main
 from shared import limits
-from shared.cli.main import main
 from shared.engine.sampling import SamplingError, SamplingParams, sample
 from shared.errors import InvalidArgument
 from shared.http.errors import http_error

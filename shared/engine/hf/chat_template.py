@@ -7,9 +7,18 @@ add_generation_prompt=True)` gives; the services then encode that text like any 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from shared.http.params import ChatMessage
+
+class Message(Protocol):
+    """One chat message as the template reads it (the HTTP layer's `ChatMessage` is one): the
+    engine knows no HTTP, so it names only the two fields it renders."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str: ...
 
 
 class HfChatTemplate:
@@ -17,7 +26,7 @@ class HfChatTemplate:
         """`tokenizer`: a transformers tokenizer that has a `chat_template`."""
         self._tok = tokenizer
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(self, messages: Sequence[Message]) -> str:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         return str(self._tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
 

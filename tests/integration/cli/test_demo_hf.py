@@ -27,7 +27,7 @@ def test_a_cached_checkpoint_is_made_once(tmp_path: Path) -> None:
 
 
 def test_demo_runs_an_hf_family_exactly(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "shared.cli.main", "demo", "--model", "tiny-mamba2", "--hf-family", "jamba"]
+    command = [sys.executable, "-m", "hybridpd_tools.cli.main", "demo", "--model", "tiny-mamba2", "--hf-family", "jamba"]
     command += ["--requests", "3", "--max-tokens", "6", "--prefill-tp", "1", "--decode-tp", "2", "--json"]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "HYBRID_PD_CACHE": str(tmp_path)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=280, check=False)

@@ -20,6 +20,7 @@ from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, engine_factory_for
+from tests.decode_stream import stream
 from tests.reuse import REUSE_OFF
 
 
@@ -36,16 +37,9 @@ class RunningPair:
     stub: pb_grpc.DecodeServiceStub
 
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, request_id: str = "") -> Generated:
-        tokens: list[int] = []
-        summary = pb.GenerateSummary()
         request = pb.GenerateRequest(prompt_token_ids=list(prompt_ids), max_tokens=max_tokens, request_id=request_id)
-        call = self.stub.Generate(request, timeout=120)
-        async for reply in call:
-            if reply.HasField("chunk"):
-                tokens.extend(reply.chunk.token_ids)
-            else:
-                summary = reply.summary
-        return Generated(tokens, summary)
+        got = await stream(self.stub, request, timeout=120)
+        return Generated(got.tokens, got.summary_or_empty())
 
 
 @asynccontextmanager

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
@@ -33,7 +33,7 @@ from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
-from shared.rpc import fault_hooks
+from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.multi_turn import random_tokens, run_turns
 from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
 
@@ -163,10 +163,10 @@ async def test_a_layer_part_is_read_while_the_last_chunk_still_computes(monkeypa
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("section", ["ssm", "conv"])
-async def test_a_flipped_byte_in_a_layer_part_fails_naming_it(monkeypatch: pytest.MonkeyPatch, section: str) -> None:
+async def test_a_flipped_byte_in_a_layer_part_fails_naming_it(inject_faults: Callable[[Injector], None], section: str) -> None:
     """The byte flipped is in the first SSM layer's state, after its layer part's digests were
     taken: decode's check of that part fails DATA_LOSS naming the part and its layers."""
-    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, f"{section}:victim-")
+    inject_faults(FaultPlan(corrupt=f"{section}:victim-"))
     model = "tiny-mamba2"
     spec = TINY_PRESETS[model]
     first_ssm = spec.ssm_layers[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -26,7 +27,7 @@ from shared.engine.reference.colocated import colocated_generate
 from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
-from shared.rpc import fault_hooks
+from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -126,8 +127,10 @@ async def test_a_part_is_read_while_prefill_holds_before_its_next_chunk() -> Non
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("section,part", [("fa", "part 1 of"), ("ssm", "part 3 of 3")])
-async def test_a_flipped_byte_in_a_part_fails_naming_the_part(monkeypatch: pytest.MonkeyPatch, section: str, part: str) -> None:
-    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, f"{section}:victim-")
+async def test_a_flipped_byte_in_a_part_fails_naming_the_part(
+    inject_faults: Callable[[Injector], None], section: str, part: str
+) -> None:
+    inject_faults(FaultPlan(corrupt=f"{section}:victim-"))
     length = 100  # 99 computed, blocks of 32, chunks of 20: parts [0,32) [32,64) [64,99)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         healthy = await pair.generate(prompt_of(length), MAX_TOKENS)
@@ -141,11 +144,13 @@ async def test_a_flipped_byte_in_a_part_fails_naming_the_part(monkeypatch: pytes
 
 
 @pytest.mark.asyncio
-async def test_a_failed_part_ends_the_request_while_prefill_still_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_part_ends_the_request_while_prefill_still_computes(
+    inject_faults: Callable[[Injector], None],
+) -> None:
     """Part 1's digest check fails while prefill is held before its next chunk (TEST-ONLY hold,
     never let go before the answer): the request fails DATA_LOSS at once, not when the last part
     would arrive; the job is stopped, and once prefill goes on everything is free."""
-    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, "fa:victim-")
+    inject_faults(FaultPlan(corrupt="fa:victim-"))
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         release = asyncio.Event()
         holding: list[int] = []

@@ -21,6 +21,7 @@ from prefill_svc.jobs import Job
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens, run_turns
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
+from tests.metric_samples import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -34,10 +35,7 @@ def _conversation(seed: int, first: int, added: int) -> tuple[list[int], int]:
 
 
 def _metric(pair: RunningPair, name: str) -> float:
-    for line in pair.decode.metrics.telemetry.exposition().splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
+    return sample(pair.decode.metrics.telemetry.exposition(), name)
 
 
 def _check_bytes(results: Sequence[Generated], block_size: int, unit: int) -> None:

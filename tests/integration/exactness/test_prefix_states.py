@@ -16,20 +16,20 @@ checkpoint fails its digests, fails UNAVAILABLE as every request does without a 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import pytest
 import torch
 
-from shared.bench.colocated_server import colocated_servicer
+from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.config import parse_settings
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.rpc import fault_hooks
 from shared.rpc.status import describe
+from shared.runtime.faults import Injector
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
 from tests.integration.services.checkpoint_checks import (
@@ -39,8 +39,20 @@ from tests.integration.services.checkpoint_checks import (
     shift_checkpoint_ssm,
 )
 from tests.integration.services.colocated import colocated_port
+from tests.metric_samples import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+class HoldAfterRead(Injector):
+    """Holds one request after its READ (or restore) until `go` is set."""
+
+    def __init__(self, request_id: str, go: asyncio.Event) -> None:
+        self.request_id, self.go = request_id, go
+
+    async def pause(self, step: str, request_id: str) -> None:
+        if step == "after_read" and request_id == self.request_id:
+            await self.go.wait()
 
 
 def _states(n: int = 4, check: bool = True) -> list[str]:
@@ -48,10 +60,7 @@ def _states(n: int = 4, check: bool = True) -> list[str]:
 
 
 def _metric(pair: RunningPair, name: str) -> float:
-    for line in pair.decode.metrics.telemetry.exposition().splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
+    return sample(pair.decode.metrics.telemetry.exposition(), name)
 
 
 def _assert_restored(g: Generated, computed: int) -> None:
@@ -222,19 +231,12 @@ async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypat
 
 
 @pytest.mark.asyncio
-async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(inject_faults: Callable[[Injector], None]) -> None:
     """A request holds the only checkpoint (paused after its restore) while another request's
     checkpoint wants its place: the held one stays, byte for byte, and the newcomer is not kept."""
     a, b = random_tokens(10, 70), random_tokens(11, 70)
     go = asyncio.Event()
-    real_pause = fault_hooks.pause
-
-    async def pause(step: str, request_id: str) -> None:  # TEST-ONLY: hold one request after its restore
-        if step == "after_read" and request_id == "holder":
-            await go.wait()
-        await real_pause(step, request_id)
-
-    monkeypatch.setattr(fault_hooks, "pause", pause)
+    inject_faults(HoldAfterRead("holder", go))
     async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
         states = pair.decode.servicer.generation.reuse.states
         first = await pair.generate(a, ANSWER, request_id="first")
@@ -365,20 +367,13 @@ async def test_a_request_short_of_blocks_reclaims_an_unused_checkpoint(monkeypat
 
 
 @pytest.mark.asyncio
-async def test_a_checkpoint_being_restored_is_never_reclaimed(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_checkpoint_being_restored_is_never_reclaimed(inject_faults: Callable[[Injector], None]) -> None:
     """While a request holds the checkpoint (paused after its restore), a request short of blocks
     waits rather than take it, and a checkpoint of another request is not taken meanwhile (the
     waiting request gets the next free blocks); once the holder ends, the waiting one reclaims it."""
     small, other, long = random_tokens(14, SMALL), random_tokens(15, SMALL), random_tokens(16, LONG)
     go = asyncio.Event()
-    real_pause = fault_hooks.pause
-
-    async def pause(step: str, request_id: str) -> None:  # TEST-ONLY: hold one request after its restore
-        if step == "after_read" and request_id == "holder":
-            await go.wait()
-        await real_pause(step, request_id)
-
-    monkeypatch.setattr(fault_hooks, "pause", pause)
+    inject_faults(HoldAfterRead("holder", go))
     async with service_pair("tiny-mamba2", 1, 1, num_blocks=16, extra_decode=_states()) as pair:
         host, states = pair.decode.host, pair.decode.servicer.generation.reuse.states
         first = await pair.generate(small, ANSWER, request_id="first")

@@ -20,6 +20,7 @@ from shared.engine.reference.colocated import colocated_generate
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from tests.integration.exactness.pair import service_pair
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -34,13 +35,6 @@ MAX_TOKENS = 6
 def blocks_for_one_request(tokens: int) -> int:
     layout = build_engine_layout(TINY_PRESETS[MODEL], 1)
     return sum(math.ceil(tokens / layout.block_size) if g.kind == "attention" else 1 for g in layout.groups)
-
-
-async def until(check: object, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_timed_out_read_keeps_its_blocks_until_released() -> None:
@@ -74,5 +68,7 @@ async def test_a_timed_out_read_keeps_its_blocks_until_released() -> None:
         assert got.summary.state_verified
         assert got.token_ids == colocated_generate(TINY_PRESETS[MODEL], PROMPT_B, MAX_TOKENS)
 
-        await until(lambda: decode.allocator.num_used == 0 and prefill.allocator.num_used == 0 and agent.live_xfers == 0)
+        await until(
+            lambda: decode.allocator.num_used == 0 and prefill.allocator.num_used == 0 and agent.live_xfers == 0, timeout=10
+        )
         assert len(pair.prefill.pins) == 0

@@ -9,6 +9,8 @@ switch that turns digests off, on both sides or on one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -16,7 +18,7 @@ from shared.cache.digest import SectionDigest, compare_digests
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
-from shared.rpc import fault_hooks
+from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.pair import service_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -28,9 +30,9 @@ SECTION_PAIRS = [("fa", 1, 1), ("conv", 1, 1), ("ssm", 1, 1), ("fa", 2, 4), ("co
 @pytest.mark.asyncio
 @pytest.mark.parametrize("section,prefill_tp,decode_tp", SECTION_PAIRS, ids=[f"{s}-P{p}-D{d}" for s, p, d in SECTION_PAIRS])
 async def test_a_flipped_byte_fails_the_request_naming_its_section(
-    monkeypatch: pytest.MonkeyPatch, section: str, prefill_tp: int, decode_tp: int
+    inject_faults: Callable[[Injector], None], section: str, prefill_tp: int, decode_tp: int
 ) -> None:
-    monkeypatch.setenv(fault_hooks.CORRUPT_ENV_VAR, f"{section}:victim-")
+    inject_faults(FaultPlan(corrupt=f"{section}:victim-"))
     async with service_pair("tiny-mamba2", prefill_tp, decode_tp) as pair:
         healthy = await pair.generate(PROMPT, 4)  # other requests are untouched
         assert healthy.token_ids == colocated_generate(TINY_PRESETS["tiny-mamba2"], PROMPT, 4)
@@ -76,6 +78,6 @@ def test_compare_names_differing_and_missing_digests() -> None:
 
 def test_the_corruption_hook_refuses_an_unknown_section() -> None:
     with pytest.raises(ValueError, match="SECTION"):
-        fault_hooks.corruption_for("r", "kv:r")
-    assert fault_hooks.corruption_for("other", "fa:victim-") is None
-    assert fault_hooks.corruption_for("victim-2", "fa:victim-") == "fa"
+        FaultPlan(corrupt="kv:r").corruption("r")
+    assert FaultPlan(corrupt="fa:victim-").corruption("other") is None
+    assert FaultPlan(corrupt="fa:victim-").corruption("victim-2") == "fa"

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from shared.bench.local_pair import start_service
+from hybridpd_tools.bench.local_pair import start_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

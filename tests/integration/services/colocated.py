@@ -1,4 +1,4 @@
-"""The colocated baseline server of `bench e2e` (shared/bench/colocated_server.py) in this
+"""The colocated baseline server of `bench e2e` (hybridpd_tools/bench/colocated_server.py) in this
 process, on port 0: the same DecodeService.Generate API, one process, no transfer."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from shared.bench.colocated_server import ColocatedServicer
+from hybridpd_tools.bench.colocated_server import ColocatedServicer
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.server import build_server
 

@@ -3,33 +3,15 @@ agents over UCX on DRAM, real caches; only the model engine is a stand-in (stamp
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest_asyncio
 
 from shared.config import parse_settings
+from tests.integration.services import stamp_engine as stamp
 from tests.reuse import REUSE_OFF
-
-
-def _local(name: str) -> ModuleType:
-    """Import a helper module next to this file under a unique name."""
-    key = f"services_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-stamp = _local("stamp_engine")
 
 BASE_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--num-blocks", "64", "--loop", "asyncio"]
 

@@ -22,6 +22,7 @@ from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.rpc.status import RpcFailure, describe
 from shared.transport.agent import RankAgent
 from shared.transport.poller import CompletionPoller
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -31,12 +32,6 @@ async def generate_failure(channel: grpc.aio.Channel, **fields: Any) -> RpcFailu
         async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=20):
             pass
     return describe(err.value)
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(

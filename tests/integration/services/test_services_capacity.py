@@ -4,7 +4,6 @@ a request whose deadline allows waits for the blocks and runs."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from typing import Any
 
@@ -12,32 +11,23 @@ import grpc
 import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.status import RpcFailure, describe
-
-stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+from tests.decode_stream import stream
+from tests.integration.services import stamp_engine as stamp
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
 async def generate(channel: grpc.aio.Channel, prompt: list[int], max_tokens: int, timeout: float) -> list[int] | RpcFailure:
-    tokens: list[int] = []
     try:
-        async for response in dpb_grpc.DecodeServiceStub(channel).Generate(
-            dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=timeout
-        ):
-            tokens += response.chunk.token_ids
+        return (
+            await stream(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=timeout)
+        ).tokens
     except grpc.aio.AioRpcError as e:
         return describe(e)
-    return tokens
-
-
-async def until(condition: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class SlowerStamp(stamp.SlowStamp):
@@ -54,9 +44,9 @@ async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_d
     decode = await start_decode(prefill.port, "--num-blocks", "6", engine=SlowerStamp)
     channel = channel_to(decode.port)
     hog = asyncio.ensure_future(generate(channel, [1] * 96, 32, timeout=30))
-    await until(lambda: decode.host.allocator.num_free == 0)
+    await until(lambda: decode.host.allocator.num_free == 0, timeout=10)
     # Decode takes the hog's blocks before its job reaches prefill: count only after prefill ran it.
-    await until(lambda: prefill.host.engine.prefills == 1)
+    await until(lambda: prefill.host.engine.prefills == 1, timeout=10)
     prefills_before = prefill.host.engine.prefills
     started = time.monotonic()
     refused = await generate(channel, [2, 3, 4], 4, timeout=1.0)
@@ -67,7 +57,7 @@ async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_d
     patient = await generate(channel, [2, 3, 4], 4, timeout=30)
     assert patient == stamp.expected_tokens([2, 3, 4], 4, decode.host.spec.vocab_size)
     assert isinstance(await hog, list)
-    await until(lambda: decode.host.allocator.num_used == 0 and prefill.host.allocator.num_used == 0)
+    await until(lambda: decode.host.allocator.num_used == 0 and prefill.host.allocator.num_used == 0, timeout=10)
 
 
 async def test_full_prefill_cache_answers_resource_exhausted(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
@@ -95,7 +85,7 @@ async def test_full_prefill_cache_answers_resource_exhausted(start_prefill: Any,
     refused = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=1.0)
     assert isinstance(refused, RpcFailure) and refused.status == "RESOURCE_EXHAUSTED", refused
     assert "prefill test-prefill" in refused.message and "cache full" in refused.message
-    await until(lambda: decode.host.allocator.num_used == 0)
+    await until(lambda: decode.host.allocator.num_used == 0, timeout=10)
     await holder.write(pb.SessionRequest(release=pb.ReleaseBlocks(request_id="hog", reason="test")))
     served = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=10)
     assert served == stamp.expected_tokens([5, 6, 7], 2, decode.host.spec.vocab_size)

@@ -23,8 +23,10 @@ from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.status import RpcFailure, describe
 from shared.runtime.engine_host import EngineHost
+from tests.decode_stream import Streamed, stream
 from tests.integration.exactness.pair import RunningPair, service_pair
 from tests.integration.metrics.test_metrics import scrape
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -58,15 +60,14 @@ class Outcome:
 async def generate(
     pair: RunningPair, prompt: list[int], max_tokens: int, *, stop: Sequence[int] = (), timeout: float = 60
 ) -> Outcome:
-    out = Outcome()
+    out, got = Outcome(), Streamed()
     request = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, stop_token_ids=list(stop))
     try:
-        async for reply in pair.stub.Generate(request, timeout=timeout):
-            out.tokens += reply.chunk.token_ids
-            if reply.HasField("summary"):
-                out.finish = reply.summary.finish_reason
+        await stream(pair.stub, request, timeout=timeout, into=got)
     except grpc.aio.AioRpcError as e:
         out.failure = describe(e)
+    out.tokens = got.tokens
+    out.finish = got.summary_or_empty().finish_reason
     return out
 
 
@@ -92,12 +93,6 @@ def peak_blocks(host: EngineHost) -> Iterator[list[int]]:
         allocator.allocate = allocate  # type: ignore[method-assign]
 
 
-async def until(condition: Any, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def test_large_max_tokens_reserves_what_it_uses() -> None:
     async with service_pair(MODEL, 1, 1, num_blocks=96) as pair:
         host = pair.decode.host
@@ -113,7 +108,7 @@ async def test_large_max_tokens_reserves_what_it_uses() -> None:
         # What the sequence used, plus at most one step taken ahead: a few blocks, not the cache.
         assert blocks_for(host, written) <= peak[0] <= blocks_for(host, written + 1)
         assert peak[0] <= 5 < host.num_blocks
-        await until(lambda: host.allocator.num_used == 0)
+        await until(lambda: host.allocator.num_used == 0, timeout=30)
 
 
 async def test_two_requests_fit_at_their_actual_lengths() -> None:
@@ -131,7 +126,7 @@ async def test_two_requests_fit_at_their_actual_lengths() -> None:
             assert outcome.failure is None and outcome.tokens == expected
         # An up-front reservation would have held all 12 for one request and queued the other.
         assert peak[0] < host.num_blocks
-        await until(lambda: host.allocator.num_used == 0)
+        await until(lambda: host.allocator.num_used == 0, timeout=30)
 
 
 async def test_a_request_that_cannot_grow_waits_then_fails_while_another_completes() -> None:
@@ -146,13 +141,13 @@ async def test_a_request_that_cannot_grow_waits_then_fails_while_another_complet
         # during the test): the two requests share 6 blocks, and `long` needs 9 to finish.
         held = host.allocator.allocate("other-holders", host.num_blocks - admitted)
         finishing = asyncio.ensure_future(generate(pair, short, 20))
-        await until(lambda: host.allocator.num_used == held.size + blocks_for(host, len(short) + 1))
+        await until(lambda: host.allocator.num_used == held.size + blocks_for(host, len(short) + 1), timeout=30)
         stuck = asyncio.ensure_future(generate(pair, long, 200, timeout=5))
         # `short` never needs more than its admission blocks: it completes whenever it runs.
         done = await finishing
         assert done.failure is None and done.tokens == short_expected and done.finish == pb.FINISH_REASON_LENGTH
         # `long` grows into every block there is, then waits (visible in the metrics) until its deadline.
-        await until(lambda: host.waiting_for_blocks == 1)
+        await until(lambda: host.waiting_for_blocks == 1, timeout=30)
         assert scrape(pair.decode.shell.metrics_port)["hybrid_pd_requests_queued_for_blocks"] == 1
         failed = await stuck
         assert failed.failure is not None and failed.failure.status == "RESOURCE_EXHAUSTED", failed
@@ -162,7 +157,7 @@ async def test_a_request_that_cannot_grow_waits_then_fails_while_another_complet
         assert len(failed.tokens) > 32 - len(long)
         assert failed.tokens == list(colocated(tuple(long), 200))[: len(failed.tokens)]
         # Its blocks are free again: only the other holders' remain.
-        await until(lambda: host.allocator.num_used == held.size)
+        await until(lambda: host.allocator.num_used == held.size, timeout=30)
         assert host.waiting_for_blocks == 0
         assert scrape(pair.decode.shell.metrics_port)["hybrid_pd_requests_queued_for_blocks"] == 0
         host.free("other-holders")

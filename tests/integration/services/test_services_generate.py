@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 import grpc
 import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
-
-stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+from tests.decode_stream import stream
+from tests.integration.services import stamp_engine as stamp
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
 async def generate(channel: grpc.aio.Channel, **fields: Any) -> tuple[list[int], str, dpb.GenerateSummary | None]:
-    stub = dpb_grpc.DecodeServiceStub(channel)
-    ids: list[int] = []
-    text = ""
-    summary = None
-    async for response in stub.Generate(dpb.GenerateRequest(**fields), timeout=20):
-        if response.WhichOneof("payload") == "chunk":
-            ids += response.chunk.token_ids
-            text += response.chunk.text
-        else:
-            summary = response.summary
-    return ids, text, summary
+    got = await stream(channel, dpb.GenerateRequest(**fields), timeout=20)
+    return got.tokens, got.text, got.summary
 
 
 async def test_generate_moves_state_and_streams_tokens(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from decode_svc.request_options import sampling_from
-from shared.bench.colocated_server import colocated_servicer
+from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate
 from shared.engine.hf.tiny_checkpoints import build_checkpoint

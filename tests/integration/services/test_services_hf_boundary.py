@@ -40,20 +40,13 @@ from shared.tracing import Step, tracing_into
 from shared.transport.agent import RankAgent
 from tests.integration.services.hf_services import generate_with, hf_pair
 from tests.unit.engine_hf.helpers import checkpoint, transformers_generate
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 N_MINUS_1 = ("--boundary", "n-1")
 HOLD_SECONDS = 3.0  # the TEST-ONLY READ hold; well inside the READ timeout (10 s)
 MAX_TOKENS = 8
-
-
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        assert loop.time() < deadline, f"not reached in {timeout:g}s: {what}"
-        await asyncio.sleep(0.01)
 
 
 class Marks:
@@ -122,7 +115,9 @@ async def test_the_first_chunk_leaves_before_the_read_completes(hf_checkpoint: C
             assert Step.POST_START in marks.steps, boundary  # the request did READ
             agent.test_hold_seconds = 0.0
             assert first_chunk and ids == want.token_ids, boundary
-            await until(functools.partial(nothing_held, prefill, decode, agent), "blocks, pins and READ handles freed")
+            await until(
+                functools.partial(nothing_held, prefill, decode, agent), "blocks, pins and READ handles freed", timeout=10
+            )
     assert read_completed_at_first_chunk == {"full": False, "n-1": True}
 
 
@@ -146,7 +141,7 @@ async def test_a_first_token_that_ends_the_request_reads_nothing(hf_checkpoint: 
             assert (ids, summary.finish_reason) == (want, reason), fields
             assert summary.transfer.read_count == 0 and summary.num_transferred_tokens == 0, fields
             assert summary.generated_token_count == 1 and not summary.state_verified
-            await until(lambda: nothing_held(prefill, decode), "prefill's pin released without a READ")
+            await until(lambda: nothing_held(prefill, decode), "prefill's pin released without a READ", timeout=10)
         # Control: past the first token the state is READ and decoding goes on.
         ids, summary = await generate_with(decode.port, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True)
         assert ids == full and summary.transfer.read_count > 0 and summary.finish_reason == dpb.FINISH_REASON_LENGTH
@@ -200,5 +195,5 @@ async def test_the_first_token_comes_early_and_a_prefill_that_sends_none_still_s
                 if sends_early:  # the same engine time as the manifest's (one clock reading, two encodings)
                     manifest_ns = summary.prefill_engine_duration.ToNanoseconds()
                     assert manifest_ns > 0 and abs(early_engine_ns[-1] - manifest_ns) <= 1, (early_engine_ns, manifest_ns)
-            await until(lambda: nothing_held(prefill, decode), "blocks and pins freed")
+            await until(lambda: nothing_held(prefill, decode), "blocks and pins freed", timeout=10)
         assert early_tokens == (want[:1] * 2 if sends_early else []), sends_early

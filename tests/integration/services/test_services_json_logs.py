@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.bench.local_pair import LocalPair, ServiceProcess, start_pair
+from hybridpd_tools.bench.local_pair import LocalPair, ServiceProcess, start_pair
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.decode_stream import stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -52,8 +52,7 @@ def wait_for_line(service: ServiceProcess, message: str, timeout: float = 30.0) 
 async def generate(pair: LocalPair, request: dpb.GenerateRequest) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(pair.decode.address) as channel:
         try:
-            async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=30):
-                pass
+            await stream(channel, request, timeout=30)
         except grpc.aio.AioRpcError as e:
             return e.code()
     return grpc.StatusCode.OK

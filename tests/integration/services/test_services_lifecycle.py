@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -17,18 +17,12 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.rpc import fault_hooks
 from shared.rpc.status import code_number, describe
-
-stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+from shared.runtime.faults import FaultPlan, Injector, Pause
+from tests.integration.services import stamp_engine as stamp
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
-
-
-async def until(condition: Any, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class RawSession:
@@ -177,7 +171,9 @@ async def test_client_cancel_frees_both_sides(start_prefill: Any, start_decode: 
     assert not prefill.pins.ended["lease_expired"]
 
 
-async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(start_prefill: Any, start_decode: Any) -> None:
+async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(
+    start_prefill: Any, start_decode: Any, inject_faults: Callable[[Injector], None]
+) -> None:
     """The race a soak found: the manifest resolves the job's future and, in the same loop turn,
     the waiting task is cancelled, so the caller never sees the manifest and never releases it.
     The session must cancel the job itself; it must not keep heartbeating its lease (renewed
@@ -188,15 +184,14 @@ async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(start
     session = decode.peers.pick().session
     delivered = asyncio.Event()
     submit = asyncio.ensure_future(session.submit("raced", [1, 2, 3, 4], 10.0))
-    resolve = session._resolve  # fault injection: the cancel lands in the manifest's loop turn
 
-    def resolve_then_cancel(request_id: str, **kw: Any) -> None:
-        resolve(request_id, **kw)
-        if request_id == "raced" and kw.get("manifest") is not None:
-            submit.cancel()
-            delivered.set()
+    class CancelOnDelivery(Injector):  # the cancel lands in the manifest's loop turn
+        def manifest_delivered(self, request_id: str) -> None:
+            if request_id == "raced":
+                submit.cancel()
+                delivered.set()
 
-    session._resolve = resolve_then_cancel
+    inject_faults(CancelOnDelivery())
     await asyncio.wait_for(delivered.wait(), 10)
     with pytest.raises(asyncio.CancelledError):
         await submit
@@ -206,7 +201,7 @@ async def test_a_job_cancelled_as_its_manifest_arrives_is_freed_on_prefill(start
 
 
 async def test_a_generate_cancelled_as_its_manifest_arrives_frees_both_sides(
-    start_prefill: Any, start_decode: Any, channel_to: Any
+    start_prefill: Any, start_decode: Any, channel_to: Any, inject_faults: Callable[[Injector], None]
 ) -> None:
     """The same race one level up, through a real Generate: the request's own task (the one that
     submitted the job) is cancelled in the loop turn its manifest is delivered. Whatever waits
@@ -215,7 +210,7 @@ async def test_a_generate_cancelled_as_its_manifest_arrives_frees_both_sides(
     prefill = await start_prefill("--lease-seconds", "60", "--heartbeat-seconds", "0.2")
     decode = await start_decode(prefill.port)
     session = decode.peers.pick().session
-    submit, resolve = session.submit, session._resolve  # fault injection, as above
+    submit = session.submit
     submitter: list[asyncio.Task[Any]] = []
 
     def recording_submit(*args: Any, **kw: Any) -> Any:
@@ -224,13 +219,13 @@ async def test_a_generate_cancelled_as_its_manifest_arrives_frees_both_sides(
         submitter.append(task)
         return submit(*args, **kw)
 
-    def resolve_then_cancel(request_id: str, **kw: Any) -> None:
-        resolve(request_id, **kw)
-        if kw.get("manifest") is not None and submitter:
-            submitter[0].cancel()
+    class CancelOnDelivery(Injector):  # as above
+        def manifest_delivered(self, request_id: str) -> None:
+            if submitter:
+                submitter[0].cancel()
 
     session.submit = recording_submit
-    session._resolve = resolve_then_cancel
+    inject_faults(CancelOnDelivery())
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
     # The handler's task is cancelled under grpc (as a client cancel does): the client sees the
     # call end at its deadline at the latest, so keep that short.
@@ -288,10 +283,10 @@ async def test_second_hello_ends_the_session_with_a_status(start_prefill: Any, s
 
 
 async def test_decode_heartbeats_keep_a_held_request_alive(
-    start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch
+    start_prefill: Any, start_decode: Any, channel_to: Any, inject_faults: Callable[[Injector], None]
 ) -> None:
     """Decode holds a manifest for 2.5 leases before its READ: its heartbeats renew the lease."""
-    monkeypatch.setattr(fault_hooks, "_PAUSES", [fault_hooks.Pause("before_read", 2.5, "held-")])
+    inject_faults(FaultPlan(pauses=(Pause("before_read", 2.5, "held-"),)))
     prefill = await start_prefill("--lease-seconds", "1", "--heartbeat-seconds", "0.3")
     decode = await start_decode(prefill.port, "--check-state")
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))

@@ -18,6 +18,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.status import describe
 from shared.runtime.engine_host import engine_factory_for
+from tests.decode_stream import stream
 from tests.integration.exactness.pair import all_freed, service_pair
 from tests.integration.services.checkpoint_checks import count_jobs
 
@@ -38,14 +39,8 @@ def local_prefills(app: DecodeApp, reason: str) -> float:
 
 
 async def generate(stub: pb_grpc.DecodeServiceStub, prompt: list[int], max_tokens: int) -> tuple[list[int], pb.GenerateSummary]:
-    tokens: list[int] = []
-    summary = pb.GenerateSummary()
-    async for reply in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60):
-        if reply.HasField("chunk"):
-            tokens += reply.chunk.token_ids
-        else:
-            summary = reply.summary
-    return tokens, summary
+    got = await stream(stub, pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60)
+    return got.tokens, got.summary_or_empty()
 
 
 async def test_a_decode_without_prefill_computes_plain_requests_and_off_refuses_them() -> None:

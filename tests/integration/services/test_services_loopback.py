@@ -11,8 +11,8 @@ import torch
 
 from shared.cache.regions import RankCache
 from shared.errors import Unavailable
-from shared.rpc.loopback import LOOPBACK_BYTES, loopback_read
 from shared.transport.agent import RankAgent
+from shared.transport.loopback import LOOPBACK_BYTES, loopback_read
 from shared.transport.poller import CompletionPoller, ReadResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -5,32 +5,24 @@ two alternate again."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import sys
 from typing import Any
 
 import grpc
 import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-
-stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+from tests.decode_stream import stream
+from tests.integration.services import stamp_engine as stamp
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 FAST_REPORTS = ("--heartbeat-seconds", "0.2", "--lease-seconds", "60")  # the pins outlive the test
 HELD = 5  # requests pinned on the busy prefill, 4 blocks each
-
-
-async def until(condition: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def hold_pins(channel: grpc.aio.Channel, decode_layout: lpb.EngineLayout) -> Any:
@@ -59,14 +51,8 @@ async def hold_pins(channel: grpc.aio.Channel, decode_layout: lpb.EngineLayout) 
 
 
 async def generate(channel: grpc.aio.Channel, prompt: list[int]) -> tuple[list[int], str]:
-    tokens: list[int] = []
-    engine = ""
-    async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(
-        dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4), timeout=30
-    ):
-        tokens += reply.chunk.token_ids
-        engine = engine or reply.summary.prefill_engine_id
-    return tokens, engine
+    got = await stream(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4), timeout=30)
+    return got.tokens, got.summary_or_empty().prefill_engine_id
 
 
 def reported_pins(decode: Any, port: int) -> int | None:
@@ -79,17 +65,17 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
     busy = await start_prefill("--engine-id", "busy-prefill", *FAST_REPORTS)
     idle = await start_prefill("--engine-id", "idle-prefill", *FAST_REPORTS)
     decode = await start_decode(busy.port, "--prefill", f"127.0.0.1:{idle.port}")
-    await until(lambda: sum(p.ready for p in decode.peers.peers) == 2)
+    await until(lambda: sum(p.ready for p in decode.peers.peers) == 2, timeout=10)
     holder = await hold_pins(channel_to(busy.port), decode.host.message)
     pinned = busy.pins.blocks()
     assert pinned == 4 * HELD
-    await until(lambda: reported_pins(decode, busy.port) == pinned)  # the next heartbeat told decode
+    await until(lambda: reported_pins(decode, busy.port) == pinned, timeout=10)  # the next heartbeat told decode
     channel = channel_to(decode.port)
     vocab = decode.host.spec.vocab_size
 
     served = []
     for i in range(6):
-        await until(lambda: reported_pins(decode, idle.port) == 0)  # our own last request is read
+        await until(lambda: reported_pins(decode, idle.port) == 0, timeout=10)  # our own last request is read
         prompt = [2 + i, 3, 4, 5]
         tokens, engine = await generate(channel, prompt)
         assert tokens == stamp.expected_tokens(prompt, 4, vocab)
@@ -99,10 +85,10 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
     # Negative control: the same pair once the pins are gone alternates between the two.
     for i in range(HELD):
         await holder.write(pb.SessionRequest(release=pb.ReleaseBlocks(request_id=f"held-{i}", reason="test")))
-    await until(lambda: busy.pins.blocks() == 0 and reported_pins(decode, busy.port) == 0)
+    await until(lambda: busy.pins.blocks() == 0 and reported_pins(decode, busy.port) == 0, timeout=10)
     served = []
     for i in range(6):
-        await until(lambda: reported_pins(decode, idle.port) == 0 and reported_pins(decode, busy.port) == 0)
+        await until(lambda: reported_pins(decode, idle.port) == 0 and reported_pins(decode, busy.port) == 0, timeout=10)
         prompt = [2 + i, 3, 4, 5]
         tokens, engine = await generate(channel, prompt)
         assert tokens == stamp.expected_tokens(prompt, 4, vocab)
@@ -110,5 +96,5 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
     assert sorted(set(served)) == ["busy-prefill", "idle-prefill"], served
     assert all(a != b for a, b in itertools.pairwise(served)), served  # idle pool: round-robin
     holder.cancel()
-    await until(lambda: decode.host.allocator.num_used == 0 and busy.host.allocator.num_used == 0)
-    await until(lambda: idle.host.allocator.num_used == 0)
+    await until(lambda: decode.host.allocator.num_used == 0 and busy.host.allocator.num_used == 0, timeout=10)
+    await until(lambda: idle.host.allocator.num_used == 0, timeout=10)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from shared.bench.local_pair import LocalPair, start_pair
-from shared.cli import generate_cmd
+from hybridpd_tools.bench.local_pair import LocalPair, start_pair
+from hybridpd_tools.cli import generate_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -10,11 +10,11 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.bench.colocated_server import colocated_servicer
+from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
 from shared.runtime.engine_host import engine_factory_for
+from tests.decode_stream import stream
 from tests.integration.services.colocated import colocated_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -25,14 +25,8 @@ SEEDED = dict(temperature=1.3, top_p=0.95, top_k=50)
 
 
 async def _generate(channel: grpc.aio.Channel, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
-    ids: list[int] = []
-    summary = dpb.GenerateSummary()
-    async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=30):
-        if reply.HasField("chunk"):
-            ids.extend(reply.chunk.token_ids)
-        else:
-            summary = reply.summary
-    return ids, summary
+    got = await stream(channel, dpb.GenerateRequest(**fields), timeout=30)
+    return got.tokens, got.summary_or_empty()
 
 
 async def _reference_pair(start_prefill: Any, start_decode: Any) -> Any:

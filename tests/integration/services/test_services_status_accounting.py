@@ -4,8 +4,6 @@ gets our own UNAVAILABLE, not gRPC's "Cancelling all calls"."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from typing import Any
 
 import grpc
@@ -14,16 +12,10 @@ import pytest
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.status import describe
-
-stamp = sys.modules["services_stamp_engine"]  # loaded by conftest.py
+from tests.integration.services import stamp_engine as stamp
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
-
-
-async def until(condition: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def finished(app: Any, status: str) -> float:
@@ -38,13 +30,13 @@ async def test_a_client_deadline_counts_as_deadline_exceeded(start_prefill: Any,
         async for _ in stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=4), timeout=0.15):
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await until(lambda: finished(decode, "DEADLINE_EXCEEDED") == 1)
+    await until(lambda: finished(decode, "DEADLINE_EXCEEDED") == 1, timeout=10)
     assert finished(decode, "CANCELLED") == 0
     # Negative control: a client that cancels before its deadline is CANCELLED.
     call = stub.Generate(dpb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=200), timeout=30)
     await call.read()
     call.cancel()
-    await until(lambda: finished(decode, "CANCELLED") == 1)
+    await until(lambda: finished(decode, "CANCELLED") == 1, timeout=10)
     assert finished(decode, "DEADLINE_EXCEEDED") == 1
 
 
@@ -61,7 +53,7 @@ async def test_a_duplicate_in_flight_request_id_is_already_exists(start_prefill:
     assert failure.status == "ALREADY_EXISTS" and failure.reason == "ALREADY_EXISTS", failure
     assert failure.message.startswith("request_id: 'twice' is already in flight"), failure
     first.cancel()
-    await until(lambda: decode.servicer.generation.in_flight == 0)
+    await until(lambda: decode.servicer.generation.in_flight == 0, timeout=10)
     # Once the first has ended the id is free again.
     async for _ in stub.Generate(dpb.GenerateRequest(request_id="twice", prompt_token_ids=[1], max_tokens=1), timeout=10):
         pass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.certificates import make_certificates
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,36 +26,10 @@ pytestmark = [
 ]
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def certs(tmp_path: Path) -> dict[str, str]:
     """A CA and one certificate (signed by it) valid for 127.0.0.1, used by both services."""
-    ca_key, ca, key, csr, cert = (str(tmp_path / n) for n in ("ca.key", "ca.pem", "svc.key", "svc.csr", "svc.pem"))
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=test-ca")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        csr,
-        "-CA",
-        ca,
-        "-CAkey",
-        ca_key,
-        "-CAcreateserial",
-        "-out",
-        cert,
-        "-days",
-        "1",
-        "-extfile",
-        str(ext),
-    )
-    return {"cert": cert, "key": key, "ca": ca}
+    return make_certificates(tmp_path, "127.0.0.1", "IP:127.0.0.1,DNS:localhost")
 
 
 async def test_mutual_tls_pair_and_refused_plain_client(start_prefill: Any, start_decode: Any, certs: dict[str, str]) -> None:
@@ -95,7 +69,7 @@ async def test_generate_cli_without_client_certificate_is_refused(
 
     async def cli(*flags: str) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shared.cli.main", "generate", "--decode", f"127.0.0.1:{decode.port}",
+            sys.executable, "-m", "hybridpd_tools.cli.main", "generate", "--decode", f"127.0.0.1:{decode.port}",
             "--prompt-ids", "1,2,3", "--max-tokens", "2", "--timeout", "10", *flags,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from decode_svc.app import DecodeApp
 from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
+from tests.certificates import make_certificates
 
 pytestmark = [
     pytest.mark.integration,
@@ -27,35 +27,10 @@ pytestmark = [
 FLAGS = ["--host", "127.0.0.1", "--port", "0", "--num-blocks", "64", "--loop", "asyncio", "--engine", "synthetic"]
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
-
-
 def make_certs(directory: Path, dns_name: str) -> list[str]:
     """TLS flags for a CA and one certificate whose only subjectAltName is DNS:`dns_name`."""
-    ca_key, ca, key, csr, cert = (str(directory / n) for n in ("ca.key", "ca.pem", "svc.key", "svc.csr", "svc.pem"))
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=test-ca")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={dns_name}")
-    ext = directory / "ext.cnf"
-    ext.write_text(f"subjectAltName=DNS:{dns_name}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        csr,
-        "-CA",
-        ca,
-        "-CAkey",
-        ca_key,
-        "-CAcreateserial",
-        "-out",
-        cert,
-        "-days",
-        "1",
-        "-extfile",
-        str(ext),
-    )
-    return ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca, "--tls-client-ca", ca]
+    c = make_certificates(directory, dns_name, f"DNS:{dns_name}")
+    return ["--tls-cert", c["cert"], "--tls-key", c["key"], "--tls-ca", c["ca"], "--tls-client-ca", c["ca"]]
 
 
 async def pair(tls: list[str]) -> tuple[PrefillApp, DecodeApp]:

@@ -5,7 +5,6 @@ with tracing off."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.decode_stream import stream
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -42,17 +42,10 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 async def generate(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = (), **fields: Any) -> grpc.StatusCode:
     try:
-        async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=20, metadata=metadata):
-            pass
+        await stream(channel, dpb.GenerateRequest(**fields), timeout=20, metadata=metadata)
     except grpc.aio.AioRpcError as e:
         return e.code()
     return grpc.StatusCode.OK
-
-
-async def until(condition: Any, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def by_name(finished: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:

@@ -11,10 +11,10 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.bench.local_pair import ServiceProcess, start_pair
+from hybridpd_tools.bench.local_pair import ServiceProcess, start_pair
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from tests.decode_stream import stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -34,8 +34,7 @@ def spans_of(service: ServiceProcess) -> list[dict[str, Any]]:
 async def generate(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         request = dpb.GenerateRequest(request_id="across-1", prompt_token_ids=[1, 2, 3, 4], max_tokens=3)
-        async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=30):
-            pass
+        await stream(channel, request, timeout=30)
 
 
 def test_one_trace_spans_both_processes(monkeypatch: pytest.MonkeyPatch) -> None:

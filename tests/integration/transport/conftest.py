@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest_asyncio
 
-
-def _harness() -> ModuleType:
-    name = "transport_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("harness.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _harness()
+from tests.integration.transport import harness
 
 
 @pytest_asyncio.fixture

@@ -1,12 +1,8 @@
-"""Two-process harness: a target rank in a subprocess, an initiator rank in the test process.
-
-Loaded by file path (see `load_harness`), so it works whatever pytest import mode is used.
-"""
+"""Two-process harness: a target rank in a subprocess, an initiator rank in the test process."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import queue
@@ -16,34 +12,20 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from shared.cache.memory_place import MemoryPlace
 from shared.cache.regions import RankCache
 from shared.transport.agent import PreppedList, RankAgent
-from shared.transport.memory import MemoryPlace
 from shared.transport.poller import CompletionPoller
+from tests.integration.transport import nixl_target as target_script
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
 TARGET_SCRIPT = HERE / "nixl_target.py"
-
-
-def load_by_path(name: str, path: Path) -> ModuleType:
-    """Import a helper module by file path, once per process."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-target_script = load_by_path("transport_nixl_target", TARGET_SCRIPT)
 
 
 def all_block_descs(bases: npt.ArrayLike, num_blocks: int, page_bytes: int) -> npt.NDArray[np.int64]:

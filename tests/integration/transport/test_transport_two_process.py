@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -18,20 +14,8 @@ import pytest
 import torch
 
 from shared.transport.errors import PeerAlreadyKnown, PeerDisconnected, TransferFailed, TransferTimedOut
+from tests.integration.transport import harness
 
-
-def _harness() -> ModuleType:
-    name = "transport_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("harness.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _harness()
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
 Spawn = Callable[..., Awaitable[Any]]

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from shared.bench.descids import SCHEMA as DESCIDS_SCHEMA
-from shared.bench.e2e import parse_levels
-from shared.bench.raw_memory import rank_device, region_buffer
-from shared.cli import bench_cmd
+from hybridpd_tools.bench.descids import SCHEMA as DESCIDS_SCHEMA
+from hybridpd_tools.bench.e2e import parse_levels
+from hybridpd_tools.bench.raw_memory import rank_device, region_buffer
+from hybridpd_tools.cli import bench_cmd
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ import time
 
 from pytest import MonkeyPatch
 
-from shared.bench import control_trace
-from shared.bench.control_trace import STEPS, StepTrace
+from hybridpd_tools.bench import control_trace
+from hybridpd_tools.bench.control_trace import STEPS, StepTrace
 
 
 def test_steps_span_first_start_to_last_stop_and_skip_missing_marks(monkeypatch: MonkeyPatch) -> None:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from shared.bench.client import Timed
-from shared.bench.e2e import SCHEMA, E2EConfig, LevelResult, build_e2e_result, e2e_charts, format_e2e
-from shared.bench.setups import SetupConfig
+from hybridpd_tools.bench.client import Timed
+from hybridpd_tools.bench.e2e import SCHEMA, E2EConfig, LevelResult, build_e2e_result, e2e_charts, format_e2e
+from hybridpd_tools.bench.setups import SetupConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,7 +74,7 @@ def test_failed_requests_are_reported_not_counted() -> None:
 
 
 def test_levels_are_cut_into_alternating_parts() -> None:
-    from shared.bench.e2e import _parts
+    from hybridpd_tools.bench.e2e import _parts
 
     assert [list(r) for r in _parts(6, 2)] == [[0, 1, 2], [3, 4, 5]]
     assert [len(r) for r in _parts(3, 10)] == [1, 1, 1]  # never an empty part

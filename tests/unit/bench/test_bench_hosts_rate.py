@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bench.hosts import rate_gbps
+from hybridpd_tools.bench.hosts import rate_gbps
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,10 +8,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from shared.bench.crossover import bytes_by_prompt_length
-from shared.bench.pairs import PairRead, fake_bases, pair_lists, request_reads, total_sections
-from shared.bench.raw_nixl import coalesce_per_region
-from shared.bench.sizing import blocks_needed, blocks_per_group, prefill_tokens, request_blocks
+from hybridpd_tools.bench.crossover import bytes_by_prompt_length
+from hybridpd_tools.bench.pairs import PairRead, fake_bases, pair_lists, request_reads, total_sections
+from hybridpd_tools.bench.raw_nixl import coalesce_per_region
+from hybridpd_tools.bench.sizing import blocks_needed, blocks_per_group, prefill_tokens, request_blocks
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.plan import build_plan
 from shared.layout.presets import get_preset

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench import plotting
-from shared.bench.plotting import Chart, Series, save, sibling
-from shared.cli.main import main
+from hybridpd_tools.bench import plotting
+from hybridpd_tools.bench.plotting import Chart, Series, save, sibling
+from hybridpd_tools.cli.main import main
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -105,7 +105,7 @@ def test_png_leaves_the_pyplot_backend_alone(tmp_path: Path) -> None:
     # A fresh interpreter: in this one an earlier test may already have resolved the backend.
     code = (
         "import sys, matplotlib\n"
-        "from shared.bench.plotting import Chart, Series, save\n"
+        "from hybridpd_tools.bench.plotting import Chart, Series, save\n"
         "save(Chart('t', 'x', 'y', [Series('s', [1, 2], [1.0, 2.0])]), sys.argv[1])\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
         "assert matplotlib.rcParams._get_backend_or_none() is None, 'backend switched'\n"

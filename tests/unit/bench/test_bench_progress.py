@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from shared.bench.progress import Progress
+from hybridpd_tools.bench.progress import Progress
 
 pytestmark = pytest.mark.timeout(30)
 

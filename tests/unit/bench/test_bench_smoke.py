@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from hybridpd_tools.bench.control import PHASES, ControlConfig, format_control, run_control
+from hybridpd_tools.bench.control_trace import STEPS
+from hybridpd_tools.bench.transfer import TransferConfig, run_transfer
 from shared import tracing
-from shared.bench.control import PHASES, ControlConfig, format_control, run_control
-from shared.bench.control_trace import STEPS
-from shared.bench.transfer import TransferConfig, run_transfer
 from shared.transport.owner_thread import OwnerThread
 
 
@@ -40,7 +40,7 @@ def test_control_runs_and_frees_everything(prompt_tokens: int) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_control_with_prefill_in_its_own_process_times_its_free_from_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.bench.control_prefill import PrefillProcess
+    from hybridpd_tools.bench.control_prefill import PrefillProcess
 
     asked: list[str] = []
     pin_ended_at = PrefillProcess.pin_ended_at

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shared.bench.stats import Summary, gbps, json_number, median, percentile, ratio
+from hybridpd_tools.bench.stats import Summary, gbps, json_number, median, percentile, ratio
 
 pytestmark = pytest.mark.timeout(30)
 

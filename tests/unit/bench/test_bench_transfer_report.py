@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shared.bench.sections import SectionBytes
-from shared.bench.transfer_report import SCHEMA, TransferSamples, build_result, chart_rows, format_table
+from hybridpd_tools.bench.sections import SectionBytes
+from hybridpd_tools.bench.transfer_report import SCHEMA, TransferSamples, build_result, chart_rows, format_table
 
 pytestmark = pytest.mark.timeout(30)
 

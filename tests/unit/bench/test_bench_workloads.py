@@ -9,12 +9,18 @@ import json
 
 import pytest
 
+from hybridpd_tools.bench.client import Timed
+from hybridpd_tools.bench.long_prompt import (
+    LongPromptConfig,
+    Sample,
+    build_long_prompt_result,
+    format_long_prompt,
+    run_long_prompt,
+)
+from hybridpd_tools.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
+from hybridpd_tools.bench.repeat import RepeatConfig, format_repeat, run_repeat
+from hybridpd_tools.bench.setups import SetupConfig
 from prefill_svc.part_plan import part_spans
-from shared.bench.client import Timed
-from shared.bench.long_prompt import LongPromptConfig, Sample, build_long_prompt_result, format_long_prompt, run_long_prompt
-from shared.bench.multi_turn import MultiTurnConfig, Turn, build_multi_turn_result, format_multi_turn, run_multi_turn
-from shared.bench.repeat import RepeatConfig, format_repeat, run_repeat
-from shared.bench.setups import SetupConfig
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shared.bench.control_prefill import PinEnds
+from hybridpd_tools.bench.control_prefill import PinEnds
 
 
 @pytest.mark.asyncio

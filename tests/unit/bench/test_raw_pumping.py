@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.bench.raw_nixl import RawReader, RawTarget
-from shared.bench.raw_pumping import ACROSS_HOSTS, PAUSES, pause
+from hybridpd_tools.bench.raw_nixl import RawReader, RawTarget
+from hybridpd_tools.bench.raw_pumping import ACROSS_HOSTS, PAUSES, pause
 
 REGION = 1 << 20
 

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench.local_pair import start_service
-from shared.errors import InvalidArgument
-from shared.layout.models import load_model
-from shared.layout.page import build_engine_layout
-from shared.runtime.cache_size import (
+from hybridpd_tools.bench.local_pair import start_service
+from shared.cache.cache_size import (
     DEFAULT_MEMORY_FRACTION,
     DEFAULT_REQUEST_TOKENS,
     DEFAULT_REQUESTS,
@@ -27,6 +24,9 @@ from shared.runtime.cache_size import (
     host_memory_bytes,
     memory_limit,
 )
+from shared.errors import InvalidArgument
+from shared.layout.models import load_model
+from shared.layout.page import build_engine_layout
 
 LAYOUT = build_engine_layout(load_model("tiny-mamba2"), 1)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from shared.cache.memory_place import MemoryPlace
 from shared.cache.regions import RankCache
 from shared.transport.agent import RankAgent
-from shared.transport.memory import MemoryPlace
 
 pytestmark = pytest.mark.timeout(30)
 

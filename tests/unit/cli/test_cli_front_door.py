@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli.main import main
+from hybridpd_tools.cli.main import main
 from shared.config import build_parser
 from shared.layout.models import load_model
 from shared.layout.spec import LayoutError
@@ -69,7 +69,7 @@ def _sigint_as_at_a_terminal() -> None:
 def _cli(*argv: str, pythonpath: str = "") -> subprocess.Popen[str]:
     path = os.pathsep.join(p for p in (pythonpath, os.getcwd()) if p)
     return subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", *argv],
+        [sys.executable, "-m", "hybridpd_tools.cli.main", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -9,7 +9,7 @@ import pytest
 from decode_svc.prefill_load import LoadReport, peer_load
 from decode_svc.prefill_retry import retry_reason
 from shared.errors import DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, Unavailable
-from shared.rpc import fault_hooks
+from shared.runtime.faults import FaultPlan
 
 
 def test_jobs_first_then_the_pinned_share() -> None:
@@ -51,9 +51,9 @@ def test_failures_that_would_repeat_anywhere_are_not_retried(error: Exception) -
 
 
 def test_the_fail_hook_fails_only_matching_jobs_with_the_status() -> None:
-    error = fault_hooks.failure_for("victim-1", "RESOURCE_EXHAUSTED:victim-")
+    error = FaultPlan(fail="RESOURCE_EXHAUSTED:victim-").failure("victim-1")
     assert isinstance(error, ResourceExhausted) and "TEST-ONLY" in error.message
-    assert fault_hooks.failure_for("other-1", "RESOURCE_EXHAUSTED:victim-") is None
-    assert isinstance(fault_hooks.failure_for("any", "UNAVAILABLE"), Unavailable)
+    assert FaultPlan(fail="RESOURCE_EXHAUSTED:victim-").failure("other-1") is None
+    assert isinstance(FaultPlan(fail="UNAVAILABLE").failure("any"), Unavailable)
     with pytest.raises(ValueError, match="HYBRID_PD_TEST_FAIL"):
-        fault_hooks.failure_for("x", "NOT_A_STATUS")
+        FaultPlan(fail="NOT_A_STATUS").failure("x")

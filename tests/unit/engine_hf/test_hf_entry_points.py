@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli.main import main
+from hybridpd_tools.cli.main import main
 from shared.config import parse_settings
 from shared.engine.hf.checkpoint import HfCheckpoint
 from shared.engine.hf.colocated import colocated_generate

@@ -59,7 +59,7 @@ def dual_view(layout: EngineLayout, bases: Sequence[int] | npt.ArrayLike, num_lo
     pieces = shapes.num_sections + 1
     num_fa = 2 * layout.num_regions * n_phys
     descs = np.empty((num_fa + layout.num_regions * pieces * num_logical_blocks, 2), dtype=np.int64)
-    half = layout.fa_half_bytes
+    half = layout.kernel_page_bytes // 2
     region_descriptors(
         b,
         np.array([0, half], dtype=np.int64),

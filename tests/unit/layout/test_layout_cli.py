@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import layout_cmds
+from hybridpd_tools.cli import layout_cmds
 from shared.layout.presets import PRESETS
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.presets import PRESETS, get_preset
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import facts_of
-from shared.rpc.layout_message import RankMemory, engine_layout_message
-from shared.rpc.protocol_version import PROTOCOL_VERSION
+from shared.runtime.layout_message import RankMemory, engine_layout_message
+from shared.runtime.protocol_version import PROTOCOL_VERSION
 
 
 def message_of(layout: EngineLayout, engine_id: str) -> pb.EngineLayout:

@@ -123,9 +123,19 @@ def test_falcon_parallel_layers_share_regions() -> None:
     assert all(lay.region_of("attention", i) == lay.region_of("mamba", i) == i for i in range(24))
 
 
+def test_fa_offsets_are_the_c_order_offsets_of_the_kernel_block_shape() -> None:
+    lay = build_engine_layout(get_preset("tiny-mamba2"), 1, block_size=32, kernel_block_size=16)
+    shape = (lay.num_kernel_blocks(2), *lay.fa_block_shape)
+    element = lay.shapes.kv_dtype_bytes
+    expected = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) * element
+    idx = np.indices(shape, dtype=np.int64)
+    assert np.array_equal(lay.fa_offset(idx[0], idx[1], idx[2], idx[3]) + idx[4] * element, expected)
+    assert shape[0] * lay.kernel_page_bytes == lay.region_bytes(2)
+
+
 def test_fa_view_sizes_hnd() -> None:
     lay = build_engine_layout(get_preset("tiny-mamba2"), 1, kernel_block_size=16)  # 2 KV heads, head_dim 16, fp32
-    assert lay.fa_head_bytes == 16 * 16 * 4 and lay.fa_half_bytes == 2 * lay.fa_head_bytes
+    assert lay.fa_head_bytes == 16 * 16 * 4 and lay.fa_offset(0, 1, 0, 0) == lay.kernel_page_bytes // 2 == 2 * lay.fa_head_bytes
     assert lay.kernel_block_ids(np.array([3, 0])).tolist() == [6, 7, 0, 1]
     assert lay.num_kernel_blocks(5) == 10 and lay.region_bytes(5) == 5 * lay.page_bytes
 

@@ -144,7 +144,7 @@ def test_contiguous_blocks_on_equal_tp_merge_to_one_descriptor_per_fa_region(nam
         for run in fa:  # per region: consecutive ids over adjacent, equal-size descriptors
             assert np.all(np.diff(run) == 1)
             d = descs[run]
-            assert np.all(d[1:, 0] == d[:-1, 0] + d[:-1, 1]) and np.all(d[:, 1] == lay.fa_half_bytes)
+            assert np.all(d[1:, 0] == d[:-1, 0] + d[:-1, 1]) and np.all(d[:, 1] == lay.kernel_page_bytes // 2)
         # Mamba: per region, the pieces of its one page are consecutive ids over adjacent bytes
         # that cover the real state exactly (whole sections on equal TP).
         mamba = idx[idx >= geometry.fa_part].reshape(-1, rl.mamba_pieces)

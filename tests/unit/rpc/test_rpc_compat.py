@@ -9,7 +9,7 @@ from shared.layout.page import build_engine_layout
 from shared.layout.presets import get_preset
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.rpc.compat import check_pair, malformed_issues, pairing_issues
-from shared.rpc.layout_message import RankMemory, engine_layout_message
+from shared.runtime.layout_message import RankMemory, engine_layout_message
 
 
 def message(

@@ -9,8 +9,8 @@ import pytest
 
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import get_preset
-from shared.rpc.layout_message import RankMemory, engine_layout_message
-from shared.rpc.protocol_version import PROTOCOL_VERSION
+from shared.runtime.layout_message import RankMemory, engine_layout_message
+from shared.runtime.protocol_version import PROTOCOL_VERSION
 
 HISTORY = Path(__file__).resolve().parents[3] / "docs" / "protocol-versions.md"
 ROW = re.compile(r"^\|\s*(\d+)\s*\|", re.M)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shared.engine.vocabulary import check_token_ids
 from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.rpc.token_ids import check_token_ids, token_array, token_list
+from shared.rpc.token_ids import token_array, token_list
 
 IDS = [0, 1, 255, 256, 70_000, 2**31, 2**32 - 1, 7]
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.transport.memory import MemoryPlace, nixl_descs
+from shared.cache.memory_place import MemoryPlace
+from shared.transport.memory import nixl_descs
 
 
 def test_cpu_tensors_are_dram_device_zero() -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from shared.cache.memory_place import MemoryPlace
 from shared.transport.agent import RankAgent, agent_name
 from shared.transport.errors import PeerMetadataRejected, TransportError
-from shared.transport.memory import MemoryPlace
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,106 @@
+"""What batch invariance costs the paged engine's decode step: tiles against one GEMM.
+
+Runs `step_batch` over B requests (B in 1, 8, 32, 64) on one process, first with the engine's
+batch-invariant tiles, then with one forward over the whole batch, interleaved in rounds (a
+shared machine's drift hits both alike), and prints the median step time of each and their
+ratio. Two checkpoints, both random and made offline: the small nemotron_h benchmark checkpoint
+and the one scripts/bench-vs-vllm.sh runs (`bench64`: heads of 64, which vLLM's CPU attention accepts). `--tile N` sets the
+tile row count (tiles.TILE_ROWS) to compare tile sizes.
+
+    python -m hybridpd_tools.bench.paged_invariance [--steps 20] [--rounds 3] [--tile 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from shared.cache.model_views import RankViews
+from shared.cache.regions import RankCache
+from shared.engine.compute_threads import pin_intra_op_threads
+from shared.engine.hf.model_spec import hf_model_spec
+from shared.engine.hf.tiny_checkpoints import cached_checkpoint
+from shared.engine.paged import tiles
+from shared.engine.paged.checkpoint import PagedCheckpoint
+from shared.engine.paged.engine import PagedDecodeSession, PagedEngine
+from shared.engine.protocol import RequestBlocks
+from shared.layout.page import build_engine_layout
+
+BATCHES = (1, 8, 32, 64)
+PROMPT_TOKENS = 32
+
+
+def _fixed(blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
+    """An ensure_capacity for blocks allocated up front for every step."""
+
+    def grow(_tokens: int) -> RequestBlocks:
+        return blocks
+
+    return grow
+
+
+def _engine(directory: str, batch: int, steps: int) -> tuple[PagedEngine, list[PagedDecodeSession]]:
+    spec = hf_model_spec(directory, dtype="fp32")
+    layout = build_engine_layout(spec, 1)
+    per = -(-(PROMPT_TOKENS + steps + 8) // layout.block_size)
+    need = batch * sum(per if g.kind == "attention" else 1 for g in layout.groups) + 1
+    ranks = [RankViews(layout, RankCache(layout.num_regions, need, layout.page_bytes, huge_pages=False))]
+    engine = PagedEngine(layout, ranks, PagedCheckpoint(directory, dtype="fp32"))
+    sessions, nxt = [], 1
+    for b in range(batch):
+        ids = []
+        for g in layout.groups:
+            n = per if g.kind == "attention" else 1
+            ids.append(np.arange(nxt, nxt + n))
+            nxt += n
+        blocks = RequestBlocks(f"r{b}", ids)
+        prompt = [(7 * i + 3 * b + 5) % 300 + 4 for i in range(PROMPT_TOKENS)]
+        first = engine.prefill(prompt, blocks)
+        sessions.append(engine.start_decode(prompt, PROMPT_TOKENS, blocks, _fixed(blocks), first_token=first))
+    return engine, sessions
+
+
+def measure(directory: str, steps: int, rounds: int) -> list[tuple[int, float, float]]:
+    """(batch, ms per step with tiles, ms per step with one GEMM) per batch size."""
+    out = []
+    for batch in BATCHES:
+        engine, sessions = _engine(directory, batch, 2 * steps * rounds + 4)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for invariant in (True, False):  # warm-up
+            engine.batch_invariant = invariant
+            engine.step_batch(sessions)
+        for _ in range(rounds):
+            for invariant in (True, False):
+                engine.batch_invariant = invariant
+                start = time.perf_counter()
+                for _ in range(steps):
+                    engine.step_batch(sessions)
+                times[invariant].append((time.perf_counter() - start) / steps * 1e3)
+        out.append((batch, statistics.median(times[True]), statistics.median(times[False])))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps per timed run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median counts)")
+    parser.add_argument("--tile", type=int, default=tiles.TILE_ROWS, help="rows per tile")
+    args = parser.parse_args()
+    tiles.TILE_ROWS = args.tile
+    pin_intra_op_threads(1)
+    for name, directory in (
+        ("nemotron_h small (hidden 512, 8 layers)", cached_checkpoint("nemotron_h", size="small")),
+        ("nemotron_h head_dim 64 (hidden 256, 6 layers)", cached_checkpoint("nemotron_h", size="bench64")),
+    ):
+        print(f"{name}, tile {args.tile} rows, fp32, 1 thread:")
+        print(f"  {'batch':>5} {'tiles ms/step':>14} {'one GEMM ms/step':>17} {'ratio':>6}")
+        for batch, tiled, plain in measure(directory, args.steps, args.rounds):
+            print(f"  {batch:>5} {tiled:>14.2f} {plain:>17.2f} {tiled / plain:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

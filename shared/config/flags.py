@@ -1,0 +1,374 @@
+"""The services' flag table: every flag of prefill-svc and decode-svc, its value type, help and
+default, and which service takes it. Each flag can also come from the environment as
+`HYBRID_PD_<FLAG>`. The table's order is the order of `--help`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.cache.cache_size import DEFAULT_MEMORY_FRACTION, DEFAULT_REQUEST_TOKENS, DEFAULT_REQUESTS
+from shared.config.values import (
+    advertise_address,
+    boolean,
+    byte_size,
+    choice,
+    engine_id_text,
+    existing_file,
+    host_port,
+    model_name,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+
+ENV_PREFIX = "HYBRID_PD_"
+Role = Literal["prefill", "decode"]
+DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
+DEFAULT_READ_TIMEOUT_SECONDS = 10.0
+# Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays).
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes
+    parse: Callable[[str], object]
+    help: str
+    default: object = None
+    metavar: str | None = None
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    repeatable: bool = False
+    switch: bool = False  # takes no value on the command line (env: true/false)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "model",
+        str,
+        "model preset name (see `hybrid-pd models`), path to a Hugging Face config.json, or (--engine hf) a checkpoint directory",
+        "tiny-mamba2",
+    ),
+    Flag("kv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "attention KV cache dtype (default: the model's)"),
+    Flag("conv-dtype", choice("bf16", "fp16", "fp8", "fp32"), "conv state dtype (default: the model's)"),
+    Flag("ssm-dtype", choice("bf16", "fp16", "fp8", "fp32"), "SSM state dtype (default: the model's)"),
+    Flag("tp", positive_int, "tensor-parallel size: ranks in this engine, each with its own NIXL agent and cache", 1),
+    Flag("device", choice("cpu", "cuda"), "where cache memory lives: cpu (DRAM) or cuda (rank r on cuda:r)", "cpu"),
+    Flag(
+        "huge-pages",
+        boolean,
+        "DRAM caches: ask the kernel for transparent huge pages (2 MiB aligned regions, MADV_HUGEPAGE); a READ "
+        "between processes then walks 512x fewer pages (measured 1.5x faster); off: plain 4 KiB pages",
+        True,
+        metavar="on|off",
+    ),
+    Flag(
+        "engine",
+        choice("synthetic", "reference", "hf", "paged"),
+        "synthetic: verifiable byte patterns at real-model sizes; reference: the tiny seeded hybrid model; "
+        "hf: a Hugging Face checkpoint directory (--model DIR) run by transformers; paged: the checkpoint's "
+        "weights run by the project's own math on the paged blocks, decode steps batched and batch-invariant "
+        "(nemotron_h, bamba, granitemoehybrid). Default: follows --model (tiny-* presets: reference; a "
+        "checkpoint directory: paged where it serves the family, else hf; other presets and config.json "
+        "files: synthetic)",
+    ),
+    Flag(
+        "dtype",
+        choice("fp32", "bf16", "fp16"),
+        "--engine hf or paged: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
+    ),
+    Flag(
+        "boundary",
+        choice("n-1", "full"),
+        "where prefill stops; both services of a pair must use the same. full: prefill computes all N prompt "
+        "tokens and samples the first output token, which decode streams before its READ completes "
+        "(with --engine hf bit-identical to transformers' generate(); --engine hf or paged only); n-1: prefill "
+        "computes N-1, decode the last (vLLM's convention). Default: full for --engine hf and paged, n-1 for the others",
+    ),
+    Flag(
+        "num-blocks",
+        positive_int,
+        "logical cache blocks per engine (same ids on every rank); excludes --memory-budget. Default, when "
+        f"neither is given: enough blocks for {DEFAULT_REQUESTS} requests of {DEFAULT_REQUEST_TOKENS} tokens of "
+        f"the model, at most {DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the memory the ranks live in (host MemTotal shared by "
+        "the ranks for cpu, each GPU's memory for cuda); the start-up log says what it holds",
+    ),
+    Flag(
+        "memory-budget",
+        byte_size,
+        "cache bytes per rank, e.g. 8GiB; the block count follows from the page size; excludes --num-blocks. "
+        "More than the host (or GPU) has is refused at start",
+        metavar="BYTES",
+    ),
+    Flag(
+        "block-size",
+        positive_int,
+        "logical block size in tokens (default: the smallest the hybrid page layout allows; raised if too small)",
+    ),
+    Flag(
+        "kernel-block-size",
+        positive_int,
+        "attention kernel block size in tokens; prefill and decode may differ when one divides the other",
+        16,
+    ),
+    Flag("host", str, "address to listen on (0.0.0.0 or :: to accept remote peers)", "127.0.0.1"),
+    Flag(
+        "port",
+        port_number,
+        "gRPC port; 0 picks a free one. The bound port is printed on stdout as `LISTENING port=N`",
+        metavar="PORT",
+    ),
+    Flag(
+        "engine-id", engine_id_text, "name of this engine; NIXL agents are `<engine-id>-r<rank>` (default: <role>-<host>-<pid>)"
+    ),
+    Flag(
+        "lease-seconds",
+        positive_float,
+        "prefill: how long a request's blocks stay pinned without news from decode",
+        30.0,
+        roles=("prefill",),
+    ),
+    Flag(
+        "heartbeat-seconds",
+        positive_float,
+        "prefill: interval of heartbeats on the Session stream (both directions; decode uses the interval its "
+        "prefill peer announces); a peer silent for 1.5 intervals is dropped",
+        5.0,
+        roles=("prefill",),
+    ),
+    Flag(
+        "read-timeout-seconds",
+        positive_float,
+        "decode: deadline of one NIXL READ (a frozen prefill leaves a READ in flight forever); "
+        "also bounded by the request's deadline and the lease",
+        DEFAULT_READ_TIMEOUT_SECONDS,
+        roles=("decode",),
+    ),
+    Flag(
+        "max-pinned-requests",
+        positive_int,
+        "stream credits: prefill grants a decode session at most this many pinned requests (manifests not yet "
+        "read); decode asks for this many",
+        256,
+    ),
+    Flag("drain-seconds", positive_float, "on SIGTERM: grace period for in-flight requests before exit", 10.0),
+    Flag("metrics-port", port_number, "serve Prometheus metrics over HTTP on this port (default: off)"),
+    Flag(
+        "http-port",
+        port_number,
+        "serve the OpenAI-compatible HTTP API (and /health, /metrics, /version) on this port, on the same event "
+        "loop as gRPC; 0 picks a free one, printed as `HTTP port=N` before `LISTENING port=N` (default: off)",
+        metavar="PORT",
+    ),
+    Flag(
+        "tls-cert",
+        existing_file,
+        "PEM certificate chain; with --tls-key turns on TLS for the server and its clients",
+        metavar="FILE",
+    ),
+    Flag("tls-key", existing_file, "PEM private key for --tls-cert", metavar="FILE"),
+    Flag(
+        "tls-ca",
+        existing_file,
+        "PEM CA bundle this service's clients (decode -> prefill) trust to check the server's certificate "
+        "(default: the system roots); a private CA for server-only TLS",
+        metavar="FILE",
+    ),
+    Flag(
+        "tls-client-ca",
+        existing_file,
+        "PEM CA bundle: the server demands client certificates signed by it (mutual TLS); without it the server asks for none",
+        metavar="FILE",
+    ),
+    Flag("loop", choice("uvloop", "asyncio"), "event loop implementation (asyncio is the escape hatch)", "uvloop"),
+    Flag("log-level", choice("DEBUG", "INFO", "WARNING", "ERROR"), "log level", "INFO"),
+    Flag(
+        "log-format",
+        choice("text", "json"),
+        "text: one readable line per event; json: one JSON object per line with timestamp, level, service, "
+        "engine_id and, while serving a request, request_id and peer",
+        "text",
+    ),
+    Flag(
+        "manifest-parts",
+        boolean,
+        "decode: accept a job's state in manifest parts, READing each part while prefill computes the next "
+        "(pipelined transfer; prefill sends parts only with --prefill-chunk-tokens); off: always one manifest",
+        True,
+        metavar="on|off",
+        roles=("decode",),
+    ),
+    Flag(
+        "check-state",
+        boolean,
+        "decode: after every READ compare the received state with what prefill must have written "
+        "(every byte for the synthetic engine); a mismatch fails the request with DATA_LOSS",
+        False,
+        roles=("decode",),
+        switch=True,
+    ),
+    Flag(
+        "served-model-name",
+        model_name,
+        "the model name(s) of the HTTP API, as vLLM's --served-model-name: NAME[,NAME...] (or the flag repeated); "
+        "/v1/models lists the first, and a request's `model` may be any of them (another one is a 404 naming "
+        "`model`). Default: --model as given",
+        repeatable=True,
+        metavar="NAME[,NAME...]",
+    ),
+    Flag(
+        "verify-transfer",
+        choice("digest", "off"),
+        "digest: prefill sends a digest of every rank's FA / conv / SSM state per layer group with the "
+        "manifest and decode checks what it READ before its first model step (a mismatch fails the "
+        "request with DATA_LOSS); off: no digests (both services should agree)",
+        "digest",
+    ),
+    Flag(
+        "prefill",
+        host_port,
+        "prefill peer HOST:PORT; repeat for several (used round-robin); env takes a comma-separated list. "
+        "A DNS name stands for every address it resolves to (a Kubernetes headless Service: one per pod), "
+        "re-resolved every --discovery-seconds. Without any, decode serves only the decode leg of a P/D "
+        "router (kv_transfer_params name the prefill engine; it is handshaken on first sight)",
+        roles=("decode",),
+        repeatable=True,
+        metavar="HOST:PORT",
+    ),
+    Flag(
+        "reconnect-max-seconds",
+        positive_float,
+        "decode: a lost or unreachable prefill is retried with exponential backoff (from 0.1 s, full jitter) "
+        "up to this many seconds; one that refuses this engine as incompatible (other model or layout) is "
+        "retried at this interval and logged at ERROR once per distinct refusal",
+        2.0,
+        roles=("decode",),
+    ),
+    Flag(
+        "prefill-chunk-tokens",
+        non_negative_int,
+        "prefill: compute prompts in chunks of N tokens and, for a decode engine that accepts manifest parts, "
+        "send the attention blocks each chunk made final while the next chunk computes, so decode READs them "
+        "meanwhile (pipelined transfer; the SSM state follows with the last part). 0: off, one manifest after "
+        "the whole prompt. The hf engine then prefills in these chunks even for one manifest (bits equal to a colocated run with the same chunks, no longer to one forward); the reference and synthetic "
+        "engines write the same bytes in any chunks",
+        0,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
+        "max-batched-tokens",
+        positive_int,
+        "prefill: the most prompt tokens one prefill step computes (batched prefill, on an engine that batches: "
+        "paged). Jobs' next chunks share a step oldest first; the oldest always runs, even alone over the budget, "
+        "and with --prefill-chunk-tokens a long prompt takes one chunk a step, so short prompts arriving "
+        "meanwhile share its steps. A prompt's bits do not depend on what shares its steps",
+        DEFAULT_MAX_BATCHED_TOKENS,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
+        "manifest-part-tokens",
+        non_negative_int,
+        "prefill, with --prefill-chunk-tokens: send a manifest part only once at least N more tokens' attention "
+        "blocks are final, and always after the chunk before the last (so what moves after the prompt stays one "
+        "chunk). Every part costs both sides the same fixed work (a digest call, a message, a READ, a check), so "
+        "fewer, larger parts pay it less often where a chunk computes quickly. 0: a part after every chunk that "
+        "completes a block",
+        0,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
+        "layer-parts",
+        non_negative_int,
+        "prefill, with --prefill-chunk-tokens: send the last chunk's state in N parts of consecutive model layers, "
+        "each as soon as the last chunk computed its layers, so decode READs the first layers' K/V and SSM state "
+        "while the later layers still compute (for a decode engine that accepts layer parts; capped at the "
+        "model's layer count). The SSM state is final only after the last chunk, so without them it all moves "
+        "after the prompt. 0: one last part of every layer",
+        0,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
+        "advertise-address",
+        advertise_address,
+        "prefill: the gRPC address decode engines dial, named in the kv_transfer_params the HTTP prefill leg "
+        "answers (remote_host / remote_port); HOST or HOST:PORT (default: --host, or this machine's hostname "
+        "when --host is 0.0.0.0 or ::, and the bound gRPC port)",
+        roles=("prefill",),
+        metavar="HOST[:PORT]",
+    ),
+    Flag(
+        "prefix-cache-blocks",
+        non_negative_int,
+        "decode: keep up to this many attention blocks of finished prompts and READ only the K/V after a prompt's "
+        "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine, the hf engine with "
+        "--prefill-chunk-tokens on prefill); evicted least recently used when the cache needs blocks, so they only "
+        "hold blocks no request asked for. Default: 25%% of the cache's blocks for an engine whose prefix can be "
+        "stable (the reference and hf engines; the synthetic engine keeps nothing); 0: off",
+        roles=("decode",),
+        metavar="BLOCKS",
+    ),
+    Flag(
+        "prefix-cache-states",
+        non_negative_int,
+        "decode: keep the conv / SSM state (and the attention blocks the prefix cache does not share) of up to this "
+        "many finished requests' computed prompts; a request whose computed prompt is exactly one of them (a retry, "
+        "a regenerate, another sample of one prompt) then needs no prefill job and no READ. At the full boundary "
+        "(prefill samples the first token) it also needs the same sampling of that token: greedy, or the same "
+        "temperature, top_p, top_k and seed, and min_tokens masking the same ids. Needs --prefix-cache-blocks (the "
+        "leading attention blocks come from it); the copies live in the cache's own blocks (one request's state each), "
+        "taken only from free blocks, and given back least recently used (before the prefix cache's) when a request "
+        "needs blocks, never while in use. Default: with the prefix cache on, as many as the prefix cache's share of "
+        "blocks holds (a checkpoint takes about one block per KV-cache group); 0: off",
+        roles=("decode",),
+        metavar="N",
+    ),
+    Flag(
+        "local-prefill",
+        choice("fallback", "off"),
+        "decode: fallback computes a plain request's prompt on decode's own engine when no prefill engine is "
+        "ready (all restarting or unreachable, or none given with --prefill), so losing every prefill engine "
+        "slows requests down instead of failing them UNAVAILABLE; readiness waits for a first prefill peer at "
+        "start, then stays SERVING. off: such requests fail UNAVAILABLE and readiness follows the prefill peers. Counted in "
+        "hybrid_pd_local_prefills_total; a P/D decode leg (kv_transfer_params) never falls back",
+        "fallback",
+        roles=("decode",),
+        metavar="MODE",
+    ),
+    Flag(
+        "local-prefill-below",
+        non_negative_int,
+        "decode: prompts of fewer than N tokens are always computed on decode's own engine, never sent to a "
+        "prefill engine (moving a short prompt's state can cost more than computing it); 0: none",
+        0,
+        roles=("decode",),
+        metavar="N",
+    ),
+    Flag(
+        "discovery-seconds",
+        non_negative_float,
+        "decode: re-resolve the --prefill DNS names this often; new addresses are handshaken, vanished ones "
+        "drained (no new requests, in-flight ones finish) and dropped; 0 resolves once at start",
+        5.0,
+        roles=("decode",),
+        metavar="SECONDS",
+    ),
+)
+
+
+def flags_for(role: Role) -> tuple[Flag, ...]:
+    return tuple(f for f in FLAGS if role in f.roles)
