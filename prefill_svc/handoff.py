@@ -16,7 +16,8 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from prefill_svc.jobs import Job, JobRunner
+from prefill_svc.job import Job
+from prefill_svc.jobs import JobRunner
 from prefill_svc.pins import UNCLAIMED, PinTable
 from shared.cache.manifest import Manifest
 from shared.engine.sampling import GREEDY, SamplingParams

@@ -36,7 +36,8 @@ from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from prefill_svc.handoff import Handoffs
-from prefill_svc.jobs import JobRunner, job_from_message
+from prefill_svc.job import job_from_message
+from prefill_svc.jobs import JobRunner
 from prefill_svc.load import LoadBoard
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable

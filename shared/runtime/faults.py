@@ -26,7 +26,8 @@ The points (`pause` steps; the others are functions of their own):
 - `after_read` (decode): the state is read (or restored from a state checkpoint), decoding has
   not started;
 - `digested` (prefill): a request's (or a part's) digests were just taken;
-- `manifest_delivered` (decode): a manifest was just handed to the job that waits for it.
+- `manifest_delivered` (decode): a manifest was just handed to the job that waits for it;
+- `part_left` (prefill, pipelined transfer): manifest part `index` (not the last) has just left.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Injector:
     def manifest_delivered(self, request_id: str) -> None:
         """Called in the event-loop turn a manifest reached the job waiting for it."""
 
+    async def part_left(self, request_id: str, index: int) -> None:
+        """Awaited after manifest part `index` (not the last) left, after `between_parts`'s
+        pause, before the next span is queued when `holds("between_parts", ...)`."""
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -116,6 +121,11 @@ def failure(request_id: str) -> ServiceError | None:
 def manifest_delivered(request_id: str) -> None:
     if _active is not None:
         _active.manifest_delivered(request_id)
+
+
+async def part_left(request_id: str, index: int) -> None:
+    if _active is not None:
+        await _active.part_left(request_id, index)
 
 
 def digested(

@@ -239,25 +239,25 @@ async def test_a_release_while_a_layer_part_is_digested_frees_the_blocks_only_af
     computed to its end; the client goes away and decode releases the request (it has the token
     parts). The pin ends, but the blocks stay until the digest thread is done with them; then
     everything is free and the next request is exact."""
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     in_digest, go_on, computed = threading.Event(), threading.Event(), threading.Event()
-    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+    compute_span, digest_span = PartedJob.compute_span, PartedJob.digest_span
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         result = compute_span(self, job, run, blocks, start, *rest)
         if job.request_id == "gone-L" and in_digest.is_set():
             computed.set()  # the last chunk is done: only the digest thread still reads the blocks
         return result
 
-    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, ends: bool, layers: Any = None) -> Any:
+    def spy_digest(self: PartedJob, job: Any, blocks: Any, span: Any, ends: bool, layers: Any = None) -> Any:
         if job.request_id == "gone-L" and layers is not None and layers.start == 0:
             in_digest.set()
             go_on.wait(30)
         return digest_span(self, job, blocks, span, ends, layers)
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
-    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "digest_span", spy_digest)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=flags(2)) as pair:
         call = asyncio.ensure_future(pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="gone-L"))
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import cache
 from typing import Any
 
@@ -29,6 +29,24 @@ from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
+
+
+class HoldAfterPart(Injector):
+    """TEST-ONLY: holds prefill after each manifest part but the last (`hold(request_id, index)`)
+    before its next chunk is queued; corruption as `inner` says."""
+
+    def __init__(self, hold: Callable[[str, int], Awaitable[None]], inner: Injector | None = None) -> None:
+        self.hold, self.inner = hold, inner or Injector()
+
+    def holds(self, step: str, request_id: str) -> bool:
+        return step == "between_parts"
+
+    async def part_left(self, request_id: str, index: int) -> None:
+        await self.hold(request_id, index)
+
+    def corruption(self, request_id: str) -> str | None:
+        return self.inner.corruption(request_id)
+
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -94,12 +112,11 @@ async def test_pipelined_tokens_equal_colocated(
 
 
 @pytest.mark.asyncio
-async def test_a_part_is_read_while_prefill_holds_before_its_next_chunk() -> None:
+async def test_a_part_is_read_while_prefill_holds_before_its_next_chunk(inject_faults: Callable[[Injector], None]) -> None:
     """TEST-ONLY hold after part 1: prefill's NIXL notification of that part's READ arrives while
     the next chunk has not started; released, the request completes exactly."""
     model, length = "tiny-mamba2", 120
     async with service_pair(model, 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
-        runner = pair.prefill.servicer.runner
         router = pair.prefill.host.poller.router
         held, release = asyncio.Event(), asyncio.Event()
         computed_at_hold: list[int] = []
@@ -110,7 +127,7 @@ async def test_a_part_is_read_while_prefill_holds_before_its_next_chunk() -> Non
                 held.set()
                 await release.wait()
 
-        runner.after_part = hold
+        inject_faults(HoldAfterPart(hold))
         call = asyncio.ensure_future(pair.generate(prompt_of(length), MAX_TOKENS))
         await asyncio.wait_for(held.wait(), 60)
         for _ in range(500):  # part 1's READ notifies prefill while prefill still holds
@@ -159,14 +176,14 @@ async def test_a_failed_part_ends_the_request_while_prefill_still_computes(
             holding.append(index)
             await release.wait()
 
-        pair.prefill.servicer.runner.after_part = hold
+        inject_faults(HoldAfterPart(hold, FaultPlan(corrupt="fa:victim-")))
         call = asyncio.ensure_future(pair.generate(prompt_of(100), MAX_TOKENS, request_id="victim-early"))
         try:
             failed = await asyncio.wait_for(asyncio.gather(call, return_exceptions=True), 60)
         finally:
             held_throughout = holding == [0] and not release.is_set()
             release.set()
-        pair.prefill.servicer.runner.after_part = None
+        inject_faults(FaultPlan(corrupt="fa:victim-"))
         freed = await all_freed(pair)
         ended = dict(pair.prefill.pins.ended)
     error = failed[0]
@@ -286,7 +303,7 @@ async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatc
 
 
 @pytest.mark.asyncio
-async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
+async def test_a_request_cancelled_between_parts_frees_both_sides(inject_faults: Callable[[Injector], None]) -> None:
     """The client goes away while prefill holds after part 1 (already READ): decode releases the
     request once that part's READs are released, prefill stops the job, and every block is free."""
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
@@ -296,7 +313,7 @@ async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
             held.set()
             await release.wait()
 
-        pair.prefill.servicer.runner.after_part = hold
+        inject_faults(HoldAfterPart(hold))
         call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-1"))
         await asyncio.wait_for(held.wait(), 60)
         call.cancel()
@@ -305,7 +322,7 @@ async def test_a_request_cancelled_between_parts_frees_both_sides() -> None:
         freed = (pair.prefill.host.allocator.num_used, pair.decode.host.allocator.num_used, len(pair.prefill.pins))
         ended = dict(pair.prefill.pins.ended)
         release.set()
-        pair.prefill.servicer.runner.after_part = None
+        inject_faults(Injector())
         healthy = await pair.generate(prompt_of(120), MAX_TOKENS)
     assert freed == (0, 0, 0) and ended.get("released") == 1, (freed, ended)
     assert tuple(healthy.token_ids) == expected("tiny-mamba2", 120)
@@ -320,12 +337,12 @@ async def test_the_next_chunk_is_queued_before_a_part_leaves(monkeypatch: pytest
     import threading
 
     import prefill_svc.session as session
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     started_after_first = threading.Event()
-    compute_span = JobRunner._compute_span
+    compute_span = PartedJob.compute_span
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         if start > 0:
             started_after_first.set()
         return compute_span(self, job, run, blocks, start, *rest)
@@ -338,7 +355,7 @@ async def test_the_next_chunk_is_queued_before_a_part_leaves(monkeypatch: pytest
             seen.append(started_after_first.wait(10))
         return to_message(m)
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
     monkeypatch.setattr(session, "manifest_message", message_of)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         got = await pair.generate(prompt_of(120), MAX_TOKENS)
@@ -355,14 +372,14 @@ async def test_the_span_after_next_is_queued_before_the_loop_sees_a_result(monke
     colocated all the same (a pure ordering test)."""
     import threading
 
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     loop = asyncio.get_running_loop()
     span_one_started = threading.Event()
     seen: list[bool] = []
-    compute_span = JobRunner._compute_span
+    compute_span = PartedJob.compute_span
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         if start > 0:
             span_one_started.set()
         result = compute_span(self, job, run, blocks, start, *rest)
@@ -370,7 +387,7 @@ async def test_the_span_after_next_is_queued_before_the_loop_sees_a_result(monke
             loop.call_soon_threadsafe(lambda: seen.append(span_one_started.wait(10)))
         return result
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         got = await pair.generate(prompt_of(120), MAX_TOKENS)
     assert seen == [True]
@@ -386,24 +403,24 @@ async def test_a_part_is_digested_beside_the_next_chunk_not_before_it(monkeypatc
     the compute thread, right after the last chunk."""
     import threading
 
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     span_one_started = threading.Event()
-    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+    compute_span, digest_span = PartedJob.compute_span, PartedJob.digest_span
     seen: list[tuple[bool, bool, str]] = []  # (last, span 1 had started, thread)
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         if start > 0:
             span_one_started.set()
         return compute_span(self, job, run, blocks, start, *rest)
 
-    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
+    def spy_digest(self: PartedJob, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
         started = span_one_started.wait(10) if span.tokens_from == 0 else span_one_started.is_set()
         seen.append((last, started, threading.current_thread().name))
         return digest_span(self, job, blocks, span, last, layers)
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
-    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "digest_span", spy_digest)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         got = await pair.generate(prompt_of(120), MAX_TOKENS)
     assert tuple(got.token_ids) == expected("tiny-mamba2", 120)
@@ -421,19 +438,19 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
     digests are done with them (freed then, everything ends free); the next request is exact."""
     import threading
 
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     in_digest, go_on, ahead_done = threading.Event(), threading.Event(), threading.Event()
-    compute_span, digest_span = JobRunner._compute_span, JobRunner._digest_span
+    compute_span, digest_span = PartedJob.compute_span, PartedJob.digest_span
     digested: list[int] = []
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         result = compute_span(self, job, run, blocks, start, *rest)
         if job.request_id == "gone-3" and in_digest.is_set():
             ahead_done.set()  # the span queued ahead of part 1's digests is computed
         return result
 
-    def spy_digest(self: JobRunner, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
+    def spy_digest(self: PartedJob, job: Any, blocks: Any, span: Any, last: bool, layers: Any = None) -> Any:
         if job.request_id == "gone-3":
             digested.append(span.tokens_from)
             if len(digested) == 2:
@@ -441,8 +458,8 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
                 go_on.wait(30)
         return digest_span(self, job, blocks, span, last, layers)
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
-    monkeypatch.setattr(JobRunner, "_digest_span", spy_digest)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "digest_span", spy_digest)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-3"))
         try:
@@ -472,13 +489,13 @@ async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_every
     computes, the blocks are freed only then, and everything ends free; the next request is exact."""
     import threading
 
-    from prefill_svc.jobs import JobRunner
+    from prefill_svc.parted_job import PartedJob
 
     in_span_one, go_on = threading.Event(), threading.Event()
     starts: list[int] = []
-    compute_span = JobRunner._compute_span
+    compute_span = PartedJob.compute_span
 
-    def spy_span(self: JobRunner, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
         if job.request_id == "gone-2":
             starts.append(start)
             if len(starts) == 2:
@@ -486,7 +503,7 @@ async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_every
                 go_on.wait(30)
         return compute_span(self, job, run, blocks, start, *rest)
 
-    monkeypatch.setattr(JobRunner, "_compute_span", spy_span)
+    monkeypatch.setattr(PartedJob, "compute_span", spy_span)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-2"))
         try:

@@ -12,7 +12,7 @@ import torch
 from decode_svc.app import DecodeApp
 from decode_svc.state_checkpoints import Checkpoint
 from prefill_svc import session as session_module
-from prefill_svc.jobs import Job
+from prefill_svc.job import Job
 from shared.cache.model_views import torch_dtype
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 

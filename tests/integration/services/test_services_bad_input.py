@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from decode_svc.peer_link import PeerLink
-from prefill_svc.jobs import Job
+from prefill_svc.job import Job
 from shared.cache.manifest import Manifest
 from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb

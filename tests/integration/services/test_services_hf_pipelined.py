@@ -15,8 +15,8 @@ import pytest
 from decode_svc.generation import Generation
 from decode_svc.reader import ReadStats
 from decode_svc.request import RequestContext
-from prefill_svc.jobs import JobRunner
-from shared.cache.digest import SectionDigest
+from prefill_svc.job import ComputedState
+from prefill_svc.parted_job import PartedJob
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from tests.integration.services.colocated_tokens import CHECKPOINT_ENGINES, colocated_tokens
 from tests.integration.services.hf_services import generate_ids, hf_pair
@@ -32,14 +32,14 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
     hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, family: str, p_tp: int, d_tp: int, engine: str
 ) -> None:
     span_seconds: list[float] = []  # the engine seconds of each part's span, as the job measured them
-    compute_span = JobRunner._compute_span
+    compute_span = PartedJob.compute_span
 
-    def recorded(self: JobRunner, *args: Any) -> tuple[int | None, list[SectionDigest], float, float]:
+    def recorded(self: PartedJob, *args: Any) -> ComputedState:
         result = compute_span(self, *args)
-        span_seconds.append(result[3])
+        span_seconds.append(result.engine_seconds)
         return result
 
-    monkeypatch.setattr(JobRunner, "_compute_span", recorded)
+    monkeypatch.setattr(PartedJob, "compute_span", recorded)
     directory = hf_checkpoint(family)
     prompts = [[(7 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate((CHUNK, CHUNK + 1, 150, 233))]
     flags = ("--prefill-chunk-tokens", str(CHUNK))
