@@ -117,7 +117,14 @@ def _parse_value(flag: Flag, raw: str, source: str) -> object:
 
 # Variables of ours that are not flags: TEST-ONLY hooks, the test suite's switches (slow sweeps;
 # CI, where a skip fails) and where made checkpoints are cached.
-NOT_FLAGS = ("HYBRID_PD_TEST_PAUSE", "HYBRID_PD_TEST_CORRUPT", "HYBRID_PD_SLOW", "HYBRID_PD_CI", "HYBRID_PD_CACHE")
+NOT_FLAGS = (
+    "HYBRID_PD_TEST_PAUSE",
+    "HYBRID_PD_TEST_CORRUPT",
+    "HYBRID_PD_TEST_FAIL",
+    "HYBRID_PD_SLOW",
+    "HYBRID_PD_CI",
+    "HYBRID_PD_CACHE",
+)
 
 
 def environment_warnings(role: Role, environ: Mapping[str, str]) -> list[str]:

@@ -114,7 +114,7 @@ def test_ignored_environment_variables_are_warned_about(capsys: pytest.CaptureFi
 
     env = {"HYBRID_PD_TP": "2", "HYBRID_PD_PREFIL": "x:1", "HYBRID_PD_PREFILL": "h:1", "HYBRID_PD_TEST_PAUSE": ""}
     # Ours but not flags: CI's switch and the checkpoint cache (a warning would break JSON logs).
-    env |= {"HYBRID_PD_CI": "1", "HYBRID_PD_CACHE": "/somewhere"}
+    env |= {"HYBRID_PD_CI": "1", "HYBRID_PD_CACHE": "/somewhere", "HYBRID_PD_TEST_FAIL": "", "HYBRID_PD_TEST_CORRUPT": ""}
     settings = parse_settings("prefill", ["--port", "0"], environ=env)
     err = capsys.readouterr().err
     assert settings.tp == 2
@@ -122,6 +122,7 @@ def test_ignored_environment_variables_are_warned_about(capsys: pytest.CaptureFi
     assert "prefill-svc: warning: HYBRID_PD_PREFILL is a decode-svc flag; prefill-svc ignores it" in err
     assert "HYBRID_PD_TP" not in err and "HYBRID_PD_TEST_PAUSE" not in err
     assert "HYBRID_PD_CI" not in err and "HYBRID_PD_CACHE" not in err
+    assert "HYBRID_PD_TEST_FAIL" not in err and "HYBRID_PD_TEST_CORRUPT" not in err  # the fault seam's (TEST-ONLY)
     parse_settings("decode", ["--prefill", "h:1"], environ={"HYBRID_PD_TP": "1"})
     assert capsys.readouterr().err == ""  # nothing ignored, nothing said
 
