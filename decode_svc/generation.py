@@ -93,6 +93,7 @@ from shared.errors import (
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
+from shared.rpc.logprobs_message import checked_first
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.step_loop import StepLoop
 from shared.telemetry import Telemetry
@@ -266,7 +267,8 @@ class Generation:
                 try:
                     token = None if early is None else await early.first(job)
                     if token is not None:  # prefill drew it ahead of its manifest: it goes out at once
-                        yield out.chunk([token])
+                        assert early is not None
+                        yield out.chunk([token], checked_first(early.logprobs, token, req.logprobs, "first_token.logprobs"))
                         ended = req.stop.finish(token, 1)
                         if ended is not None and not job.done():  # no state is needed, so no manifest either
                             assert early is not None and early.link is not None
@@ -299,6 +301,9 @@ class Generation:
                 first = first_token_of(manifest, self.host, link.engine_id)
                 if early is not None:
                     early.check(first, link.engine_id)
+                first_logprobs = None
+                if first is not None and not sent_early:
+                    first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
                 ended = None if first is None else req.stop.finish(first, 1)
                 if ended is None:
                     read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
@@ -307,7 +312,7 @@ class Generation:
                     else:
                         reading = asyncio.ensure_future(read)
                         try:
-                            yield out.chunk([first])  # while the READ runs: the transfer hides behind it
+                            yield out.chunk([first], first_logprobs)  # while the READ runs: the transfer hides behind it
                             stats = await reading
                         finally:
                             if not reading.done():  # the client went away during the first chunk
@@ -325,7 +330,7 @@ class Generation:
                 # READs of parts already started are stopped; prefill frees once they are released).
                 await parts.cancel()
                 reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
-                for response in (None if sent_early else out.chunk([first]), out.tail()):
+                for response in (None if sent_early else out.chunk([first], first_logprobs), out.tail()):
                     if response is not None:
                         yield response
                 transfer = Transfer(link, manifest, ReadStats(), prefill_seconds)
@@ -413,6 +418,7 @@ class Generation:
             on_part=on_part if self.manifest_parts else None,
             cached_tokens=cached,
             on_first_token=None if early is None else functools.partial(early.take, link),
+            logprobs=req.logprobs,
         )
         return session, link, manifest
 
@@ -544,13 +550,13 @@ class Generation:
                 )
             )
         )
-        member = self.step_loop.join(decode, req.stop, req.deadline, blocks, generated=out.generated)
+        member = self.step_loop.join(decode, req.stop, req.deadline, blocks, generated=out.generated, logprobs=req.logprobs)
         try:
             async for token in member.tokens():
                 if out.generated == 0:  # the request's first token is decode's own (n-1 boundary)
                     out.first_step_seconds = start_seconds + token.step_seconds
                 out.finish = token.finish
-                yield out.chunk([token.token_id])
+                yield out.chunk([token.token_id], None if token.logprobs is None else [token.logprobs])
         finally:
             self.step_loop.leave(member)
             compute.after(member.last_step)  # its blocks stay until a step still running with it ends

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from decode_svc import tokenizer
 from decode_svc.servicer import DecodeServicer, EarlyStop
 from shared import limits
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.text import TextStream, Tokenizer
 from shared.errors import InvalidArgument, ServiceError
 from shared.http import objects, sse
@@ -34,11 +35,13 @@ from shared.http.app import ServiceInfo, api, check_model, json_body
 from shared.http.chat_template import ChatTemplate
 from shared.http.errors import http_error, internal_error, renamed
 from shared.http.kv_transfer import wants_remote_prefill
+from shared.http.logprobs import CompletionLogprobs, chat_logprobs
 from shared.http.params import CommonParams, parse_chat, parse_completion
 from shared.http.params import SamplingParams as HttpSampling
 from shared.http.render import prompt_ids
 from shared.http.stop import StopMatcher
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.logprobs_message import logprobs_of
 from shared.runtime.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
@@ -89,8 +92,9 @@ class Generated:
         except StopAsyncIteration:
             self._first = None
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text to emit, in order (may be empty strings); ends at max_tokens or a stop sequence.
+    async def pieces(self) -> AsyncIterator[tuple[str, list[TokenLogprobs]]]:
+        """Text to emit, in order (may be empty strings), with the logprobs of the tokens it
+        came from (when asked); ends at max_tokens or a stop sequence.
 
         With stop sequences the ids are decoded here one token at a time (the tokenizer
         Generation uses), so a match stops at the token that completed it and `usage` counts
@@ -102,21 +106,25 @@ class Generated:
                 if response.WhichOneof("payload") == "summary" and response.summary.finish_reason == pb.FINISH_REASON_STOP:
                     self.outcome.finish_reason = "stop"  # an EOS or stop token id
                 if response.WhichOneof("payload") == "chunk":
+                    chunk = response.chunk
                     if per_token is None:
-                        self.outcome.completion_tokens += len(response.chunk.token_ids)
-                        yield self._stop.feed(response.chunk.text)
+                        self.outcome.completion_tokens += len(chunk.token_ids)
+                        yield self._stop.feed(chunk.text), [logprobs_of(lp) for lp in chunk.logprobs]
                     else:
-                        yield self._feed_tokens(per_token, response.chunk.token_ids)
+                        text, used = self._feed_tokens(per_token, chunk.token_ids)
+                        yield text, [logprobs_of(lp) for lp in chunk.logprobs[:used]]
                     if self._stop.stopped:
                         self.outcome.finish_reason = "stop"
                         self._early.stopped = True
                         return
                 response = await anext(self._responses, None)
-            yield self._stop.feed(per_token.finish()) + self._stop.finish() if per_token else self._stop.finish()
+            rest = self._stop.feed(per_token.finish()) + self._stop.finish() if per_token else self._stop.finish()
+            yield rest, []
         finally:
             await self.aclose()
 
-    def _feed_tokens(self, decoder: TextStream, ids: Sequence[int]) -> str:
+    def _feed_tokens(self, decoder: TextStream, ids: Sequence[int]) -> tuple[str, int]:
+        """The text of `ids` up to a stop sequence, and how many of them it took."""
         out = []
         for token in ids:
             self.outcome.completion_tokens += 1
@@ -124,15 +132,21 @@ class Generated:
             out.append(self._stop.feed(decoder.feed([token]), armed=armed))
             if self._stop.stopped:
                 break
-        return "".join(out)
+        return "".join(out), len(out)
 
     async def aclose(self) -> None:
         """Ends the generation (frees its blocks) if it is still running; idempotent."""
         await self._responses.aclose()  # type: ignore[attr-defined]
 
-    async def text(self) -> str:
+    async def text(self) -> tuple[str, list[TokenLogprobs]]:
+        """The whole text, and the logprobs of its tokens (when asked)."""
+        texts: list[str] = []
+        logprobs: list[TokenLogprobs] = []
         try:
-            return "".join([piece async for piece in self.pieces()])
+            async for text, lps in self.pieces():
+                texts.append(text)
+                logprobs += lps
+            return "".join(texts), logprobs
         finally:
             await self.aclose()
 
@@ -157,15 +171,22 @@ class DecodeHttp:
         ids = prompt_ids(params, self.tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "prompt")
         header = objects.Header.new(f"cmpl-{rid}", model)
+        shaped = CompletionLogprobs(self.tokenizer) if params.logprobs is not None else None
         if not params.stream:
-            text = await generated.text()
+            text, logprobs = await generated.text()
             out = generated.outcome
-            return JSONResponse(objects.completion(header, text, out.finish_reason, out.usage))
+            body = objects.completion(header, text, out.finish_reason, out.usage)
+            if shaped is not None:
+                body["choices"][0]["logprobs"] = shaped.part(logprobs)
+            return JSONResponse(body)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            async for piece in generated.pieces():
-                if piece:
-                    yield objects.completion_chunk(header, piece, None, params.include_usage)
+            async for piece, logprobs in generated.pieces():
+                if piece or logprobs:
+                    chunk = objects.completion_chunk(header, piece, None, params.include_usage)
+                    if shaped is not None:
+                        chunk["choices"][0]["logprobs"] = shaped.part(logprobs)
+                    yield chunk
             yield objects.completion_chunk(header, "", generated.outcome.finish_reason, params.include_usage)
             if params.include_usage:
                 yield objects.usage_chunk(header, "text_completion", generated.outcome.usage)
@@ -178,16 +199,23 @@ class DecodeHttp:
         ids = prompt_ids(params, self.tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "messages")
         header = objects.Header.new(f"chatcmpl-{rid}", model)
+        wants = params.logprobs is not None
         if not params.stream:
-            text = await generated.text()
+            text, logprobs = await generated.text()
             out = generated.outcome
-            return JSONResponse(objects.chat_completion(header, text, out.finish_reason, out.usage))
+            body = objects.chat_completion(header, text, out.finish_reason, out.usage)
+            if wants:
+                body["choices"][0]["logprobs"] = chat_logprobs(self.tokenizer, logprobs)
+            return JSONResponse(body)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             yield objects.chat_chunk(header, {"role": "assistant", "content": ""}, None, params.include_usage)
-            async for piece in generated.pieces():
-                if piece:
-                    yield objects.chat_chunk(header, {"content": piece}, None, params.include_usage)
+            async for piece, logprobs in generated.pieces():
+                if piece or logprobs:
+                    chunk = objects.chat_chunk(header, {"content": piece}, None, params.include_usage)
+                    if wants:
+                        chunk["choices"][0]["logprobs"] = chat_logprobs(self.tokenizer, logprobs)
+                    yield chunk
             yield objects.chat_chunk(header, {}, generated.outcome.finish_reason, params.include_usage)
             if params.include_usage:
                 yield objects.usage_chunk(header, "chat.completion.chunk", generated.outcome.usage)
@@ -209,6 +237,8 @@ class DecodeHttp:
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
         )
+        if params.logprobs is not None:
+            grpc_request.logprobs = params.logprobs
         if wants_remote_prefill(params.kv_transfer_params):  # a P/D router's decode leg: passed through as JSON
             grpc_request.kv_transfer_params = json.dumps(params.kv_transfer_params)
         names = {

@@ -23,6 +23,7 @@ from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
+from shared.engine.first_logprobs import prefill_with_logprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -61,10 +62,13 @@ class LocalPrefill:
         engine = self.host.engine
         out = client_stream(self.host, req, self.telemetry)
         started = time.monotonic()
-        first, engine_seconds = await compute(lambda: timed(engine.prefill, req.prompt, local, req.sampling))
+        drawn, engine_seconds = await compute(
+            lambda: timed(prefill_with_logprobs, engine, req.prompt, local, req.sampling, req.logprobs)
+        )
+        first, first_logprobs = drawn
         prefill_seconds = time.monotonic() - started
         if first is not None:  # the full-N boundary: the engine drew the first token
-            yield out.chunk([first])
+            yield out.chunk([first], None if first_logprobs is None else [first_logprobs])
             out.finish = req.stop.finish(first, 1)
         if out.finish is None:
             async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first):

@@ -42,6 +42,7 @@ class RequestContext:
     # The decode leg of vLLM's P/D protocol: the prefill engine and pinned request that
     # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
     remote: RemotePrefill | None = None
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
@@ -83,7 +84,16 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
     options = decode_options(request, host.engine)
     return RequestContext(
-        request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop, remote
+        request_id,
+        prompt,
+        request.max_tokens,
+        prompt_field,
+        deadline,
+        started,
+        options.sampling,
+        options.stop,
+        remote,
+        request.logprobs if request.HasField("logprobs") else None,
     )
 
 

@@ -13,9 +13,11 @@ from decode_svc.reader import ReadStats
 from decode_svc.request import RequestContext
 from decode_svc.request_options import finish_reason_message
 from shared.cache.manifest import Manifest
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.stopping import FinishReason
 from shared.engine.text import TextStream
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.logprobs_message import logprobs_message
 from shared.rpc.proto_time import duration, nanoseconds
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
@@ -54,13 +56,17 @@ class ClientStream:
         self.first_step_seconds = 0.0
         self.finish: FinishReason | None = None  # set by the step that ends the request
 
-    def chunk(self, ids: list[int]) -> pb.GenerateResponse:
+    def chunk(self, ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> pb.GenerateResponse:
+        """`ids` with their text, and their logprobs (one each) when the request asked."""
         self.generated += len(ids)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             if self._telemetry is not None:
                 self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
-        return pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=self._text.feed(ids)))
+        chunk = pb.TokenChunk(token_ids=ids, text=self._text.feed(ids))
+        if logprobs:
+            chunk.logprobs.extend(logprobs_message(lp) for lp in logprobs)
+        return pb.GenerateResponse(chunk=chunk)
 
     def tail(self) -> pb.GenerateResponse | None:
         """The text still held back (an incomplete character), if any."""

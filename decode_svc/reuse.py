@@ -136,13 +136,22 @@ class DecodeReuse:
         computed = self.host.engine.num_prefill_tokens(len(req.prompt))
         chain = chain_of(link, self.host)
         hit = self.prefix.lookup(chain, req.prompt, computed)
+        if not self._restores(req):
+            return Reused(hit, None, link)
         return Reused(hit, self.states.lookup(chain, req.prompt, computed, hit, req.sampling), link)
+
+    def _restores(self, req: RequestContext) -> bool:
+        """A full-N checkpoint keeps its first token, not that token's logprobs: a request that
+        asks for logprobs takes the job instead."""
+        return req.logprobs is None or not self.states.full
 
     def restorable(self, links: Sequence[PeerLink], req: RequestContext) -> PeerLink | None:
         """The first of `links` under whose chain `lookup` finds a state checkpoint of the prompt
         (with its prefix cache lead), for a request no prefill engine is ready to take; nothing
         pinned or counted until that `lookup`."""
         computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+        if not self._restores(req):
+            return None
         for link in links:
             chain = chain_of(link, self.host)
             lead = self.prefix.cached_blocks(chain, req.prompt, computed)

@@ -40,9 +40,11 @@ import torch
 from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.pins import Pin, PinTable
-from shared import tracing
+from shared import limits, tracing
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
+from shared.engine.first_logprobs import prefill_with_logprobs, run_logprobs
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, leaves_a_token
@@ -72,6 +74,7 @@ class Job:
     cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
     wants_first_token: bool = False  # full-N: the first token goes out the moment it is drawn
     accepts_layer_parts: bool = False  # with parts: the last chunk's state may come in layer parts
+    logprobs: int | None = None  # full-N: the first token's logprobs with the k likeliest (None: none)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -88,7 +91,21 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         job.cached_prompt_tokens,
         job.accept_first_token,
         job.accept_layer_parts,
+        job_logprobs(job),
     )
+
+
+def job_logprobs(job: pb.PrefillJob) -> int | None:
+    if not job.HasField("logprobs"):
+        return None
+    return limits.LOGPROBS.check(job.logprobs, "job.logprobs")
+
+
+@dataclass
+class FirstLogprobs:
+    """The first token's logprobs, set on the compute thread as it is drawn (full-N, when asked)."""
+
+    value: TokenLogprobs | None = None
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -133,9 +150,9 @@ def check_cached_tokens(cached: int, computed: int) -> None:
 PartSink = Callable[[Manifest], None]
 """Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
 
-TokenSink = Callable[[int, float], None]
+TokenSink = Callable[[int, float, TokenLogprobs | None], None]
 """Takes the first output token of a job that asked for it, with the engine's seconds computing
-the prompt, on the event loop, the moment the compute thread drew it: before the digests, the
+the prompt and its logprobs (when the job asked), on the event loop, the moment the compute thread drew it: before the digests, the
 pin and the manifest."""
 
 
@@ -203,11 +220,12 @@ class JobRunner:
         started = time.monotonic()
         spans = self.spans_for(job, computed, on_part)
         announce = _announcer(job, on_first_token)
+        drawn = FirstLogprobs()
         if len(spans) > 1:
             assert on_part is not None
-            return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part, announce)
+            return await self._run_parts(job, tid, blocks, computed, spans, started, on_end, on_part, announce, drawn)
         # Queued now as the compute thread's own future: no task around it to schedule and resume.
-        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce))
+        compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce, drawn))
         try:
             first_token, digests, digest_seconds, engine_seconds = await asyncio.shield(compute)
             tracing.mark(Step.COMPUTED)
@@ -250,6 +268,7 @@ class JobRunner:
             first_token=first_token,
             skipped_tokens=job.cached_tokens,
             engine_ns=int(engine_seconds * 1e9),
+            first_logprobs=drawn.value,
         )
 
     async def _run_parts(
@@ -263,6 +282,7 @@ class JobRunner:
         on_end: Callable[[str], None] | None,
         on_part: PartSink,
         announce: TokenSink | None,
+        drawn: FirstLogprobs,
     ) -> Manifest:
         loop = asyncio.get_running_loop()
         engine = self.host.engine
@@ -314,6 +334,7 @@ class JobRunner:
                     engine_before,
                     announce if last else None,
                     digest,
+                    drawn,
                     feed if last else None,
                 )
                 engine_before += done[3]
@@ -366,6 +387,7 @@ class JobRunner:
                 part=ManifestPart(index, count, span.tokens_from, span.tokens_to, layers),
                 skipped_tokens=job.cached_tokens,
                 engine_ns=int(engine_seconds * 1e9),
+                first_logprobs=drawn.value if first_token is not None else None,
             )
 
         def check_deadline() -> None:
@@ -457,6 +479,7 @@ class JobRunner:
         engine_before: float,
         announce: TokenSink | None,
         digest: bool,
+        drawn: FirstLogprobs,
         feed: LayerPartFeed | None = None,
     ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the chunks up to the span's end (the last chunk reporting its
@@ -470,10 +493,11 @@ class JobRunner:
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
+        drawn.value = run_logprobs(run, first_token, job.logprobs)
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
         computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:
-            announce(first_token, engine_before + computing)
+            announce(first_token, engine_before + computing, drawn.value)
         if not digest or not self.host.verify_transfer:
             return first_token, [], aside_of_engine, computing
         digests, took = self._digest_span(job, blocks, span, last, None if feed is None else feed.ranges[-1])
@@ -507,16 +531,16 @@ class JobRunner:
         return digests, took
 
     def _compute(
-        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
     ) -> tuple[int | None, list[SectionDigest], float, float]:
         """On the compute thread: the engine writes the state (and at the full-N boundary samples
         the first token, given to `announce` at once), then its digests are taken (returned with
         the seconds they and the engine took)."""
         computing = time.monotonic()
-        first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
+        first_token, drawn.value = prefill_with_logprobs(self.host.engine, job.prompt, blocks, job.sampling, job.logprobs)
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
-            announce(first_token, computing)
+            announce(first_token, computing, drawn.value)
         if not self.host.verify_transfer:
             return first_token, [], 0.0, computing
         started = time.monotonic()
@@ -535,8 +559,8 @@ def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
         return None
     sink, loop = on_first_token, asyncio.get_running_loop()
 
-    def announce(token: int, engine_seconds: float) -> None:
-        loop.call_soon_threadsafe(sink, token, engine_seconds)
+    def announce(token: int, engine_seconds: float, logprobs: TokenLogprobs | None) -> None:
+        loop.call_soon_threadsafe(sink, token, engine_seconds, logprobs)
 
     return announce
 

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cache.digest import SectionDigest
+from shared.engine.logprobs import TokenLogprobs
 
 IntArray = npt.NDArray[np.int64]
 
@@ -63,6 +64,8 @@ class Manifest:
     part: ManifestPart | None = None
     # The engine's own model calls for the prompt (part of prefill_ns; parts: the sum so far).
     engine_ns: int = 0
+    # With first_token, for a job that asked: its logprobs.
+    first_logprobs: TokenLogprobs | None = None
 
     @property
     def last(self) -> bool:
@@ -103,7 +106,7 @@ class Manifest:
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
         more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "engine_ns")
-        parts = ("first_token", "part", "skipped_tokens")
+        parts = ("first_token", "part", "skipped_tokens", "first_logprobs")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
 
     __hash__ = None  # type: ignore[assignment]

@@ -42,6 +42,7 @@ class ReferenceDecodeSession:
         self._pending = list(prompt[num_computed:])  # prompt tokens decode still has to compute
         self._pos = num_computed
         self._last: int  # the last sampled token, set by the first step
+        self.last_logits: torch.Tensor | None = None  # what the last step drew from (logprobs)
         if not self._pending:
             raise ValueError("decode needs at least the last prompt token to compute")
 
@@ -61,6 +62,7 @@ class ReferenceDecodeSession:
         s, i = self._sampling, self._index
         self._last = greedy(masked(logits, s, i)) if s.greedy else sample(logits, s, i)
         self._index += 1
+        self.last_logits = logits
         return self._last
 
 

@@ -58,6 +58,7 @@ class CommonParams:
     sampling: SamplingParams
     kv_transfer_params: dict[str, Any] | None
     user: str | None = None
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,8 @@ def parse_completion(raw: object) -> CompletionParams:
     max_tokens = _int(body, "max_tokens", limits.MAX_TOKENS, default=DEFAULT_COMPLETION_MAX_TOKENS)
     _absent_or(body, "echo", False, why="echo is not supported")
     _absent_or(body, "suffix", "", why="suffix is not supported")
-    _absent_or(body, "logprobs", why="logprobs are not supported")
-    return CompletionParams(prompt=prompt, **_common(body, max_tokens, "max_tokens"))
+    logprobs = _int(body, "logprobs", limits.LOGPROBS)
+    return CompletionParams(prompt=prompt, logprobs=logprobs, **_common(body, max_tokens, "max_tokens"))
 
 
 def _content(value: object, where: str) -> str:
@@ -281,7 +282,15 @@ def parse_chat(raw: object) -> ChatParams:
     messages = _messages(body.get("messages"))
     field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field_name, limits.MAX_TOKENS)
-    _absent_or(body, "logprobs", False, why="logprobs are not supported")
     _absent_or(body, "tools", [], why="tool calls are not supported")
     _absent_or(body, "response_format", {"type": "text"}, why="only text responses are supported")
-    return ChatParams(messages=messages, **_common(body, max_tokens, field_name))
+    return ChatParams(messages=messages, logprobs=_chat_logprobs(body), **_common(body, max_tokens, field_name))
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's `logprobs` (true: the drawn tokens') and `top_logprobs` (how many likeliest), as one count."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", limits.LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidArgument("needs logprobs: true", field="top_logprobs")
+    return (top or 0) if wanted else None

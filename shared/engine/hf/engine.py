@@ -232,6 +232,7 @@ class HfPrefillRun:
         self._end = engine.num_prefill_tokens(len(prompt))
         self._cache = engine.checkpoint.new_cache()
         self._pos = 0
+        self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
 
     def _write_kv(self, layer: int, start: int, end: int) -> None:
         """Mirror K/V of positions [start, end) of attention layer `layer` into the blocks."""
@@ -288,7 +289,10 @@ class HfPrefillRun:
             if on_layer is not None:
                 on_layer(layer)
         self._pos = end
-        return sample(logits, self._sampling, 0) if engine.boundary == "full" else None
+        if engine.boundary != "full":
+            return None
+        self.first_logits = logits
+        return sample(logits, self._sampling, 0)
 
 
 class HfDecodeSession:

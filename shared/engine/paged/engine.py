@@ -262,6 +262,7 @@ class PagedPrefillRun:
         self._end = engine.num_prefill_tokens(len(prompt))
         self._pos = 0
         self._carried: SsmStates = {}
+        self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
 
     @torch.no_grad()
     def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
@@ -277,6 +278,7 @@ class PagedPrefillRun:
         )
         self._pos = end
         if last and engine.boundary == "full":
+            self.first_logits = logits
             return sample(logits, self._sampling, 0)
         return None
 

@@ -109,7 +109,7 @@ COMPLETION_FIELDS = {
         prompt_text | token_ids | st.lists(prompt_text | token_ids, max_size=3),
     ),
     "max_tokens": Field(st.integers(1, 6), few_tokens),
-    "logprobs": Field(st.none(), st.booleans() | st.integers(0, 3)),
+    "logprobs": Field(st.none() | st.integers(0, 20), st.booleans() | st.sampled_from(BOUNDS) | st.integers(-3, 30)),
     "echo": Field(st.just(False), st.booleans()),
     "suffix": Field(st.just(""), st.text(max_size=3)),
 }
@@ -122,7 +122,8 @@ CHAT_FIELDS = {
     "messages": Field(messages, st.lists(bad_message | junk, max_size=3)),
     "max_tokens": Field(st.integers(1, 6), few_tokens),
     "max_completion_tokens": Field(st.none() | st.integers(1, 6), few_tokens),
-    "logprobs": Field(st.sampled_from([None, False]), st.booleans() | st.integers(0, 3)),
+    "logprobs": Field(st.sampled_from([None, False, True]), st.integers(0, 3) | junk),
+    "top_logprobs": Field(st.none(), st.sampled_from(BOUNDS) | st.integers(-3, 30)),
     "tools": Field(st.just([]), st.lists(junk, max_size=1)),
     "response_format": Field(st.just({"type": "text"}), st.just({"type": "json_object"})),
 }
@@ -224,6 +225,7 @@ REQUEST_FIELDS: dict[str, Field] = {
     "stop_token_ids": Field(st.lists(st.integers(0, 255), max_size=4), wire_ids),
     "ignore_eos": Field(st.booleans(), st.booleans()),
     "min_tokens": Field(st.integers(0, 1), st.integers(0, U32)),
+    "logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
     "kv_transfer_params": Field(
         st.sampled_from(["", "{}", '{"do_remote_prefill": false}']), st.sampled_from(["[]", "{", '{"do_remote_decode": 1}'])
     ),

@@ -12,6 +12,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as _logprobs_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -78,6 +79,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
     prompt: _builtins.str
@@ -96,6 +98,10 @@ class GenerateRequest(_message.Message):
     (the object a prefill engine's HTTP prefill leg answered). With `do_remote_prefill: true` the
     state is not computed for this request but READ from the prefill engine it names (handshaken
     on first sight), so a gRPC gateway can run the same two-leg flow as an HTTP router.
+    """
+    logprobs: _builtins.int
+    """Unset: no log probabilities. Set to k (0 to 20): every generated token comes with its
+    log probability and the k most likely tokens at its position (TokenChunk.logprobs).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -121,12 +127,15 @@ class GenerateRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         min_tokens: _builtins.int = ...,
         kv_transfer_params: _builtins.str = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "logprobs", b"logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -205,19 +214,25 @@ class TokenChunk(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text of these tokens (may be empty when a character spans chunks)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]:
+        """With GenerateRequest.logprobs: one per token id, in order."""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
+        logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.rpc import status_pb2 as _status_pb2
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as _logprobs_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -358,6 +359,7 @@ class PrefillJob(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ACCEPT_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     ACCEPT_LAYER_PARTS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -384,6 +386,10 @@ class PrefillJob(_message.Message):
     may then send that chunk's state layer range by layer range while it still computes the
     later layers. Only with accept_manifest_parts. False (the default), or a prefill that ignores
     it: the last part covers every layer, as before.
+    """
+    logprobs: _builtins.int
+    """At the full-N boundary: unset, the first token comes without log probabilities; k, with its
+    log probability and the k most likely tokens (FirstToken.logprobs, Manifest.first_token_logprobs).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -416,12 +422,15 @@ class PrefillJob(_message.Message):
         cached_prompt_tokens: _builtins.int = ...,
         accept_first_token: _builtins.bool = ...,
         accept_layer_parts: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "logprobs", b"logprobs", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "logprobs", b"logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
 
 Global___PrefillJob: _TypeAlias = PrefillJob  # noqa: Y015
 
@@ -438,6 +447,7 @@ class FirstToken(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     token_id: _builtins.int
     @_builtins.property
@@ -447,16 +457,21 @@ class FirstToken(_message.Message):
         manifest. Absent (zero) from a prefill that predates it.
         """
 
+    @_builtins.property
+    def logprobs(self) -> _logprobs_pb2.TokenLogprobs:
+        """With PrefillJob.logprobs: the token's log probabilities (absent from a prefill that predates it)."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
         engine_duration: _duration_pb2.Duration | None = ...,
+        logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "logprobs", b"logprobs", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -636,6 +651,7 @@ class Manifest(_message.Message):
     PART_FIELD_NUMBER: _builtins.int
     SKIPPED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -702,6 +718,10 @@ class Manifest(_message.Message):
         Zero from a prefill that does not report it.
         """
 
+    @_builtins.property
+    def first_token_logprobs(self) -> _logprobs_pb2.TokenLogprobs:
+        """With first_token_id, for a job that asked (PrefillJob.logprobs): that token's log probabilities."""
+
     def __init__(
         self,
         *,
@@ -720,10 +740,11 @@ class Manifest(_message.Message):
         part: Global___ManifestPart | None = ...,
         skipped_prompt_tokens: _builtins.int = ...,
         engine_duration: _duration_pb2.Duration | None = ...,
+        first_token_logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
