@@ -75,7 +75,7 @@ from decode_svc.prefix_cache import Hit
 from decode_svc.read_checks import StateChecks
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request import RequestContext, check_fits_prefill
-from decode_svc.responses import ClientStream, Transfer, client_stream, summary
+from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_response, summary
 from decode_svc.reuse import DecodeReuse, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
@@ -258,7 +258,10 @@ class Generation:
             assert peer is not None
             job_sent = time.monotonic()
             out = client_stream(self.host, req, self.telemetry)
-            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" else None
+            # The first token early, unless the prompt's logprobs must go out before it (they come with the manifest).
+            early = (
+                EarlyToken() if remote is None and self.host.engine.boundary == "full" and req.prompt_logprobs is None else None
+            )
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
                 attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
                 job = asyncio.ensure_future(
@@ -301,6 +304,8 @@ class Generation:
                 first = first_token_of(manifest, self.host, link.engine_id)
                 if early is not None:
                     early.check(first, link.engine_id)
+                if req.prompt_logprobs is not None:  # before any token: the first is not sent early then
+                    yield prompt_response(manifest.prompt_logprobs, req.prompt, req.prompt_logprobs, "manifest.prompt_logprobs")
                 first_logprobs = None
                 if first is not None and not sent_early:
                     first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
@@ -419,6 +424,7 @@ class Generation:
             cached_tokens=cached,
             on_first_token=None if early is None else functools.partial(early.take, link),
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
         return session, link, manifest
 

@@ -83,10 +83,15 @@ class Generated:
         self._early = early
         self._rename = rename
         self._first: pb.GenerateResponse | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []  # when asked: prompt tokens 1..N-1's
 
     async def first(self) -> None:
+        """Wait for the first token (the prompt's logprobs, when asked, come before it)."""
         try:
             self._first = await anext(self._responses)
+            while self._first.WhichOneof("payload") == "prompt_logprobs":
+                self.prompt_logprobs = [logprobs_of(lp) for lp in self._first.prompt_logprobs.tokens]
+                self._first = await anext(self._responses)
         except ServiceError as e:
             raise self._rename(e) from None
         except StopAsyncIteration:
@@ -169,18 +174,31 @@ class DecodeHttp:
         params = parse_completion(await json_body(request))
         model = check_model(self.info, params.model)
         ids = prompt_ids(params, self.tokenizer.encode, self.template)
-        generated, rid = await self._start(request, params, ids, "prompt")
+        generated, rid = await self._start(request, params, ids, "prompt", echo=params.echo)
         header = objects.Header.new(f"cmpl-{rid}", model)
         shaped = CompletionLogprobs(self.tokenizer) if params.logprobs is not None else None
+        echoed = ""
+        echoed_logprobs: dict[str, Any] | None = None
+        if params.echo:  # vLLM's: the prompt's text as given (token ids decoded), then the completion's
+            echoed = params.prompt if isinstance(params.prompt, str) else self.tokenizer.decode(params.prompt)
+            if shaped is not None:
+                echoed_logprobs = shaped.prompt_part(ids[0], generated.prompt_logprobs)
         if not params.stream:
             text, logprobs = await generated.text()
             out = generated.outcome
-            body = objects.completion(header, text, out.finish_reason, out.usage)
+            body = objects.completion(header, echoed + text, out.finish_reason, out.usage)
             if shaped is not None:
-                body["choices"][0]["logprobs"] = shaped.part(logprobs)
+                part = shaped.part(logprobs)
+                if echoed_logprobs is not None:
+                    part = {name: echoed_logprobs[name] + part[name] for name in part}
+                body["choices"][0]["logprobs"] = part
             return JSONResponse(body)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
+            if params.echo:
+                chunk = objects.completion_chunk(header, echoed, None, params.include_usage)
+                chunk["choices"][0]["logprobs"] = echoed_logprobs
+                yield chunk
             async for piece, logprobs in generated.pieces():
                 if piece or logprobs:
                     chunk = objects.completion_chunk(header, piece, None, params.include_usage)
@@ -222,8 +240,11 @@ class DecodeHttp:
 
         return _sse(chunks(), generated)
 
-    async def _start(self, request: Request, params: CommonParams, ids: list[int], prompt_field: str) -> tuple[Generated, str]:
-        """Validate against this engine, start the generation and wait for its first token."""
+    async def _start(
+        self, request: Request, params: CommonParams, ids: list[int], prompt_field: str, *, echo: bool = False
+    ) -> tuple[Generated, str]:
+        """Validate against this engine, start the generation and wait for its first token.
+        `echo` with logprobs: prefill computes the prompt's too."""
         max_tokens = params.max_tokens
         if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
             max_tokens = max(1, self.host.max_tokens() - len(ids))
@@ -239,6 +260,8 @@ class DecodeHttp:
         )
         if params.logprobs is not None:
             grpc_request.logprobs = params.logprobs
+            if echo:
+                grpc_request.prompt_logprobs = params.logprobs
         if wants_remote_prefill(params.kv_transfer_params):  # a P/D router's decode leg: passed through as JSON
             grpc_request.kv_transfer_params = json.dumps(params.kv_transfer_params)
         names = {
@@ -247,6 +270,7 @@ class DecodeHttp:
             "max_tokens": params.max_tokens_field,
             "request_id": "X-Request-Id",
             **{f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed")},
+            "prompt_logprobs": "echo",
         }
         early = EarlyStop()
         generated = Generated(

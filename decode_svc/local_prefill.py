@@ -20,7 +20,7 @@ from typing import Literal
 
 from decode_svc.read_checks import StateChecks
 from decode_svc.request import RequestContext
-from decode_svc.responses import ComputedHere, client_stream, summary
+from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
 from shared.engine.first_logprobs import prefill_with_logprobs
@@ -62,13 +62,15 @@ class LocalPrefill:
         engine = self.host.engine
         out = client_stream(self.host, req, self.telemetry)
         started = time.monotonic()
-        drawn, engine_seconds = await compute(
-            lambda: timed(prefill_with_logprobs, engine, req.prompt, local, req.sampling, req.logprobs)
+        done, engine_seconds = await compute(
+            lambda: timed(prefill_with_logprobs, engine, req.prompt, local, req.sampling, req.logprobs, req.prompt_logprobs)
         )
-        first, first_logprobs = drawn
+        first = done.first
         prefill_seconds = time.monotonic() - started
+        if req.prompt_logprobs is not None:
+            yield prompt_response(done.prompt_logprobs, req.prompt, req.prompt_logprobs, "prompt_logprobs")
         if first is not None:  # the full-N boundary: the engine drew the first token
-            yield out.chunk([first], None if first_logprobs is None else [first_logprobs])
+            yield out.chunk([first], None if done.first_logprobs is None else [done.first_logprobs])
             out.finish = req.stop.finish(first, 1)
         if out.finish is None:
             async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first):

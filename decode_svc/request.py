@@ -43,6 +43,7 @@ class RequestContext:
     # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
     remote: RemotePrefill | None = None
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
+    prompt_logprobs: int | None = None  # None: none; k: the prompt's, from prefill
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
@@ -81,6 +82,13 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
     remote = remote_prefill_of(request.kv_transfer_params)
+    prompt_logprobs = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and remote is not None:
+        raise InvalidArgument(
+            "not with kv_transfer_params: the prefill leg computed the prompt without them", field="prompt_logprobs"
+        )
+    if prompt_logprobs is not None and not host.engine.samples:
+        raise InvalidArgument(f"this engine ({host.engine.spec.name}) has no logits of the prompt", field="prompt_logprobs")
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
     options = decode_options(request, host.engine)
     return RequestContext(
@@ -94,6 +102,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
         options.stop,
         remote,
         request.logprobs if request.HasField("logprobs") else None,
+        prompt_logprobs,
     )
 
 

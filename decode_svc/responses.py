@@ -4,6 +4,7 @@ the summary of where its state came from and what moving and checking it cost (`
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from decode_svc import tokenizer
@@ -17,7 +18,7 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.stopping import FinishReason
 from shared.engine.text import TextStream
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.rpc.logprobs_message import logprobs_message
+from shared.rpc.logprobs_message import checked_prompt, logprobs_message
 from shared.rpc.proto_time import duration, nanoseconds
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
@@ -72,6 +73,12 @@ class ClientStream:
         """The text still held back (an incomplete character), if any."""
         rest = self._text.finish()
         return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest)) if rest else None
+
+
+def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], k: int, field: str) -> pb.GenerateResponse:
+    """The prompt's logprobs as prefill computed them (checked: one per prompt token but the first)."""
+    tokens = [logprobs_message(lp) for lp in checked_prompt(lps, prompt, k, field)]
+    return pb.GenerateResponse(prompt_logprobs=pb.PromptLogprobs(tokens=tokens))
 
 
 def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None) -> ClientStream:

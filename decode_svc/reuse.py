@@ -141,9 +141,9 @@ class DecodeReuse:
         return Reused(hit, self.states.lookup(chain, req.prompt, computed, hit, req.sampling), link)
 
     def _restores(self, req: RequestContext) -> bool:
-        """A full-N checkpoint keeps its first token, not that token's logprobs: a request that
-        asks for logprobs takes the job instead."""
-        return req.logprobs is None or not self.states.full
+        """A checkpoint keeps no prompt logprobs, and at full-N keeps its first token but not
+        that token's logprobs: a request that asks for them takes the job instead."""
+        return req.prompt_logprobs is None and (req.logprobs is None or not self.states.full)
 
     def restorable(self, links: Sequence[PeerLink], req: RequestContext) -> PeerLink | None:
         """The first of `links` under whose chain `lookup` finds a state checkpoint of the prompt

@@ -126,6 +126,7 @@ class SessionClient:
         cached_tokens: int = 0,
         on_first_token: Callable[[int, float, TokenLogprobs | None], None] | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
         `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
@@ -133,7 +134,7 @@ class SessionClient:
         `on_first_token`: the job asks for its first token early (full-N), given to it on arrival
         with the prefill engine's seconds computing the prompt (0: a prefill that does not say) and
         its logprobs. `logprobs`: at the full-N boundary, the first token comes with its logprobs
-        and the k likeliest tokens."""
+        and the k likeliest tokens; `prompt_logprobs`: the manifest carries the prompt's."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -145,6 +146,8 @@ class SessionClient:
         )
         if logprobs is not None:
             job.logprobs = logprobs
+        if prompt_logprobs is not None:
+            job.prompt_logprobs = prompt_logprobs
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from prefill_svc.pins import Pin, PinTable
 from shared import limits, tracing
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
-from shared.engine.first_logprobs import prefill_with_logprobs, run_logprobs
+from shared.engine.first_logprobs import prefill_with_logprobs, run_logprobs, scored_prompt, start_scoring
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
@@ -75,6 +75,7 @@ class Job:
     wants_first_token: bool = False  # full-N: the first token goes out the moment it is drawn
     accepts_layer_parts: bool = False  # with parts: the last chunk's state may come in layer parts
     logprobs: int | None = None  # full-N: the first token's logprobs with the k likeliest (None: none)
+    prompt_logprobs: int | None = None  # the prompt's logprobs with the k likeliest (None: none)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -91,21 +92,25 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         job.cached_prompt_tokens,
         job.accept_first_token,
         job.accept_layer_parts,
-        job_logprobs(job),
+        job_count(job, "logprobs"),
+        job_count(job, "prompt_logprobs"),
     )
 
 
-def job_logprobs(job: pb.PrefillJob) -> int | None:
-    if not job.HasField("logprobs"):
+def job_count(job: pb.PrefillJob, name: Literal["logprobs", "prompt_logprobs"]) -> int | None:
+    """A job's top-logprobs count (None: unset)."""
+    if not job.HasField(name):
         return None
-    return limits.LOGPROBS.check(job.logprobs, "job.logprobs")
+    return limits.LOGPROBS.check(getattr(job, name), f"job.{name}")
 
 
 @dataclass
 class FirstLogprobs:
-    """The first token's logprobs, set on the compute thread as it is drawn (full-N, when asked)."""
+    """The logprobs a job asked for, set on the compute thread: the first token's as it is drawn
+    (full-N), the prompt's once the last chunk is computed."""
 
     value: TokenLogprobs | None = None
+    prompt: tuple[TokenLogprobs, ...] | None = None
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -269,6 +274,7 @@ class JobRunner:
             skipped_tokens=job.cached_tokens,
             engine_ns=int(engine_seconds * 1e9),
             first_logprobs=drawn.value,
+            prompt_logprobs=drawn.prompt,
         )
 
     async def _run_parts(
@@ -288,6 +294,7 @@ class JobRunner:
         engine = self.host.engine
         assert isinstance(engine, ChunkedPrefill)
         run = engine.start_prefill(job.prompt, blocks, job.sampling)
+        start_scoring(run, job.prompt_logprobs)
         pin: Pin | None = None
         digest_seconds = engine_seconds = 0.0
         # Set once the job stops early (its pin ended, it failed or was cancelled, or a span
@@ -388,6 +395,7 @@ class JobRunner:
                 skipped_tokens=job.cached_tokens,
                 engine_ns=int(engine_seconds * 1e9),
                 first_logprobs=drawn.value if first_token is not None else None,
+                prompt_logprobs=drawn.prompt if index == count - 1 else None,
             )
 
         def check_deadline() -> None:
@@ -494,6 +502,8 @@ class JobRunner:
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
         drawn.value = run_logprobs(run, first_token, job.logprobs)
+        if last:
+            drawn.prompt = scored_prompt(run, job.prompt_logprobs)
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
         computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:
@@ -537,7 +547,8 @@ class JobRunner:
         the first token, given to `announce` at once), then its digests are taken (returned with
         the seconds they and the engine took)."""
         computing = time.monotonic()
-        first_token, drawn.value = prefill_with_logprobs(self.host.engine, job.prompt, blocks, job.sampling, job.logprobs)
+        done = prefill_with_logprobs(self.host.engine, job.prompt, blocks, job.sampling, job.logprobs, job.prompt_logprobs)
+        first_token, drawn.value, drawn.prompt = done.first, done.first_logprobs, done.prompt_logprobs
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
             announce(first_token, computing, drawn.value)

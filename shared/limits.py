@@ -141,5 +141,7 @@ def check_request(request: pb.GenerateRequest) -> None:
     MIN_TOKENS.check(request.min_tokens, "min_tokens")
     if request.HasField("logprobs"):
         LOGPROBS.check(request.logprobs, "logprobs")
+    if request.HasField("prompt_logprobs"):
+        LOGPROBS.check(request.prompt_logprobs, "prompt_logprobs")
     if request.HasField("sampling"):
         check_sampling(request.sampling)

@@ -66,6 +66,8 @@ class Manifest:
     engine_ns: int = 0
     # With first_token, for a job that asked: its logprobs.
     first_logprobs: TokenLogprobs | None = None
+    # For a job that asked (the last part only): prompt tokens 1..N-1's logprobs.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def last(self) -> bool:
@@ -106,7 +108,7 @@ class Manifest:
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
         more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "engine_ns")
-        parts = ("first_token", "part", "skipped_tokens", "first_logprobs")
+        parts = ("first_token", "part", "skipped_tokens", "first_logprobs", "prompt_logprobs")
         return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
 
     __hash__ = None  # type: ignore[assignment]

@@ -5,6 +5,9 @@ text_offset}, each token as its own decoded text, `top_logprobs` one object per 
 token text to logprob for the k likeliest tokens and the drawn one (so up to k + 1 entries, as
 the legacy API documents), `text_offset` the character offset of each token in the text.
 
+With `echo`, the prompt's tokens come first, from prefill's prompt logprobs: the first prompt
+token's `token_logprobs` and `top_logprobs` entries are null (nothing precedes it).
+
 Chat (`logprobs: true`, `top_logprobs: k`): `choices[].logprobs` = {content: [{token, logprob,
 bytes, top_logprobs: [{token, logprob, bytes}] (the k likeliest)}]}.
 
@@ -34,6 +37,14 @@ class CompletionLogprobs:
     def __init__(self, tokenizer: Tokenizer, offset: int = 0) -> None:
         self._tokenizer = tokenizer
         self._offset = offset  # of the next token in the response's text
+
+    def prompt_part(self, first_token: int, rest: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """The echoed prompt's entries: the first token has no logprob (null), the rest theirs."""
+        text = self._tokenizer.decode([first_token])
+        out = {"text_offset": [self._offset], "token_logprobs": [None], "tokens": [text], "top_logprobs": [None]}
+        self._offset += len(text)
+        more = self.part(rest)
+        return {name: out[name] + more[name] for name in out}
 
     def part(self, tokens: Sequence[TokenLogprobs]) -> dict[str, Any]:
         out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}

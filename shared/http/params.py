@@ -64,6 +64,7 @@ class CommonParams:
 @dataclass(frozen=True)
 class CompletionParams(CommonParams):
     prompt: str | list[int] = field(default="")
+    echo: bool = False  # the prompt's text first (with logprobs: its logprobs too)
 
 
 @dataclass(frozen=True)
@@ -239,10 +240,10 @@ def parse_completion(raw: object) -> CompletionParams:
         raise InvalidArgument("is required", field="prompt")
     prompt = _prompt(body["prompt"])
     max_tokens = _int(body, "max_tokens", limits.MAX_TOKENS, default=DEFAULT_COMPLETION_MAX_TOKENS)
-    _absent_or(body, "echo", False, why="echo is not supported")
     _absent_or(body, "suffix", "", why="suffix is not supported")
     logprobs = _int(body, "logprobs", limits.LOGPROBS)
-    return CompletionParams(prompt=prompt, logprobs=logprobs, **_common(body, max_tokens, "max_tokens"))
+    echo = _bool(body, "echo", False)
+    return CompletionParams(prompt=prompt, logprobs=logprobs, echo=echo, **_common(body, max_tokens, "max_tokens"))
 
 
 def _content(value: object, where: str) -> str:

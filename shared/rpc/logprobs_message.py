@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shared.engine.logprobs import TokenLogprobs
 from shared.errors import Internal
 from shared.pb.hybridpd.v1 import logprobs_pb2 as pb
@@ -15,6 +17,22 @@ def logprobs_message(lp: TokenLogprobs) -> pb.TokenLogprobs:
 
 def logprobs_of(msg: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def checked_prompt(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], k: int, field: str) -> list[TokenLogprobs]:
+    """The prompt logprobs prefill computed: one per prompt token but the first, each of that
+    token with `k` likeliest (else INTERNAL naming `field`: the prefill is at fault)."""
+    got = list(lps or ())
+    ok = len(got) == len(prompt) - 1 and all(
+        lp.token_id == t and len(lp.top) == k for lp, t in zip(got, prompt[1:], strict=False)
+    )
+    if not ok:
+        raise Internal(
+            f"prefill sent {len(got)} prompt logprobs for a prompt of {len(prompt)} tokens with {k} likeliest each, "
+            "or for other tokens",
+            field=field,
+        )
+    return got
 
 
 def checked_first(lp: TokenLogprobs | None, token_id: int, k: int | None, field: str) -> list[TokenLogprobs] | None:

@@ -68,6 +68,8 @@ def manifest_message(m: Manifest) -> pb.Manifest:
         msg.first_token_id = m.first_token
     if m.first_logprobs is not None:
         msg.first_token_logprobs.CopyFrom(logprobs_message(m.first_logprobs))
+    if m.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(logprobs_message(lp) for lp in m.prompt_logprobs)
     if m.part is not None:
         p = m.part
         msg.part.CopyFrom(pb.ManifestPart(index=p.index, count=p.count, tokens_from=p.tokens_from, tokens_to=p.tokens_to))
@@ -234,4 +236,5 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         skipped_tokens=msg.skipped_prompt_tokens,
         engine_ns=to_nanoseconds(msg.engine_duration),
         first_logprobs=_first_logprobs(msg, first_token, source),
+        prompt_logprobs=tuple(logprobs_of(lp) for lp in msg.prompt_logprobs) if msg.prompt_logprobs else None,
     )

@@ -49,6 +49,7 @@ class Streamed:
     token_id: int
     finish: FinishReason | None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token, when asked
 
 
 @dataclass
@@ -134,10 +135,12 @@ class Colocated:
         deadline: float | None = None,
         times: RunTimes | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncGenerator[Streamed, None]:
         """The request's tokens as they are computed: at the full boundary prefill's first, then
         one per decode step. `deadline`: event-loop time (None: none). `logprobs`: each token
-        with its logprobs and the k likeliest (None: without)."""
+        with its logprobs and the k likeliest (None: without); `prompt_logprobs`: the first
+        token also carries the prompt's, with that many likeliest."""
         rule = stop or StopRule(max_tokens)
         times = times if times is not None else RunTimes()
         loop = asyncio.get_running_loop()
@@ -146,16 +149,19 @@ class Colocated:
         last_call: asyncio.Future[object] | None = None
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
-            prefill = self.compute.submit(lambda: timed(prefill_with_logprobs, self.engine, prompt, blocks, sampling, logprobs))
+            prefill = self.compute.submit(
+                lambda: timed(prefill_with_logprobs, self.engine, prompt, blocks, sampling, logprobs, prompt_logprobs)
+            )
             last_call = prefill  # type: ignore[assignment]
-            (first, first_logprobs), times.engine_seconds = await asyncio.shield(prefill)
+            done, times.engine_seconds = await asyncio.shield(prefill)
+            first, scored = done.first, done.prompt_logprobs
             times.prefill_seconds = time.monotonic() - started
             generated = 0
             if first is not None:  # the full-N boundary: prefill sampled the first token
                 times.first_token_at = time.monotonic()
                 generated = 1
                 finish = rule.finish(first, 1)
-                yield Streamed(first, finish, first_logprobs)
+                yield Streamed(first, finish, done.first_logprobs, scored)
                 if finish is not None:
                     return
             start = self.compute.submit(
@@ -180,7 +186,8 @@ class Colocated:
                     if times.first_token_at is None:
                         times.first_token_at = time.monotonic()
                         times.first_step_seconds = start_seconds + token.step_seconds  # the first token is decode's own
-                    yield Streamed(token.token_id, token.finish, token.logprobs)
+                    yield Streamed(token.token_id, token.finish, token.logprobs, scored if generated == 0 else None)
+                    generated += 1
             finally:
                 self.step_loop.leave(member)
                 last_call = member.last_step

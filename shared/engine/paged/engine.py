@@ -25,6 +25,7 @@ from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.first_feed import first_feed
 from shared.engine.hf.engine import read_state
 from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
@@ -32,6 +33,7 @@ from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import SSM_MIXERS, Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.prompt_logprobs import score_rows
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
@@ -263,6 +265,11 @@ class PagedPrefillRun:
         self._pos = 0
         self._carried: SsmStates = {}
         self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self._score: int | None = None  # prompt logprobs' top count (None: none kept)
+
+    def score_prompt(self, k: int) -> None:
+        self._score = k
 
     @torch.no_grad()
     def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
@@ -273,9 +280,18 @@ class PagedPrefillRun:
         if start == 0:
             self._store.reset_ssm()  # its blocks may still hold an earlier request's state
         last = end == self._end
+        rows: list[Tensor] | None = None if self._score is None else []
         logits, self._carried = engine.model.forward_sequence(
-            self._prompt[start:end], start, self._store, self._carried, write_ssm=last, on_layer=on_layer if last else None
+            self._prompt[start:end],
+            start,
+            self._store,
+            self._carried,
+            write_ssm=last,
+            on_layer=on_layer if last else None,
+            rows=rows,
         )
+        if rows is not None and self._score is not None:
+            self.prompt_logprobs += score_rows(self._prompt, start, rows[0], self._score)
         self._pos = end
         if last and engine.boundary == "full":
             self.first_logits = logits

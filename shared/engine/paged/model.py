@@ -116,12 +116,14 @@ class Model:
         *,
         write_ssm: bool,
         on_layer: Callable[[int], None] | None = None,
+        rows: list[Tensor] | None = None,
     ) -> tuple[Tensor, SsmStates]:
         """Tokens `ids` at positions start.. of one request: K/V of earlier positions are read
         from its blocks and the new ones written there; SSM layers start from `carried` (None:
         the blocks' state, zero at start 0) and, with `write_ssm`, store their final state.
         `on_layer(i)` follows layer i once its bytes are final. Logits of the last token, and
-        the SSM states after it."""
+        the SSM states after it. `rows`: also gets the logits of every token (prompt logprobs),
+        computed apart from the last token's so that those keep their bits."""
         t = len(ids)
         token_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + t, dtype=torch.long, device=self.device)
@@ -144,6 +146,8 @@ class Model:
                 h = h + y * sub.scale if sub.scale != 1.0 else h + y
             if on_layer is not None:
                 on_layer(index)
+        if rows is not None:
+            rows.append(self._logits(h, invariant=False))
         return self._logits(h[-1:], invariant=False)[0], states
 
     def _attend_sequence(

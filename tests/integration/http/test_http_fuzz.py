@@ -110,7 +110,7 @@ COMPLETION_FIELDS = {
     ),
     "max_tokens": Field(st.integers(1, 6), few_tokens),
     "logprobs": Field(st.none() | st.integers(0, 20), st.booleans() | st.sampled_from(BOUNDS) | st.integers(-3, 30)),
-    "echo": Field(st.just(False), st.booleans()),
+    "echo": Field(st.booleans(), st.integers(-1, 2) | st.text(max_size=2)),
     "suffix": Field(st.just(""), st.text(max_size=3)),
 }
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
@@ -226,6 +226,7 @@ REQUEST_FIELDS: dict[str, Field] = {
     "ignore_eos": Field(st.booleans(), st.booleans()),
     "min_tokens": Field(st.integers(0, 1), st.integers(0, U32)),
     "logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
+    "prompt_logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
     "kv_transfer_params": Field(
         st.sampled_from(["", "{}", '{"do_remote_prefill": false}']), st.sampled_from(["[]", "{", '{"do_remote_decode": 1}'])
     ),

@@ -110,3 +110,43 @@ async def test_bad_logprobs_are_400_naming_the_field(http_pair: HttpPair) -> Non
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, top_logprobs=2
             )
         assert "top_logprobs" in str(e.value)
+
+
+async def colocated_prompt(prompt: str, k: int) -> list[TokenLogprobs]:
+    run = await asyncio.to_thread(Colocated.build, "reference", MODEL, 1, 512)
+    try:
+        out = [t async for t in run.stream("c", list(prompt.encode()), 1, stop=StopRule(1), prompt_logprobs=k)]
+    finally:
+        run.close()
+    assert out[0].prompt_logprobs is not None
+    return list(out[0].prompt_logprobs)
+
+
+async def test_echo_with_logprobs_is_a_loglikelihood_evaluation(http_pair: HttpPair) -> None:
+    """What evaluation harnesses send to score a continuation: echo, logprobs 1, max_tokens 1,
+    temperature 0; the prompt's numbers are prefill's, the colocated run's bit for bit."""
+    want = await colocated_prompt(PROMPT, 1)
+    async with client(http_pair) as c:
+        out = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        streamed = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True, stream=True)
+        chunks = [ch async for ch in streamed]
+        plain = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    n = len(PROMPT)
+    assert choice.text.startswith(PROMPT) and len(lp.tokens) == n + 1
+    assert lp.tokens[:n] == list(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first prompt token
+    assert lp.token_logprobs[1:n] == [w.logprob for w in want]
+    assert sum(lp.token_logprobs[1:n]) == sum(w.logprob for w in want)  # the loglikelihood a harness adds up
+    assert lp.text_offset == list(range(n + 1))  # one character per byte token here
+    # Negative control: another prompt's numbers differ.
+    other = await colocated_prompt(PROMPT.replace("hybrid", "hybris"), 1)
+    assert lp.token_logprobs[1:n] != [w.logprob for w in other]
+    # Streamed: the prompt first, in the first chunk, with its logprobs.
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT and first.logprobs is not None and first.logprobs.token_logprobs == lp.token_logprobs[:n]
+    # echo without logprobs: the text only.
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    await http_pair.blocks_freed()

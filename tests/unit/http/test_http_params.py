@@ -72,7 +72,7 @@ def test_completion_accepts_what_clients_and_routers_send() -> None:
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-        ({"echo": True}, "echo"),
+        ({"echo": "yes"}, "echo"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),

@@ -40,6 +40,7 @@ def manifest() -> Manifest:
         skipped_tokens=32,
         engine_ns=11_000_321,
         first_logprobs=TokenLogprobs(299, -1.25, ((7, -0.5), (299, -1.25))),
+        prompt_logprobs=(TokenLogprobs(4, -3.0), TokenLogprobs(9, -0.25)),
     )
 
 
@@ -59,6 +60,8 @@ def test_every_field_survives_domain_to_message_to_domain() -> None:
             changed = ManifestPart(0, 1, 0, m.num_computed_tokens)
         elif f.name == "first_logprobs":
             changed = dataclasses.replace(value, logprob=-1.5)
+        elif f.name == "prompt_logprobs":
+            changed = value[:1]
         else:
             changed = value + 1
         assert dataclasses.replace(m, **{f.name: changed}) != back, f.name

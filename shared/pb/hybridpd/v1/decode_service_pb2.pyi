@@ -80,6 +80,7 @@ class GenerateRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
     prompt: _builtins.str
@@ -102,6 +103,12 @@ class GenerateRequest(_message.Message):
     logprobs: _builtins.int
     """Unset: no log probabilities. Set to k (0 to 20): every generated token comes with its
     log probability and the k most likely tokens at its position (TokenChunk.logprobs).
+    """
+    prompt_logprobs: _builtins.int
+    """Unset: none. Set to k (0 to 20): the prompt's logprobs (every prompt token but the first,
+    with the k likeliest tokens at its position), computed by prefill, sent in one
+    GenerateResponse.prompt_logprobs before the first token chunk (vLLM's prompt_logprobs; what
+    an OpenAI `echo` with `logprobs` returns). Not with kv_transfer_params, nor on the synthetic engine.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -128,14 +135,20 @@ class GenerateRequest(_message.Message):
         min_tokens: _builtins.int = ...,
         kv_transfer_params: _builtins.str = ...,
         logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "logprobs", b"logprobs", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -186,25 +199,51 @@ class GenerateResponse(_message.Message):
 
     CHUNK_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> Global___TokenChunk: ...
     @_builtins.property
     def summary(self) -> Global___GenerateSummary: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> Global___PromptLogprobs: ...
     def __init__(
         self,
         *,
         chunk: Global___TokenChunk | None = ...,
         summary: Global___GenerateSummary | None = ...,
+        prompt_logprobs: Global___PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "prompt_logprobs", b"prompt_logprobs", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "prompt_logprobs", b"prompt_logprobs", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["chunk", "summary"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["chunk", "summary", "prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """The logprobs of prompt tokens 1..N-1 (the first prompt token has none), in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class TokenChunk(_message.Message):

@@ -360,6 +360,7 @@ class PrefillJob(_message.Message):
     ACCEPT_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     ACCEPT_LAYER_PARTS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -390,6 +391,10 @@ class PrefillJob(_message.Message):
     logprobs: _builtins.int
     """At the full-N boundary: unset, the first token comes without log probabilities; k, with its
     log probability and the k most likely tokens (FirstToken.logprobs, Manifest.first_token_logprobs).
+    """
+    prompt_logprobs: _builtins.int
+    """Unset: none. k: the prompt's logprobs with the k likeliest tokens (Manifest.prompt_logprobs;
+    with parts, the last part only).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -423,14 +428,20 @@ class PrefillJob(_message.Message):
         accept_first_token: _builtins.bool = ...,
         accept_layer_parts: _builtins.bool = ...,
         logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "logprobs", b"logprobs", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "logprobs", b"logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___PrefillJob: _TypeAlias = PrefillJob  # noqa: Y015
 
@@ -652,6 +663,7 @@ class Manifest(_message.Message):
     SKIPPED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -722,6 +734,10 @@ class Manifest(_message.Message):
     def first_token_logprobs(self) -> _logprobs_pb2.TokenLogprobs:
         """With first_token_id, for a job that asked (PrefillJob.logprobs): that token's log probabilities."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]:
+        """For a job that asked (PrefillJob.prompt_logprobs): prompt tokens 1..N-1's logprobs, in order."""
+
     def __init__(
         self,
         *,
@@ -741,10 +757,11 @@ class Manifest(_message.Message):
         skipped_prompt_tokens: _builtins.int = ...,
         engine_duration: _duration_pb2.Duration | None = ...,
         first_token_logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
+        prompt_logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_logprobs", b"prompt_logprobs", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
