@@ -57,6 +57,7 @@ a P/D decode leg never moves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -64,6 +65,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from decode_svc.early_token import EarlyToken
+from decode_svc.forks import fork_blocks, fork_key, fork_sampling, fork_seeds, merged
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
 from decode_svc.local_prefill import LocalPrefill, LocalPrefillMode, Reason
@@ -76,10 +78,11 @@ from decode_svc.read_checks import StateChecks
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request import RequestContext, check_fits_prefill
 from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_response, summary
-from decode_svc.reuse import DecodeReuse, ReadTarget, Reused, Steps
+from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
 from shared.errors import (
@@ -139,9 +142,12 @@ class ComputeGuard:
         self._last = task
         return await asyncio.shield(task)
 
-    def free_when_idle(self, key: str, reads: ReadFence, hit: Hit | None = None) -> None:
+    def free_when_idle(self, key: str, reads: ReadFence | None = None, hit: Hit | None = None) -> None:
         def free() -> None:
-            reads.when_released(lambda: self.host.free(key))
+            if reads is None:
+                self.host.free(key)
+            else:
+                reads.when_released(lambda: self.host.free(key))
             if hit is not None:  # the prefix cache's blocks: no model call reads them any more
                 hit.release()
 
@@ -237,7 +243,11 @@ class Generation:
                 if await self.reuse.restored(compute.run, reused, local):
                     self._count_without_prefill(peer)
                     from_state = self.reuse.decode_restored(
-                        req, reused, local, compute.run, lambda n, out, first: self._steps(req, n, local, compute, out, first)
+                        req,
+                        reused,
+                        local,
+                        compute.run,
+                        lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks),
                     )
                     async for restored in from_state:
                         yield restored
@@ -251,17 +261,17 @@ class Generation:
             elif here is None and (peer is None or not peer.ready):  # lost while it waited for blocks, or none was ready
                 peer, here = self._pick_or_here(reused)
             if here is not None:
-                steps: Steps = lambda n, out, first: self._steps(req, n, local, compute, out, first)  # noqa: E731
+                steps: Steps = lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks)  # noqa: E731
                 async for from_here in self.local.run(req, local, compute.run, steps, here):
                     yield from_here
                 return
             assert peer is not None
             job_sent = time.monotonic()
             out = client_stream(self.host, req, self.telemetry)
-            # The first token early, unless the prompt's logprobs must go out before it (they come with the manifest).
-            early = (
-                EarlyToken() if remote is None and self.host.engine.boundary == "full" and req.prompt_logprobs is None else None
-            )
+            # The first token early, unless the prompt's logprobs must go out before it (they come
+            # with the manifest), or other sequences' first tokens come with it (in the manifest).
+            alone = req.prompt_logprobs is None and req.n == 1
+            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" and alone else None
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
                 attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
                 job = asyncio.ensure_future(
@@ -309,7 +319,8 @@ class Generation:
                 first_logprobs = None
                 if first is not None and not sent_early:
                     first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
-                ended = None if first is None else req.stop.finish(first, 1)
+                # A first token that ends the request needs no state; with several sequences the others do.
+                ended = None if first is None or req.n > 1 else req.stop.finish(first, 1)
                 if ended is None:
                     read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
                     if first is None or sent_early:  # nothing to send meanwhile: no task of its own for the READ
@@ -425,6 +436,7 @@ class Generation:
             on_first_token=None if early is None else functools.partial(early.take, link),
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
+            fork_seeds=fork_seeds(req.sampling, req.n),
         )
         return session, link, manifest
 
@@ -525,7 +537,8 @@ class Generation:
         if self.check_state:
             await self.checks.recompute(compute.run, req.prompt, num_computed, local)
         await self.reuse.keep_state(compute.run, req, transfer, local, reused, first_token)
-        async for chunk in self._steps(req, num_computed, local, compute, out, first_token):
+        forks = (manifest.fork_first_tokens, manifest.fork_first_logprobs)
+        async for chunk in self._steps(req, num_computed, local, compute, out, first_token, forks):
             yield chunk
         await self.reuse.keep_prefix(compute.run, req, reused, local, link, num_computed, manifest.skipped_tokens)
         tail = out.tail()
@@ -544,9 +557,89 @@ class Generation:
         compute: ComputeGuard,
         out: ClientStream,
         first_token: int | None,
+        forks: ForkFirsts = NO_FORKS,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Decode steps from the state in `local` until the request finishes (`out.finish`): the
-        request joins the engine's step loop and streams each token as its step ends."""
+        """Decode steps from the state in `local` until the request finishes (`out.finish`); a
+        request of several sequences forks first (`_forked`)."""
+        if req.n == 1:
+            async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+                yield chunk
+            return
+        async for chunk in self._forked(req, num_computed, local, compute, out, first_token, forks):
+            yield chunk
+
+    async def _forked(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+        forks: ForkFirsts,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's n sequences from the one state in `local` (decode_svc/forks.py), their
+        chunks as they come, each tagged with its index; sequence 0 streams through `out`, the
+        others through streams of their own (`out.forks`, for the summary). At full-N the first
+        tokens are prefill's: `first_token` (sent already) and one per fork in `forks`."""
+        tokens, logprobs = forks
+        if first_token is not None and len(tokens) != req.n - 1:
+            raise Internal(
+                f"prefill drew {len(tokens)} first tokens for the other sequences of a request of {req.n}",
+                field="manifest.fork_first_token_ids",
+            )
+        if first_token is not None:
+            out.finish = req.stop.finish(first_token, 1)
+        blocks = await fork_blocks(
+            self.host, req.request_id, local, len(req.prompt), num_computed, req.n, req.deadline, compute.run
+        )
+        try:
+            out.forks = [client_stream(self.host, req, None, index=i) for i in range(1, req.n)]
+            streams = [] if out.finish is not None else [self._sequence(req, num_computed, local, compute, out, first_token)]
+            for i, (fork_out, fork_local) in enumerate(zip(out.forks, blocks, strict=True), start=1):
+                fork_req = dataclasses.replace(req, sampling=fork_sampling(req.sampling, i))
+                first = tokens[i - 1] if first_token is not None else None
+                lp = logprobs[i - 1] if first is not None and req.logprobs is not None else None
+                streams.append(self._fork(fork_req, num_computed, fork_local, compute, fork_out, first, lp))
+            async for chunk in merged(streams):
+                yield chunk
+        finally:
+            for i in range(1, req.n):
+                compute.free_when_idle(fork_key(req.request_id, i))
+
+    async def _fork(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+        first_logprobs: TokenLogprobs | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One forked sequence: its first token (full-N), its steps, its held-back text."""
+        if first_token is not None:
+            lps = checked_first(first_logprobs, first_token, req.logprobs, "manifest.fork_first_token_logprobs")
+            yield out.chunk([first_token], lps)
+            out.finish = req.stop.finish(first_token, 1)
+        if out.finish is None:
+            async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+                yield chunk
+        tail = out.tail()
+        if tail is not None:
+            yield tail
+
+    async def _sequence(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode steps of one sequence from the state in `local` until it finishes
+        (`out.finish`): it joins the engine's step loop and streams each token as its step ends."""
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
         sampling = req.sampling
         decode, start_seconds = await compute.run(

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from decode_svc.forks import fork_seeds
 from decode_svc.read_checks import StateChecks
 from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
@@ -63,7 +64,16 @@ class LocalPrefill:
         out = client_stream(self.host, req, self.telemetry)
         started = time.monotonic()
         done, engine_seconds = await compute(
-            lambda: timed(prefill_with_logprobs, engine, req.prompt, local, req.sampling, req.logprobs, req.prompt_logprobs)
+            lambda: timed(
+                prefill_with_logprobs,
+                engine,
+                req.prompt,
+                local,
+                req.sampling,
+                req.logprobs,
+                req.prompt_logprobs,
+                fork_seeds(req.sampling, req.n),
+            )
         )
         first = done.first
         prefill_seconds = time.monotonic() - started
@@ -72,8 +82,8 @@ class LocalPrefill:
         if first is not None:  # the full-N boundary: the engine drew the first token
             yield out.chunk([first], None if done.first_logprobs is None else [done.first_logprobs])
             out.finish = req.stop.finish(first, 1)
-        if out.finish is None:
-            async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first):
+        if out.finish is None or req.n > 1:  # the other sequences go on after a first token that ends sequence 0
+            async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first, (done.forks, done.fork_logprobs)):
                 yield chunk
         tail = out.tail()
         if tail is not None:

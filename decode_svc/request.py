@@ -44,6 +44,7 @@ class RequestContext:
     remote: RemotePrefill | None = None
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
     prompt_logprobs: int | None = None  # None: none; k: the prompt's, from prefill
+    n: int = 1  # sequences from the one prompt (decode_svc/forks.py)
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
@@ -87,6 +88,9 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
         raise InvalidArgument(
             "not with kv_transfer_params: the prefill leg computed the prompt without them", field="prompt_logprobs"
         )
+    n = max(1, request.n)
+    if n > 1 and remote is not None:
+        raise InvalidArgument("more than one sequence is not served for a P/D decode leg (kv_transfer_params)", field="n")
     if prompt_logprobs is not None and not host.engine.samples:
         raise InvalidArgument(f"this engine ({host.engine.spec.name}) has no logits of the prompt", field="prompt_logprobs")
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
@@ -103,6 +107,7 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
         remote,
         request.logprobs if request.HasField("logprobs") else None,
         prompt_logprobs,
+        n,
     )
 
 

@@ -47,8 +47,10 @@ class ComputedHere:
 class ClientStream:
     """What the client has been sent: token chunks with their text, and when the first one left."""
 
-    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None) -> None:
+    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None, index: int = 0) -> None:
         self._text = text
+        self.index = index  # which of the request's sequences (0 unless it has several)
+        self.forks: list[ClientStream] = []  # sequence 0's: the other sequences' streams
         self._started = started
         self._telemetry = telemetry
         self.generated = 0
@@ -64,7 +66,7 @@ class ClientStream:
             self.first_token_at = time.monotonic()
             if self._telemetry is not None:
                 self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
-        chunk = pb.TokenChunk(token_ids=ids, text=self._text.feed(ids))
+        chunk = pb.TokenChunk(token_ids=ids, text=self._text.feed(ids), index=self.index)
         if logprobs:
             chunk.logprobs.extend(logprobs_message(lp) for lp in logprobs)
         return pb.GenerateResponse(chunk=chunk)
@@ -72,7 +74,7 @@ class ClientStream:
     def tail(self) -> pb.GenerateResponse | None:
         """The text still held back (an incomplete character), if any."""
         rest = self._text.finish()
-        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest)) if rest else None
+        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest, index=self.index)) if rest else None
 
 
 def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], k: int, field: str) -> pb.GenerateResponse:
@@ -81,9 +83,9 @@ def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], 
     return pb.GenerateResponse(prompt_logprobs=pb.PromptLogprobs(tokens=tokens))
 
 
-def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None) -> ClientStream:
-    """A new `ClientStream` for `req`, its text decoded by the engine's tokenizer."""
-    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry)
+def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None, *, index: int = 0) -> ClientStream:
+    """A new `ClientStream` for sequence `index` of `req`, its text decoded by the engine's tokenizer."""
+    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry, index)
 
 
 def summary(
@@ -109,11 +111,12 @@ def summary(
         restored = transfer.restored
     if cached_tokens is None:
         cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
+    sequences = [out, *out.forks]
     return pb.GenerateResponse(
         summary=pb.GenerateSummary(
             request_id=req.request_id,
             prompt_token_count=len(req.prompt),
-            generated_token_count=out.generated,
+            generated_token_count=sum(s.generated for s in sequences),
             num_transferred_tokens=transferred,
             finish_reason=finish_reason_message(finish),
             prefill_engine_id=engine_id,
@@ -142,5 +145,7 @@ def summary(
             prefix_cached_tokens=cached_tokens,
             prefix_state_reused=restored,
             prefilled_locally=isinstance(transfer, ComputedHere),
+            finish_reasons=[finish_reason_message(s.finish) for s in sequences] if out.forks else [],
+            generated_token_counts=[s.generated for s in sequences] if out.forks else [],
         )
     )

@@ -127,6 +127,7 @@ class SessionClient:
         on_first_token: Callable[[int, float, TokenLogprobs | None], None] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        fork_seeds: Sequence[int] = (),
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
         `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
@@ -134,7 +135,8 @@ class SessionClient:
         `on_first_token`: the job asks for its first token early (full-N), given to it on arrival
         with the prefill engine's seconds computing the prompt (0: a prefill that does not say) and
         its logprobs. `logprobs`: at the full-N boundary, the first token comes with its logprobs
-        and the k likeliest tokens; `prompt_logprobs`: the manifest carries the prompt's."""
+        and the k likeliest tokens; `prompt_logprobs`: the manifest carries the prompt's; `fork_seeds`: at the full-N boundary prefill also draws
+        the first token with each (the other sequences of a request of several)."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -148,6 +150,7 @@ class SessionClient:
             job.logprobs = logprobs
         if prompt_logprobs is not None:
             job.prompt_logprobs = prompt_logprobs
+        job.fork_seeds.extend(fork_seeds)
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace

@@ -43,7 +43,7 @@ from prefill_svc.pins import Pin, PinTable
 from shared import limits, tracing
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
-from shared.engine.first_logprobs import prefill_with_logprobs, run_logprobs, scored_prompt, start_scoring
+from shared.engine.first_logprobs import fork_draws, prefill_with_logprobs, run_logprobs, scored_prompt, start_scoring
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
@@ -76,6 +76,7 @@ class Job:
     accepts_layer_parts: bool = False  # with parts: the last chunk's state may come in layer parts
     logprobs: int | None = None  # full-N: the first token's logprobs with the k likeliest (None: none)
     prompt_logprobs: int | None = None  # the prompt's logprobs with the k likeliest (None: none)
+    fork_seeds: tuple[int, ...] = ()  # full-N: output token 0 drawn again with each (several sequences)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -94,6 +95,7 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         job.accept_layer_parts,
         job_count(job, "logprobs"),
         job_count(job, "prompt_logprobs"),
+        tuple(job.fork_seeds),
     )
 
 
@@ -111,6 +113,8 @@ class FirstLogprobs:
 
     value: TokenLogprobs | None = None
     prompt: tuple[TokenLogprobs, ...] | None = None
+    forks: tuple[int, ...] = ()  # output token 0 drawn with each fork seed
+    fork_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -275,6 +279,8 @@ class JobRunner:
             engine_ns=int(engine_seconds * 1e9),
             first_logprobs=drawn.value,
             prompt_logprobs=drawn.prompt,
+            fork_first_tokens=drawn.forks,
+            fork_first_logprobs=drawn.fork_logprobs,
         )
 
     async def _run_parts(
@@ -396,6 +402,8 @@ class JobRunner:
                 engine_ns=int(engine_seconds * 1e9),
                 first_logprobs=drawn.value if first_token is not None else None,
                 prompt_logprobs=drawn.prompt if index == count - 1 else None,
+                fork_first_tokens=drawn.forks if first_token is not None else (),
+                fork_first_logprobs=drawn.fork_logprobs if first_token is not None else (),
             )
 
         def check_deadline() -> None:
@@ -502,6 +510,7 @@ class JobRunner:
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
         drawn.value = run_logprobs(run, first_token, job.logprobs)
+        drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
         if last:
             drawn.prompt = scored_prompt(run, job.prompt_logprobs)
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
@@ -547,8 +556,11 @@ class JobRunner:
         the first token, given to `announce` at once), then its digests are taken (returned with
         the seconds they and the engine took)."""
         computing = time.monotonic()
-        done = prefill_with_logprobs(self.host.engine, job.prompt, blocks, job.sampling, job.logprobs, job.prompt_logprobs)
+        done = prefill_with_logprobs(
+            self.host.engine, job.prompt, blocks, job.sampling, job.logprobs, job.prompt_logprobs, job.fork_seeds
+        )
         first_token, drawn.value, drawn.prompt = done.first, done.first_logprobs, done.prompt_logprobs
+        drawn.forks, drawn.fork_logprobs = done.forks, done.fork_logprobs
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
             announce(first_token, computing, drawn.value)

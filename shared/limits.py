@@ -97,6 +97,7 @@ TOP_K = wire_range(_SAMPLING, "top_k")  # 0: off
 SEED = wire_range(_SAMPLING, "seed")  # the sampler's seeds too: [0, 2**64)
 TEMPERATURE = FloatRange(0.0, FLOAT32_MAX)  # 0: greedy
 TOP_P = FloatRange(0.0, 1.0, open_low=True)
+SEQUENCES = IntRange(0, 16)  # n: sequences per request (0: 1)
 LOGPROBS = IntRange(0, 20)  # top logprobs per token: vLLM's default max_logprobs, OpenAI's top_logprobs bound
 
 # HTTP spellings of the same fields: what the OpenAI / vLLM bodies allow, inside the wire's ranges.
@@ -139,6 +140,7 @@ def check_request(request: pb.GenerateRequest) -> None:
     """Every number of a GenerateRequest within its range, each problem naming its field."""
     MAX_TOKENS.check(request.max_tokens, "max_tokens")
     MIN_TOKENS.check(request.min_tokens, "min_tokens")
+    SEQUENCES.check(request.n, "n")
     if request.HasField("logprobs"):
         LOGPROBS.check(request.logprobs, "logprobs")
     if request.HasField("prompt_logprobs"):

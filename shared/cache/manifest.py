@@ -68,6 +68,9 @@ class Manifest:
     first_logprobs: TokenLogprobs | None = None
     # For a job that asked (the last part only): prompt tokens 1..N-1's logprobs.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With first_token, for a job with fork seeds: output token 0 drawn with each, and their logprobs.
+    fork_first_tokens: tuple[int, ...] = ()
+    fork_first_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def last(self) -> bool:
@@ -109,6 +112,7 @@ class Manifest:
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
         more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "engine_ns")
         parts = ("first_token", "part", "skipped_tokens", "first_logprobs", "prompt_logprobs")
-        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
+        forks = ("fork_first_tokens", "fork_first_logprobs")
+        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts, *forks))
 
     __hash__ = None  # type: ignore[assignment]

@@ -10,7 +10,7 @@ the run kept (`PromptScoring`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -19,7 +19,7 @@ from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.prompt_logprobs import PromptScoring
 from shared.engine.protocol import ChunkedPrefill, Engine, PrefillRun, RequestBlocks
-from shared.engine.sampling import GREEDY, SamplingParams
+from shared.engine.sampling import GREEDY, SamplingParams, sample
 
 
 @runtime_checkable
@@ -46,6 +46,24 @@ class Prefilled:
     first: int | None
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # tokens 1.. of the prompt
+    forks: tuple[int, ...] = ()  # output token 0 drawn with each fork seed (full-N)
+    fork_logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when asked
+
+
+def fork_draws(
+    run: PrefillRun, first: int | None, sampling: SamplingParams, seeds: Sequence[int], k: int | None
+) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...]]:
+    """Output token 0 drawn again from the logits `run` drew `first` from, once per seed (the
+    forks of a request of several sequences), and their logprobs when asked (k)."""
+    if not seeds or first is None:
+        return (), ()
+    if not isinstance(run, DrawingRun) or run.first_logits is None:
+        raise ValueError("n: this engine's prefill keeps no logits of its first token")
+    logits = run.first_logits
+    tokens = tuple(sample(logits, replace(sampling, seed=seed), 0) for seed in seeds)
+    if k is None:
+        return tokens, ()
+    return tokens, tuple(token_logprobs(logits, t, k) for t in tokens)
 
 
 def start_scoring(run: PrefillRun, k: int | None) -> None:
@@ -72,10 +90,13 @@ def prefill_with_logprobs(
     sampling: SamplingParams = GREEDY,
     k: int | None = None,
     prompt_k: int | None = None,
+    fork_seeds: Sequence[int] = (),
 ) -> Prefilled:
     """`engine.prefill(prompt, blocks, sampling)` and, when asked, the first token's logprobs
-    with the k likeliest (full-N only: at n-1 decode draws it) and the prompt's with `prompt_k`."""
-    wants_first = k is not None and engine.boundary == "full"
+    with the k likeliest (full-N only: at n-1 decode draws it), the prompt's with `prompt_k`,
+    and (full-N) the first token drawn again with each of `fork_seeds`."""
+    full = engine.boundary == "full"
+    wants_first = (k is not None or bool(fork_seeds)) and full
     if not wants_first and prompt_k is None:
         return Prefilled(engine.prefill(prompt, blocks, sampling))
     if not isinstance(engine, ChunkedPrefill):
@@ -85,4 +106,5 @@ def prefill_with_logprobs(
     first = None
     for end in chunk_ends(0, engine.num_prefill_tokens(len(prompt)), engine.exact_chunk_tokens or 0):
         first = run.compute(end)
-    return Prefilled(first, run_logprobs(run, first, k), scored_prompt(run, prompt_k))
+    forks, fork_logprobs = fork_draws(run, first, sampling, fork_seeds, k)
+    return Prefilled(first, run_logprobs(run, first, k), scored_prompt(run, prompt_k), forks, fork_logprobs)

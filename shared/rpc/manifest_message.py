@@ -70,6 +70,8 @@ def manifest_message(m: Manifest) -> pb.Manifest:
         msg.first_token_logprobs.CopyFrom(logprobs_message(m.first_logprobs))
     if m.prompt_logprobs is not None:
         msg.prompt_logprobs.extend(logprobs_message(lp) for lp in m.prompt_logprobs)
+    msg.fork_first_token_ids.extend(m.fork_first_tokens)
+    msg.fork_first_token_logprobs.extend(logprobs_message(lp) for lp in m.fork_first_logprobs)
     if m.part is not None:
         p = m.part
         msg.part.CopyFrom(pb.ManifestPart(index=p.index, count=p.count, tokens_from=p.tokens_from, tokens_to=p.tokens_to))
@@ -139,6 +141,17 @@ def _first_token(msg: pb.Manifest, source: ManifestSource) -> int | None:
     if source.vocab_size and token >= source.vocab_size:
         raise _bad(f"prefill {peer} sent first token {token} >= the vocabulary's {source.vocab_size}", "manifest.first_token_id")
     return int(token)
+
+
+def _fork_first_tokens(msg: pb.Manifest, first_token: int | None, source: ManifestSource) -> tuple[int, ...]:
+    """The forks' first tokens come only with a first token, and are tokens."""
+    tokens = tuple(int(t) for t in msg.fork_first_token_ids)
+    if tokens and (first_token is None or (source.vocab_size and max(tokens) >= source.vocab_size)):
+        raise _bad(
+            f"prefill {source.engine_id} sent fork first tokens {list(tokens[:4])} with first token {first_token}",
+            "manifest.fork_first_token_ids",
+        )
+    return tokens
 
 
 def _first_logprobs(msg: pb.Manifest, first_token: int | None, source: ManifestSource) -> TokenLogprobs | None:
@@ -237,4 +250,6 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         engine_ns=to_nanoseconds(msg.engine_duration),
         first_logprobs=_first_logprobs(msg, first_token, source),
         prompt_logprobs=tuple(logprobs_of(lp) for lp in msg.prompt_logprobs) if msg.prompt_logprobs else None,
+        fork_first_tokens=_fork_first_tokens(msg, first_token, source),
+        fork_first_logprobs=tuple(logprobs_of(lp) for lp in msg.fork_first_token_logprobs),
     )

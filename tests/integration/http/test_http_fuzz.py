@@ -227,6 +227,7 @@ REQUEST_FIELDS: dict[str, Field] = {
     "min_tokens": Field(st.integers(0, 1), st.integers(0, U32)),
     "logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
     "prompt_logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
+    "n": Field(st.integers(0, 4), st.integers(0, U32)),
     "kv_transfer_params": Field(
         st.sampled_from(["", "{}", '{"do_remote_prefill": false}']), st.sampled_from(["[]", "{", '{"do_remote_decode": 1}'])
     ),
@@ -296,7 +297,7 @@ def fuzz_grpc(port: int, examples: int) -> None:
                 return
             assert replies and replies[-1].HasField("summary"), message
             summary = replies[-1].summary
-            assert 1 <= summary.generated_token_count <= message.max_tokens
+            assert 1 <= summary.generated_token_count <= message.max_tokens * max(1, message.n)
 
         one()
 

@@ -361,6 +361,7 @@ class PrefillJob(_message.Message):
     ACCEPT_LAYER_PARTS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FORK_SEEDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -415,6 +416,13 @@ class PrefillJob(_message.Message):
         long-lived, so per-request context rides in the message, not in the call's metadata.
         """
 
+    @_builtins.property
+    def fork_seeds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At the full-N boundary, for a request of several sequences: prefill also draws output token 0
+        with each of these seeds (the job's sampling otherwise), from the same logits
+        (Manifest.fork_first_token_ids, in order). Empty: one sequence.
+        """
+
     def __init__(
         self,
         *,
@@ -429,10 +437,11 @@ class PrefillJob(_message.Message):
         accept_layer_parts: _builtins.bool = ...,
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        fork_seeds: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "fork_seeds", b"fork_seeds", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -664,6 +673,8 @@ class Manifest(_message.Message):
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FORK_FIRST_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FORK_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -738,6 +749,14 @@ class Manifest(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]:
         """For a job that asked (PrefillJob.prompt_logprobs): prompt tokens 1..N-1's logprobs, in order."""
 
+    @_builtins.property
+    def fork_first_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With first_token_id, for a job with fork_seeds: the first token drawn with each, in order, and
+        (with PrefillJob.logprobs) their logprobs.
+        """
+
+    @_builtins.property
+    def fork_first_token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]: ...
     def __init__(
         self,
         *,
@@ -758,10 +777,12 @@ class Manifest(_message.Message):
         engine_duration: _duration_pb2.Duration | None = ...,
         first_token_logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
         prompt_logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
+        fork_first_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        fork_first_token_logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_logprobs", b"prompt_logprobs", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "fork_first_token_ids", b"fork_first_token_ids", "fork_first_token_logprobs", b"fork_first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_logprobs", b"prompt_logprobs", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
