@@ -92,7 +92,9 @@ async def test_full_n_forks_equal_colocated_requests_with_their_seeds(hf_checkpo
         assert forked.transfer.total_bytes == single[0][2].transfer.total_bytes > 0
         assert forked.transfer.read_count == single[0][2].transfer.read_count
         separate = sum(s.transfer.total_bytes for _, _, s in single)
-        print(f"\nbytes moved, {engine}: n=4 in one request {forked.transfer.total_bytes}, 4 requests {separate}")
+        print(
+            f"\nbytes moved, {engine}, prompt {len(prompt)}: n=4 in one request {forked.transfer.total_bytes}, 4 requests {separate}"
+        )
         async with asyncio.timeout(10):
             while decode.host.allocator.num_used or prefill.host.allocator.num_used:
                 await asyncio.sleep(0.02)
