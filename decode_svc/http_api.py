@@ -50,26 +50,35 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 @dataclass
-class Outcome:
-    """Filled while a generation runs: what `usage` and `finish_reason` report."""
+class Choice:
+    """One of the request's n sequences as the client sees it: its text cut at a stop sequence,
+    the tokens up to it, why it ended."""
 
-    prompt_tokens: int
+    stop: StopMatcher
+    decoder: TextStream | None  # with stop sequences: the ids decoded one at a time here
     completion_tokens: int = 0
     finish_reason: str = "length"
+    done: bool = False  # its stop sequence matched: its later tokens are dropped
 
-    @property
-    def usage(self) -> objects.Usage:
-        return objects.Usage(self.prompt_tokens, self.completion_tokens)
+
+@dataclass(frozen=True)
+class Piece:
+    """Text of one choice to emit (may be empty), with the logprobs of the tokens it came from."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprobs]
 
 
 class Generated:
-    """One generation as text pieces: `first()` raises every failure before the first token."""
+    """One generation (of n choices) as text pieces: `first()` raises every failure before the first token."""
 
     def __init__(
         self,
         responses: AsyncIterator[pb.GenerateResponse],
-        outcome: Outcome,
-        stop: StopMatcher,
+        prompt_tokens: int,
+        stops: Sequence[str],
+        n: int,
         early: EarlyStop,
         rename: Callable[[ServiceError], ServiceError],
         text: Tokenizer,
@@ -78,12 +87,16 @@ class Generated:
         self._tokenizer = text
         self._min_tokens = min_tokens  # stop sequences end nothing before this many tokens
         self._responses = responses
-        self.outcome = outcome
-        self._stop = stop
+        self.prompt_tokens = prompt_tokens
+        self.choices = [Choice(StopMatcher(stops), text.stream() if stops else None) for _ in range(n)]
         self._early = early
         self._rename = rename
         self._first: pb.GenerateResponse | None = None
         self.prompt_logprobs: list[TokenLogprobs] = []  # when asked: prompt tokens 1..N-1's
+
+    @property
+    def usage(self) -> objects.Usage:
+        return objects.Usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
     async def first(self) -> None:
         """Wait for the first token (the prompt's logprobs, when asked, come before it)."""
@@ -97,45 +110,63 @@ class Generated:
         except StopAsyncIteration:
             self._first = None
 
-    async def pieces(self) -> AsyncIterator[tuple[str, list[TokenLogprobs]]]:
-        """Text to emit, in order (may be empty strings), with the logprobs of the tokens it
-        came from (when asked); ends at max_tokens or a stop sequence.
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text to emit, in order, per choice; ends at max_tokens or once every choice met a
+        stop sequence (which ends the generation early).
 
         With stop sequences the ids are decoded here one token at a time (the tokenizer
         Generation uses), so a match stops at the token that completed it and `usage` counts
         exactly the tokens up to it; without, the chunks' own text is passed through."""
-        per_token = self._tokenizer.stream() if self._stop.stops else None
         try:
             response = self._first
             while response is not None:
-                if response.WhichOneof("payload") == "summary" and response.summary.finish_reason == pb.FINISH_REASON_STOP:
-                    self.outcome.finish_reason = "stop"  # an EOS or stop token id
-                if response.WhichOneof("payload") == "chunk":
-                    chunk = response.chunk
-                    if per_token is None:
-                        self.outcome.completion_tokens += len(chunk.token_ids)
-                        yield self._stop.feed(chunk.text), [logprobs_of(lp) for lp in chunk.logprobs]
-                    else:
-                        text, used = self._feed_tokens(per_token, chunk.token_ids)
-                        yield text, [logprobs_of(lp) for lp in chunk.logprobs[:used]]
-                    if self._stop.stopped:
-                        self.outcome.finish_reason = "stop"
+                kind = response.WhichOneof("payload")
+                if kind == "summary":
+                    self._finish_reasons(response.summary)
+                elif kind == "chunk" and response.chunk.index < len(self.choices):
+                    piece = self._feed(response.chunk)
+                    if piece is not None:
+                        yield piece
+                    if all(c.done for c in self.choices):
                         self._early.stopped = True
                         return
                 response = await anext(self._responses, None)
-            rest = self._stop.feed(per_token.finish()) + self._stop.finish() if per_token else self._stop.finish()
-            yield rest, []
+            for i, c in enumerate(self.choices):
+                if c.done:
+                    continue
+                rest = c.stop.feed(c.decoder.finish()) + c.stop.finish() if c.decoder else c.stop.finish()
+                yield Piece(i, rest, [])
         finally:
             await self.aclose()
 
-    def _feed_tokens(self, decoder: TextStream, ids: Sequence[int]) -> tuple[str, int]:
+    def _finish_reasons(self, summary: pb.GenerateSummary) -> None:
+        reasons = list(summary.finish_reasons) or [summary.finish_reason]
+        for c, reason in zip(self.choices, reasons, strict=False):
+            if reason == pb.FINISH_REASON_STOP:
+                c.finish_reason = "stop"  # an EOS or stop token id
+
+    def _feed(self, chunk: pb.TokenChunk) -> Piece | None:
+        c = self.choices[chunk.index]
+        if c.done:
+            return None
+        if c.decoder is None:
+            c.completion_tokens += len(chunk.token_ids)
+            piece = Piece(chunk.index, c.stop.feed(chunk.text), [logprobs_of(lp) for lp in chunk.logprobs])
+        else:
+            text, used = self._feed_tokens(c, c.decoder, chunk.token_ids)
+            piece = Piece(chunk.index, text, [logprobs_of(lp) for lp in chunk.logprobs[:used]])
+        if c.stop.stopped:
+            c.finish_reason, c.done = "stop", True
+        return piece
+
+    def _feed_tokens(self, c: Choice, decoder: TextStream, ids: Sequence[int]) -> tuple[str, int]:
         """The text of `ids` up to a stop sequence, and how many of them it took."""
         out = []
         for token in ids:
-            self.outcome.completion_tokens += 1
-            armed = self.outcome.completion_tokens >= self._min_tokens
-            out.append(self._stop.feed(decoder.feed([token]), armed=armed))
-            if self._stop.stopped:
+            c.completion_tokens += 1
+            armed = c.completion_tokens >= self._min_tokens
+            out.append(c.stop.feed(decoder.feed([token]), armed=armed))
+            if c.stop.stopped:
                 break
         return "".join(out), len(out)
 
@@ -143,15 +174,15 @@ class Generated:
         """Ends the generation (frees its blocks) if it is still running; idempotent."""
         await self._responses.aclose()  # type: ignore[attr-defined]
 
-    async def text(self) -> tuple[str, list[TokenLogprobs]]:
-        """The whole text, and the logprobs of its tokens (when asked)."""
-        texts: list[str] = []
-        logprobs: list[TokenLogprobs] = []
+    async def texts(self) -> list[tuple[str, list[TokenLogprobs]]]:
+        """Each choice's whole text, and the logprobs of its tokens (when asked)."""
+        texts: list[list[str]] = [[] for _ in self.choices]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in self.choices]
         try:
-            async for text, lps in self.pieces():
-                texts.append(text)
-                logprobs += lps
-            return "".join(texts), logprobs
+            async for piece in self.pieces():
+                texts[piece.index].append(piece.text)
+                logprobs[piece.index] += piece.logprobs
+            return [("".join(t), lps) for t, lps in zip(texts, logprobs, strict=True)]
         finally:
             await self.aclose()
 
@@ -176,38 +207,38 @@ class DecodeHttp:
         ids = prompt_ids(params, self.tokenizer.encode, self.template)
         generated, rid = await self._start(request, params, ids, "prompt", echo=params.echo)
         header = objects.Header.new(f"cmpl-{rid}", model)
-        shaped = CompletionLogprobs(self.tokenizer) if params.logprobs is not None else None
+        n = len(generated.choices)
+        shaped = [CompletionLogprobs(self.tokenizer) for _ in range(n)] if params.logprobs is not None else None
         echoed = ""
-        echoed_logprobs: dict[str, Any] | None = None
+        echoed_logprobs: list[dict[str, Any] | None] = [None] * n
         if params.echo:  # vLLM's: the prompt's text as given (token ids decoded), then the completion's
             echoed = params.prompt if isinstance(params.prompt, str) else self.tokenizer.decode(params.prompt)
             if shaped is not None:
-                echoed_logprobs = shaped.prompt_part(ids[0], generated.prompt_logprobs)
+                echoed_logprobs = [s.prompt_part(ids[0], generated.prompt_logprobs) for s in shaped]
         if not params.stream:
-            text, logprobs = await generated.text()
-            out = generated.outcome
-            body = objects.completion(header, echoed + text, out.finish_reason, out.usage)
-            if shaped is not None:
-                part = shaped.part(logprobs)
-                if echoed_logprobs is not None:
-                    part = {name: echoed_logprobs[name] + part[name] for name in part}
-                body["choices"][0]["logprobs"] = part
-            return JSONResponse(body)
+            choices = []
+            for i, (text, logprobs) in enumerate(await generated.texts()):
+                part: dict[str, Any] | None = None
+                if shaped is not None:
+                    part = shaped[i].part(logprobs)
+                    before = echoed_logprobs[i]
+                    if before is not None:
+                        part = {name: before[name] + part[name] for name in part}
+                choices.append(objects.completion_choice(i, echoed + text, generated.choices[i].finish_reason, part))
+            return JSONResponse(objects.completion(header, choices, generated.usage))
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             if params.echo:
-                chunk = objects.completion_chunk(header, echoed, None, params.include_usage)
-                chunk["choices"][0]["logprobs"] = echoed_logprobs
-                yield chunk
-            async for piece, logprobs in generated.pieces():
-                if piece or logprobs:
-                    chunk = objects.completion_chunk(header, piece, None, params.include_usage)
-                    if shaped is not None:
-                        chunk["choices"][0]["logprobs"] = shaped.part(logprobs)
-                    yield chunk
-            yield objects.completion_chunk(header, "", generated.outcome.finish_reason, params.include_usage)
+                for i in range(n):
+                    yield objects.completion_chunk(header, echoed, None, params.include_usage, i, echoed_logprobs[i])
+            async for p in generated.pieces():
+                if p.text or p.logprobs:
+                    part = shaped[p.index].part(p.logprobs) if shaped is not None else None
+                    yield objects.completion_chunk(header, p.text, None, params.include_usage, p.index, part)
+            for i, c in enumerate(generated.choices):
+                yield objects.completion_chunk(header, "", c.finish_reason, params.include_usage, i)
             if params.include_usage:
-                yield objects.usage_chunk(header, "text_completion", generated.outcome.usage)
+                yield objects.usage_chunk(header, "text_completion", generated.usage)
 
         return _sse(chunks(), generated)
 
@@ -218,25 +249,27 @@ class DecodeHttp:
         generated, rid = await self._start(request, params, ids, "messages")
         header = objects.Header.new(f"chatcmpl-{rid}", model)
         wants = params.logprobs is not None
+        n = len(generated.choices)
         if not params.stream:
-            text, logprobs = await generated.text()
-            out = generated.outcome
-            body = objects.chat_completion(header, text, out.finish_reason, out.usage)
-            if wants:
-                body["choices"][0]["logprobs"] = chat_logprobs(self.tokenizer, logprobs)
-            return JSONResponse(body)
+            choices = [
+                objects.chat_choice(
+                    i, text, generated.choices[i].finish_reason, chat_logprobs(self.tokenizer, logprobs) if wants else None
+                )
+                for i, (text, logprobs) in enumerate(await generated.texts())
+            ]
+            return JSONResponse(objects.chat_completion(header, choices, generated.usage))
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            yield objects.chat_chunk(header, {"role": "assistant", "content": ""}, None, params.include_usage)
-            async for piece, logprobs in generated.pieces():
-                if piece or logprobs:
-                    chunk = objects.chat_chunk(header, {"content": piece}, None, params.include_usage)
-                    if wants:
-                        chunk["choices"][0]["logprobs"] = chat_logprobs(self.tokenizer, logprobs)
-                    yield chunk
-            yield objects.chat_chunk(header, {}, generated.outcome.finish_reason, params.include_usage)
+            for i in range(n):
+                yield objects.chat_chunk(header, {"role": "assistant", "content": ""}, None, params.include_usage, i)
+            async for p in generated.pieces():
+                if p.text or p.logprobs:
+                    lps = chat_logprobs(self.tokenizer, p.logprobs) if wants else None
+                    yield objects.chat_chunk(header, {"content": p.text}, None, params.include_usage, p.index, lps)
+            for i, c in enumerate(generated.choices):
+                yield objects.chat_chunk(header, {}, c.finish_reason, params.include_usage, i)
             if params.include_usage:
-                yield objects.usage_chunk(header, "chat.completion.chunk", generated.outcome.usage)
+                yield objects.usage_chunk(header, "chat.completion.chunk", generated.usage)
 
         return _sse(chunks(), generated)
 
@@ -257,6 +290,7 @@ class DecodeHttp:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
+            n=params.n,
         )
         if params.logprobs is not None:
             grpc_request.logprobs = params.logprobs
@@ -275,8 +309,9 @@ class DecodeHttp:
         early = EarlyStop()
         generated = Generated(
             self.servicer.generate(grpc_request, None, early, peer=_client_of(request)),
-            Outcome(prompt_tokens=len(ids)),
-            StopMatcher(params.stop),
+            len(ids),
+            params.stop,
+            params.n,
             early,
             lambda e: renamed(e, names),
             self.tokenizer,

@@ -59,6 +59,7 @@ class CommonParams:
     kv_transfer_params: dict[str, Any] | None
     user: str | None = None
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
+    n: int = 1  # choices, each a sequence of its own from the one prompt
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class CompletionParams(CommonParams):
 @dataclass(frozen=True)
 class ChatParams(CommonParams):
     messages: tuple[ChatMessage, ...] = field(default=())
+
+
+HTTP_SEQUENCES = IntRange(1, limits.SEQUENCES.high)  # n: 0 is not OpenAI's
 
 
 def _is_int(value: object) -> bool:
@@ -168,9 +172,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgument(f"must be a string, got {model!r}", field="model")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidArgument(f"only n = 1 is supported, got {n!r}", field="n")
+    n = _int(body, "n", HTTP_SEQUENCES, default=1)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -208,6 +210,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
         sampling=_sampling(body),
         kv_transfer_params=kv,
         user=user,
+        n=n,
     )
 
 

@@ -85,7 +85,7 @@ COMMON_FIELDS: dict[str, Field] = {
         st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4), st.lists(st.text(max_size=3))
     ),
     "stream_options": Field(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk})),
-    "n": Field(st.just(1), st.integers(-2, 3)),
+    "n": Field(st.integers(1, 3), st.sampled_from(BOUNDS) | st.integers(-3, 30)),
     "temperature": Field(st.floats(0, 2) | st.sampled_from([1e-45, 1e-310, 5e-324]), st.floats(-10, 1e300) | st.floats()),
     "top_p": Field(st.floats(0, 1, exclude_min=True) | st.sampled_from([1e-45, 5e-324]), unit | st.floats()),
     "top_k": Field(st.integers(-1, 300) | st.just(U32), st.sampled_from(BOUNDS) | st.integers(-(2**70), 2**70)),

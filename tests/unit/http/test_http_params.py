@@ -65,7 +65,8 @@ def test_completion_accepts_what_clients_and_routers_send() -> None:
         ({"top_p": 1.01}, "top_p"),
         ({"seed": 1.5}, "seed"),
         ({"seed": 2**70}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop": 5}, "stop"),
@@ -129,7 +130,7 @@ def test_chat_messages_and_limits() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 1.5}, "n"),
     ],
 )
 def test_chat_rejections_name_the_field(body: dict[str, Any], field: str) -> None:
