@@ -194,14 +194,16 @@ class Generation:
         return len(self._active)
 
     async def run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
-        if req.request_id in self._active:
+        # The blocks' holders: the request's id and its forks' (`<id>#<i>`), none of them another request's.
+        keys = {req.request_id, *(fork_key(req.request_id, i) for i in range(1, req.n))}
+        if keys & self._active:
             raise AlreadyExists(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
-        self._active.add(req.request_id)
+        self._active |= keys
         try:
             async for response in self._run(req):
                 yield response
         finally:
-            self._active.discard(req.request_id)
+            self._active -= keys
 
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()

@@ -163,3 +163,50 @@ async def test_forks_share_the_prompt_blocks_and_copy_the_rest(start_prefill, st
         for i in (1, 2):
             host.free(fork_key("r", i))
     assert host.allocator.num_used == 0
+
+
+async def test_forks_on_decode_local_prefill_equal_colocated(hf_checkpoint: Callable[[str], str]) -> None:
+    """Decode computing the prompt itself (--local-prefill-below) draws the forks' first tokens as prefill does."""
+    model = hf_checkpoint("qwen3_5")
+    async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=("--local-prefill-below", "1000")) as (_, decode):
+        summary = await check_n(decode.port, "paged", model, 3, 5, 1.0)
+    assert summary.prefilled_locally
+
+
+async def test_a_cancelled_request_of_several_sequences_frees_every_block(start_prefill, start_decode) -> None:  # type: ignore[no-untyped-def]
+    reference = engine_factory_for("reference")
+    prefill = await start_prefill("--model", "tiny-mamba2", engine=reference)
+    decode = await start_decode(prefill.port, "--model", "tiny-mamba2", engine=reference)
+    request = dpb.GenerateRequest(
+        prompt_token_ids=list(range(3, 60)), max_tokens=400, n=4, sampling=dpb.SamplingParams(temperature=1.0, seed=3)
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        call = dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=60)
+        seen: set[int] = set()
+        async for reply in call:
+            seen.add(reply.chunk.index)
+            if len(seen) == 4:  # every sequence is running
+                assert decode.host.allocator.num_used > 0
+                call.cancel()
+                break
+    async with asyncio.timeout(10):
+        while decode.host.allocator.num_used or prefill.host.allocator.num_used:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_request_id_that_names_a_running_fork_is_already_exists(start_prefill, start_decode) -> None:  # type: ignore[no-untyped-def]
+    """A fork's blocks are held as `<id>#<i>`: a request of that id meanwhile would share them."""
+    reference = engine_factory_for("reference")
+    prefill = await start_prefill("--model", "tiny-mamba2", engine=reference)
+    decode = await start_decode(prefill.port, "--model", "tiny-mamba2", engine=reference)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        stub = dpb_grpc.DecodeServiceStub(channel)
+        running = stub.Generate(dpb.GenerateRequest(request_id="x", prompt_token_ids=[1, 2, 3], max_tokens=400, n=2), timeout=60)
+        await running.read()  # in flight
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate_n(decode.port, 1, request_id="x#1", prompt_token_ids=[1, 2], max_tokens=1)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        running.cancel()
+    async with asyncio.timeout(10):
+        while decode.host.allocator.num_used:
+            await asyncio.sleep(0.02)
