@@ -205,7 +205,9 @@ class DecodeHttp:
         params = parse_completion(await json_body(request))
         model = check_model(self.info, params.model)
         ids = prompt_ids(params, self.tokenizer.encode, self.template)
-        generated, rid = await self._start(request, params, ids, "prompt", echo=params.echo)
+        best_of = params.best_of > params.n  # the best n of best_of, by cumulative logprob (not streamed)
+        scored = params.logprobs if params.logprobs is not None or not best_of else 0
+        generated, rid = await self._start(request, params, ids, "prompt", echo=params.echo, n=params.best_of, logprobs=scored)
         header = objects.Header.new(f"cmpl-{rid}", model)
         n = len(generated.choices)
         shaped = [CompletionLogprobs(self.tokenizer) for _ in range(n)] if params.logprobs is not None else None
@@ -216,15 +218,19 @@ class DecodeHttp:
             if shaped is not None:
                 echoed_logprobs = [s.prompt_part(ids[0], generated.prompt_logprobs) for s in shaped]
         if not params.stream:
+            texts = await generated.texts()
+            kept = best_indices(texts, params.n) if best_of else range(n)
             choices = []
-            for i, (text, logprobs) in enumerate(await generated.texts()):
+            for number, i in enumerate(kept):
+                text, logprobs = texts[i]
                 part: dict[str, Any] | None = None
                 if shaped is not None:
                     part = shaped[i].part(logprobs)
                     before = echoed_logprobs[i]
                     if before is not None:
                         part = {name: before[name] + part[name] for name in part}
-                choices.append(objects.completion_choice(i, echoed + text, generated.choices[i].finish_reason, part))
+                finish = generated.choices[i].finish_reason
+                choices.append(objects.completion_choice(number, echoed + text, finish, part))
             return JSONResponse(objects.completion(header, choices, generated.usage))
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -274,10 +280,21 @@ class DecodeHttp:
         return _sse(chunks(), generated)
 
     async def _start(
-        self, request: Request, params: CommonParams, ids: list[int], prompt_field: str, *, echo: bool = False
+        self,
+        request: Request,
+        params: CommonParams,
+        ids: list[int],
+        prompt_field: str,
+        *,
+        echo: bool = False,
+        n: int | None = None,
+        logprobs: int | None = None,
     ) -> tuple[Generated, str]:
         """Validate against this engine, start the generation and wait for its first token.
-        `echo` with logprobs: prefill computes the prompt's too."""
+        `echo` with logprobs: prefill computes the prompt's too. `n` and `logprobs`: other than
+        the body's (best_of)."""
+        n = params.n if n is None else n
+        logprobs = params.logprobs if logprobs is None else logprobs
         max_tokens = params.max_tokens
         if max_tokens is None:  # chat without a limit: whatever the request's capacity leaves
             max_tokens = max(1, self.host.max_tokens() - len(ids))
@@ -290,12 +307,12 @@ class DecodeHttp:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
-            n=params.n,
+            n=n,
         )
-        if params.logprobs is not None:
-            grpc_request.logprobs = params.logprobs
+        if logprobs is not None:
+            grpc_request.logprobs = logprobs
             if echo:
-                grpc_request.prompt_logprobs = params.logprobs
+                grpc_request.prompt_logprobs = logprobs
         if wants_remote_prefill(params.kv_transfer_params):  # a P/D router's decode leg: passed through as JSON
             grpc_request.kv_transfer_params = json.dumps(params.kv_transfer_params)
         names = {
@@ -311,7 +328,7 @@ class DecodeHttp:
             self.servicer.generate(grpc_request, None, early, peer=_client_of(request)),
             len(ids),
             params.stop,
-            params.n,
+            n,
             early,
             lambda e: renamed(e, names),
             self.tokenizer,
@@ -319,6 +336,13 @@ class DecodeHttp:
         )
         await generated.first()
         return generated, rid
+
+
+def best_indices(texts: Sequence[tuple[str, list[TokenLogprobs]]], n: int) -> list[int]:
+    """best_of: the `n` choices of highest cumulative logprob (of the tokens each returns, the
+    model's raw logprobs), best first; ties keep the lower index first."""
+    scores = [sum(lp.logprob for lp in logprobs) for _, logprobs in texts]
+    return sorted(range(len(texts)), key=lambda i: -scores[i])[:n]
 
 
 def _client_of(request: Request) -> str:

@@ -65,6 +65,7 @@ class CommonParams:
 @dataclass(frozen=True)
 class CompletionParams(CommonParams):
     prompt: str | list[int] = field(default="")
+    best_of: int = 1  # sequences generated; the n of highest cumulative logprob are returned
     echo: bool = False  # the prompt's text first (with logprobs: its logprobs too)
 
 
@@ -195,7 +196,6 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("must be a string", field="user")
-    _absent_or(body, "best_of", 1, why="only best_of = 1")
     _absent_or(body, "logit_bias", {}, why="logit_bias is not supported")
     return dict(
         model=model,
@@ -246,7 +246,14 @@ def parse_completion(raw: object) -> CompletionParams:
     _absent_or(body, "suffix", "", why="suffix is not supported")
     logprobs = _int(body, "logprobs", limits.LOGPROBS)
     echo = _bool(body, "echo", False)
-    return CompletionParams(prompt=prompt, logprobs=logprobs, echo=echo, **_common(body, max_tokens, "max_tokens"))
+    common = _common(body, max_tokens, "max_tokens")
+    best_of = _int(body, "best_of", HTTP_SEQUENCES, default=common["n"])
+    assert best_of is not None
+    if best_of < common["n"]:
+        raise InvalidArgument(f"{best_of} is less than n ({common['n']})", field="best_of")
+    if best_of > common["n"] and common["stream"]:
+        raise InvalidArgument("best_of above n cannot stream (the best are known at the end)", field="best_of")
+    return CompletionParams(prompt=prompt, logprobs=logprobs, echo=echo, best_of=best_of, **common)
 
 
 def _content(value: object, where: str) -> str:
@@ -286,6 +293,7 @@ def parse_chat(raw: object) -> ChatParams:
     messages = _messages(body.get("messages"))
     field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field_name, limits.MAX_TOKENS)
+    _absent_or(body, "best_of", 1, why="chat has no best_of")
     _absent_or(body, "tools", [], why="tool calls are not supported")
     _absent_or(body, "response_format", {"type": "text"}, why="only text responses are supported")
     return ChatParams(messages=messages, logprobs=_chat_logprobs(body), **_common(body, max_tokens, field_name))

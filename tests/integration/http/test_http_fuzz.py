@@ -95,7 +95,7 @@ COMMON_FIELDS: dict[str, Field] = {
     "user": Field(st.text(max_size=10), st.text()),
     "stop_token_ids": Field(st.lists(st.integers(0, 255), max_size=4), st.lists(st.sampled_from(BOUNDS), min_size=1) | token_ids),
     "ignore_eos": Field(st.booleans(), st.integers()),
-    "best_of": Field(st.just(1), st.integers(0, 2)),
+    "best_of": Field(st.none(), st.integers(-1, 20)),
     "logit_bias": Field(st.just({}), st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2)),
     "kv_transfer_params": Field(
         st.sampled_from([None, {}, {"do_remote_prefill": False}]),

@@ -23,16 +23,20 @@ SEED = 11
 
 
 async def colocated_texts(prompt: str, max_tokens: int, n: int) -> list[str]:
+    return [text for text, _ in await colocated_scored(prompt, max_tokens, n)]
+
+
+async def colocated_scored(prompt: str, max_tokens: int, n: int) -> list[tuple[str, float]]:
+    """Each seed's text (colocated, alone) and cumulative logprob."""
     run = await asyncio.to_thread(Colocated.build, "reference", MODEL, 1, 512)
     texts = []
     try:
         for i in range(n):
             params = sampling_from(dpb.SamplingParams(temperature=1.0, seed=SEED + i))
-            ids = [
-                t.token_id
-                async for t in run.stream("c", list(prompt.encode()), max_tokens, sampling=params, stop=StopRule(max_tokens))
-            ]
-            texts.append(bytes(ids).decode("utf-8", errors="replace"))
+            stream = run.stream("c", list(prompt.encode()), max_tokens, sampling=params, stop=StopRule(max_tokens), logprobs=0)
+            got = [t async for t in stream]
+            text = bytes(t.token_id for t in got).decode("utf-8", errors="replace")
+            texts.append((text, sum(t.logprobs.logprob for t in got if t.logprobs is not None)))
     finally:
         run.close()
     return texts
@@ -75,4 +79,18 @@ async def test_each_choice_stops_at_its_own_stop_sequence(http_pair: HttpPair) -
         assert choice.text == (text if cut < 0 else text[:cut])
         assert choice.finish_reason == ("length" if cut < 0 else "stop")
     assert out.choices[1].finish_reason == "stop"
+    await http_pair.blocks_freed()
+
+
+async def test_best_of_returns_the_choices_of_highest_cumulative_logprob(http_pair: HttpPair) -> None:
+    scored = await colocated_scored(PROMPT, 12, 4)
+    ranked = [text for text, _ in sorted(scored, key=lambda ts: -ts[1])]
+    assert ranked[:2] != [text for text, _ in scored[:2]]  # negative control: the best are not the first two
+    async with client(http_pair) as c:
+        out = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=2, best_of=4, temperature=1.0, seed=SEED)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, best_of=3, stream=True)
+    assert [ch.text for ch in out.choices] == ranked[:2]
+    assert [ch.index for ch in out.choices] == [0, 1] and all(ch.logprobs is None for ch in out.choices)
+    assert "best_of" in str(e.value)
     await http_pair.blocks_freed()

@@ -77,7 +77,9 @@ def test_completion_accepts_what_clients_and_routers_send() -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 17}, "best_of"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
         ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"top_k": -2}, "top_k"),
@@ -131,6 +133,7 @@ def test_chat_messages_and_limits() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 1.5}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ],
 )
 def test_chat_rejections_name_the_field(body: dict[str, Any], field: str) -> None:
