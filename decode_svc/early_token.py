@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from decode_svc.peer_link import PeerLink
+from shared.engine.logprobs import TokenLogprobs
 from shared.errors import Internal
 
 
@@ -33,12 +34,14 @@ class EarlyToken:
         self.link: PeerLink | None = None  # of the prefill engine that drew it
         self.engine_seconds = 0.0  # that engine's own model calls for the prompt (0: it did not say)
         self._arrived_at = 0.0
+        self.logprobs: TokenLogprobs | None = None  # the token's, when the job asked
 
-    def take(self, link: PeerLink, token: int, engine_seconds: float) -> None:
+    def take(self, link: PeerLink, token: int, engine_seconds: float, logprobs: TokenLogprobs | None) -> None:
         """The session's sink: the first token to arrive counts (a retried job's is the same)."""
         if not self.arrived.done():
             self.arrived.set_result(token)
             self.link, self.engine_seconds, self._arrived_at = link, engine_seconds, time.monotonic()
+            self.logprobs = logprobs
 
     async def first(self, job: asyncio.Future[Any]) -> int | None:
         """Wait for the first token or the end of `job`, whichever comes first: the token (from

@@ -57,6 +57,7 @@ a P/D decode leg never moves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -64,6 +65,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from decode_svc.early_token import EarlyToken
+from decode_svc.forks import fork_blocks, fork_key, fork_sampling, fork_seeds, merged
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
 from decode_svc.local_prefill import LocalPrefill, LocalPrefillMode, Reason
@@ -75,11 +77,12 @@ from decode_svc.prefix_cache import Hit
 from decode_svc.read_checks import StateChecks
 from decode_svc.reader import ReadStats, read_request
 from decode_svc.request import RequestContext, check_fits_prefill
-from decode_svc.responses import ClientStream, Transfer, client_stream, summary
-from decode_svc.reuse import DecodeReuse, ReadTarget, Reused, Steps
+from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_response, summary
+from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
 from shared.errors import (
@@ -93,6 +96,7 @@ from shared.errors import (
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
+from shared.rpc.logprobs_message import checked_first
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.step_loop import StepLoop
 from shared.telemetry import Telemetry
@@ -138,9 +142,12 @@ class ComputeGuard:
         self._last = task
         return await asyncio.shield(task)
 
-    def free_when_idle(self, key: str, reads: ReadFence, hit: Hit | None = None) -> None:
+    def free_when_idle(self, key: str, reads: ReadFence | None = None, hit: Hit | None = None) -> None:
         def free() -> None:
-            reads.when_released(lambda: self.host.free(key))
+            if reads is None:
+                self.host.free(key)
+            else:
+                reads.when_released(lambda: self.host.free(key))
             if hit is not None:  # the prefix cache's blocks: no model call reads them any more
                 hit.release()
 
@@ -187,14 +194,16 @@ class Generation:
         return len(self._active)
 
     async def run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
-        if req.request_id in self._active:
+        # The blocks' holders: the request's id and its forks' (`<id>#<i>`), none of them another request's.
+        keys = {req.request_id, *(fork_key(req.request_id, i) for i in range(1, req.n))}
+        if keys & self._active:
             raise AlreadyExists(f"{req.request_id!r} is already in flight on this decode engine", field="request_id")
-        self._active.add(req.request_id)
+        self._active |= keys
         try:
             async for response in self._run(req):
                 yield response
         finally:
-            self._active.discard(req.request_id)
+            self._active -= keys
 
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
@@ -236,7 +245,11 @@ class Generation:
                 if await self.reuse.restored(compute.run, reused, local):
                     self._count_without_prefill(peer)
                     from_state = self.reuse.decode_restored(
-                        req, reused, local, compute.run, lambda n, out, first: self._steps(req, n, local, compute, out, first)
+                        req,
+                        reused,
+                        local,
+                        compute.run,
+                        lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks),
                     )
                     async for restored in from_state:
                         yield restored
@@ -250,14 +263,17 @@ class Generation:
             elif here is None and (peer is None or not peer.ready):  # lost while it waited for blocks, or none was ready
                 peer, here = self._pick_or_here(reused)
             if here is not None:
-                steps: Steps = lambda n, out, first: self._steps(req, n, local, compute, out, first)  # noqa: E731
+                steps: Steps = lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks)  # noqa: E731
                 async for from_here in self.local.run(req, local, compute.run, steps, here):
                     yield from_here
                 return
             assert peer is not None
             job_sent = time.monotonic()
             out = client_stream(self.host, req, self.telemetry)
-            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" else None
+            # The first token early, unless the prompt's logprobs must go out before it (they come
+            # with the manifest), or other sequences' first tokens come with it (in the manifest).
+            alone = req.prompt_logprobs is None and req.n == 1
+            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" and alone else None
             if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
                 attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
                 job = asyncio.ensure_future(
@@ -266,7 +282,8 @@ class Generation:
                 try:
                     token = None if early is None else await early.first(job)
                     if token is not None:  # prefill drew it ahead of its manifest: it goes out at once
-                        yield out.chunk([token])
+                        assert early is not None
+                        yield out.chunk([token], checked_first(early.logprobs, token, req.logprobs, "first_token.logprobs"))
                         ended = req.stop.finish(token, 1)
                         if ended is not None and not job.done():  # no state is needed, so no manifest either
                             assert early is not None and early.link is not None
@@ -299,7 +316,13 @@ class Generation:
                 first = first_token_of(manifest, self.host, link.engine_id)
                 if early is not None:
                     early.check(first, link.engine_id)
-                ended = None if first is None else req.stop.finish(first, 1)
+                if req.prompt_logprobs is not None:  # before any token: the first is not sent early then
+                    yield prompt_response(manifest.prompt_logprobs, req.prompt, req.prompt_logprobs, "manifest.prompt_logprobs")
+                first_logprobs = None
+                if first is not None and not sent_early:
+                    first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
+                # A first token that ends the request needs no state; with several sequences the others do.
+                ended = None if first is None or req.n > 1 else req.stop.finish(first, 1)
                 if ended is None:
                     read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
                     if first is None or sent_early:  # nothing to send meanwhile: no task of its own for the READ
@@ -307,7 +330,7 @@ class Generation:
                     else:
                         reading = asyncio.ensure_future(read)
                         try:
-                            yield out.chunk([first])  # while the READ runs: the transfer hides behind it
+                            yield out.chunk([first], first_logprobs)  # while the READ runs: the transfer hides behind it
                             stats = await reading
                         finally:
                             if not reading.done():  # the client went away during the first chunk
@@ -325,7 +348,7 @@ class Generation:
                 # READs of parts already started are stopped; prefill frees once they are released).
                 await parts.cancel()
                 reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
-                for response in (None if sent_early else out.chunk([first]), out.tail()):
+                for response in (None if sent_early else out.chunk([first], first_logprobs), out.tail()):
                     if response is not None:
                         yield response
                 transfer = Transfer(link, manifest, ReadStats(), prefill_seconds)
@@ -413,6 +436,9 @@ class Generation:
             on_part=on_part if self.manifest_parts else None,
             cached_tokens=cached,
             on_first_token=None if early is None else functools.partial(early.take, link),
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            fork_seeds=fork_seeds(req.sampling, req.n),
         )
         return session, link, manifest
 
@@ -513,7 +539,8 @@ class Generation:
         if self.check_state:
             await self.checks.recompute(compute.run, req.prompt, num_computed, local)
         await self.reuse.keep_state(compute.run, req, transfer, local, reused, first_token)
-        async for chunk in self._steps(req, num_computed, local, compute, out, first_token):
+        forks = (manifest.fork_first_tokens, manifest.fork_first_logprobs)
+        async for chunk in self._steps(req, num_computed, local, compute, out, first_token, forks):
             yield chunk
         await self.reuse.keep_prefix(compute.run, req, reused, local, link, num_computed, manifest.skipped_tokens)
         tail = out.tail()
@@ -532,9 +559,89 @@ class Generation:
         compute: ComputeGuard,
         out: ClientStream,
         first_token: int | None,
+        forks: ForkFirsts = NO_FORKS,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Decode steps from the state in `local` until the request finishes (`out.finish`): the
-        request joins the engine's step loop and streams each token as its step ends."""
+        """Decode steps from the state in `local` until the request finishes (`out.finish`); a
+        request of several sequences forks first (`_forked`)."""
+        if req.n == 1:
+            async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+                yield chunk
+            return
+        async for chunk in self._forked(req, num_computed, local, compute, out, first_token, forks):
+            yield chunk
+
+    async def _forked(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+        forks: ForkFirsts,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's n sequences from the one state in `local` (decode_svc/forks.py), their
+        chunks as they come, each tagged with its index; sequence 0 streams through `out`, the
+        others through streams of their own (`out.forks`, for the summary). At full-N the first
+        tokens are prefill's: `first_token` (sent already) and one per fork in `forks`."""
+        tokens, logprobs = forks
+        if first_token is not None and len(tokens) != req.n - 1:
+            raise Internal(
+                f"prefill drew {len(tokens)} first tokens for the other sequences of a request of {req.n}",
+                field="manifest.fork_first_token_ids",
+            )
+        if first_token is not None:
+            out.finish = req.stop.finish(first_token, 1)
+        blocks = await fork_blocks(
+            self.host, req.request_id, local, len(req.prompt), num_computed, req.n, req.deadline, compute.run
+        )
+        try:
+            out.forks = [client_stream(self.host, req, None, index=i) for i in range(1, req.n)]
+            streams = [] if out.finish is not None else [self._sequence(req, num_computed, local, compute, out, first_token)]
+            for i, (fork_out, fork_local) in enumerate(zip(out.forks, blocks, strict=True), start=1):
+                fork_req = dataclasses.replace(req, sampling=fork_sampling(req.sampling, i))
+                first = tokens[i - 1] if first_token is not None else None
+                lp = logprobs[i - 1] if first is not None and req.logprobs is not None else None
+                streams.append(self._fork(fork_req, num_computed, fork_local, compute, fork_out, first, lp))
+            async for chunk in merged(streams):
+                yield chunk
+        finally:
+            for i in range(1, req.n):
+                compute.free_when_idle(fork_key(req.request_id, i))
+
+    async def _fork(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+        first_logprobs: TokenLogprobs | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One forked sequence: its first token (full-N), its steps, its held-back text."""
+        if first_token is not None:
+            lps = checked_first(first_logprobs, first_token, req.logprobs, "manifest.fork_first_token_logprobs")
+            yield out.chunk([first_token], lps)
+            out.finish = req.stop.finish(first_token, 1)
+        if out.finish is None:
+            async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+                yield chunk
+        tail = out.tail()
+        if tail is not None:
+            yield tail
+
+    async def _sequence(
+        self,
+        req: RequestContext,
+        num_computed: int,
+        local: RequestBlocks,
+        compute: ComputeGuard,
+        out: ClientStream,
+        first_token: int | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode steps of one sequence from the state in `local` until it finishes
+        (`out.finish`): it joins the engine's step loop and streams each token as its step ends."""
         blocks = GrowingBlocks(self.host, local, len(req.prompt))
         sampling = req.sampling
         decode, start_seconds = await compute.run(
@@ -544,13 +651,13 @@ class Generation:
                 )
             )
         )
-        member = self.step_loop.join(decode, req.stop, req.deadline, blocks, generated=out.generated)
+        member = self.step_loop.join(decode, req.stop, req.deadline, blocks, generated=out.generated, logprobs=req.logprobs)
         try:
             async for token in member.tokens():
                 if out.generated == 0:  # the request's first token is decode's own (n-1 boundary)
                     out.first_step_seconds = start_seconds + token.step_seconds
                 out.finish = token.finish
-                yield out.chunk([token.token_id])
+                yield out.chunk([token.token_id], None if token.logprobs is None else [token.logprobs])
         finally:
             self.step_loop.leave(member)
             compute.after(member.last_step)  # its blocks stay until a step still running with it ends

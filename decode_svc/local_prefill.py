@@ -18,11 +18,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from decode_svc.forks import fork_seeds
 from decode_svc.read_checks import StateChecks
 from decode_svc.request import RequestContext
-from decode_svc.responses import ComputedHere, client_stream, summary
+from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
+from shared.engine.first_logprobs import prefill_with_logprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
@@ -61,13 +63,27 @@ class LocalPrefill:
         engine = self.host.engine
         out = client_stream(self.host, req, self.telemetry)
         started = time.monotonic()
-        first, engine_seconds = await compute(lambda: timed(engine.prefill, req.prompt, local, req.sampling))
+        done, engine_seconds = await compute(
+            lambda: timed(
+                prefill_with_logprobs,
+                engine,
+                req.prompt,
+                local,
+                req.sampling,
+                req.logprobs,
+                req.prompt_logprobs,
+                fork_seeds(req.sampling, req.n),
+            )
+        )
+        first = done.first
         prefill_seconds = time.monotonic() - started
+        if req.prompt_logprobs is not None:
+            yield prompt_response(done.prompt_logprobs, req.prompt, req.prompt_logprobs, "prompt_logprobs")
         if first is not None:  # the full-N boundary: the engine drew the first token
-            yield out.chunk([first])
+            yield out.chunk([first], None if done.first_logprobs is None else [done.first_logprobs])
             out.finish = req.stop.finish(first, 1)
-        if out.finish is None:
-            async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first):
+        if out.finish is None or req.n > 1:  # the other sequences go on after a first token that ends sequence 0
+            async for chunk in steps(engine.num_prefill_tokens(len(req.prompt)), out, first, (done.forks, done.fork_logprobs)):
                 yield chunk
         tail = out.tail()
         if tail is not None:

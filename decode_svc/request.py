@@ -42,6 +42,9 @@ class RequestContext:
     # The decode leg of vLLM's P/D protocol: the prefill engine and pinned request that
     # kv_transfer_params name (None: this engine picks a prefill peer and sends a job).
     remote: RemotePrefill | None = None
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
+    prompt_logprobs: int | None = None  # None: none; k: the prompt's, from prefill
+    n: int = 1  # sequences from the one prompt (decode_svc/forks.py)
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:
@@ -80,10 +83,31 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     if len(request_id) > 128:
         raise InvalidArgument("must be at most 128 characters", field="request_id")
     remote = remote_prefill_of(request.kv_transfer_params)
+    prompt_logprobs = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and remote is not None:
+        raise InvalidArgument(
+            "not with kv_transfer_params: the prefill leg computed the prompt without them", field="prompt_logprobs"
+        )
+    n = max(1, request.n)
+    if n > 1 and remote is not None:
+        raise InvalidArgument("more than one sequence is not served for a P/D decode leg (kv_transfer_params)", field="n")
+    if prompt_logprobs is not None and not host.engine.samples:
+        raise InvalidArgument(f"this engine ({host.engine.spec.name}) has no logits of the prompt", field="prompt_logprobs")
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
     options = decode_options(request, host.engine)
     return RequestContext(
-        request_id, prompt, request.max_tokens, prompt_field, deadline, started, options.sampling, options.stop, remote
+        request_id,
+        prompt,
+        request.max_tokens,
+        prompt_field,
+        deadline,
+        started,
+        options.sampling,
+        options.stop,
+        remote,
+        request.logprobs if request.HasField("logprobs") else None,
+        prompt_logprobs,
+        n,
     )
 
 

@@ -4,6 +4,7 @@ the summary of where its state came from and what moving and checking it cost (`
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from decode_svc import tokenizer
@@ -13,9 +14,11 @@ from decode_svc.reader import ReadStats
 from decode_svc.request import RequestContext
 from decode_svc.request_options import finish_reason_message
 from shared.cache.manifest import Manifest
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.stopping import FinishReason
 from shared.engine.text import TextStream
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.rpc.logprobs_message import checked_prompt, logprobs_message
 from shared.rpc.proto_time import duration, nanoseconds
 from shared.runtime.engine_host import EngineHost
 from shared.telemetry import Telemetry
@@ -44,8 +47,10 @@ class ComputedHere:
 class ClientStream:
     """What the client has been sent: token chunks with their text, and when the first one left."""
 
-    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None) -> None:
+    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None, index: int = 0) -> None:
         self._text = text
+        self.index = index  # which of the request's sequences (0 unless it has several)
+        self.forks: list[ClientStream] = []  # sequence 0's: the other sequences' streams
         self._started = started
         self._telemetry = telemetry
         self.generated = 0
@@ -54,23 +59,33 @@ class ClientStream:
         self.first_step_seconds = 0.0
         self.finish: FinishReason | None = None  # set by the step that ends the request
 
-    def chunk(self, ids: list[int]) -> pb.GenerateResponse:
+    def chunk(self, ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> pb.GenerateResponse:
+        """`ids` with their text, and their logprobs (one each) when the request asked."""
         self.generated += len(ids)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             if self._telemetry is not None:
                 self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
-        return pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=ids, text=self._text.feed(ids)))
+        chunk = pb.TokenChunk(token_ids=ids, text=self._text.feed(ids), index=self.index)
+        if logprobs:
+            chunk.logprobs.extend(logprobs_message(lp) for lp in logprobs)
+        return pb.GenerateResponse(chunk=chunk)
 
     def tail(self) -> pb.GenerateResponse | None:
         """The text still held back (an incomplete character), if any."""
         rest = self._text.finish()
-        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest)) if rest else None
+        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest, index=self.index)) if rest else None
 
 
-def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None) -> ClientStream:
-    """A new `ClientStream` for `req`, its text decoded by the engine's tokenizer."""
-    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry)
+def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], k: int, field: str) -> pb.GenerateResponse:
+    """The prompt's logprobs as prefill computed them (checked: one per prompt token but the first)."""
+    tokens = [logprobs_message(lp) for lp in checked_prompt(lps, prompt, k, field)]
+    return pb.GenerateResponse(prompt_logprobs=pb.PromptLogprobs(tokens=tokens))
+
+
+def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None, *, index: int = 0) -> ClientStream:
+    """A new `ClientStream` for sequence `index` of `req`, its text decoded by the engine's tokenizer."""
+    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry, index)
 
 
 def summary(
@@ -96,11 +111,12 @@ def summary(
         restored = transfer.restored
     if cached_tokens is None:
         cached_tokens = manifest.skipped_tokens if manifest is not None and read else 0
+    sequences = [out, *out.forks]
     return pb.GenerateResponse(
         summary=pb.GenerateSummary(
             request_id=req.request_id,
             prompt_token_count=len(req.prompt),
-            generated_token_count=out.generated,
+            generated_token_count=sum(s.generated for s in sequences),
             num_transferred_tokens=transferred,
             finish_reason=finish_reason_message(finish),
             prefill_engine_id=engine_id,
@@ -129,5 +145,7 @@ def summary(
             prefix_cached_tokens=cached_tokens,
             prefix_state_reused=restored,
             prefilled_locally=isinstance(transfer, ComputedHere),
+            finish_reasons=[finish_reason_message(s.finish) for s in sequences] if out.forks else [],
+            generated_token_counts=[s.generated for s in sequences] if out.forks else [],
         )
     )

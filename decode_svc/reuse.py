@@ -44,6 +44,7 @@ from decode_svc.request import RequestContext
 from decode_svc.responses import ClientStream, Transfer, client_stream, summary
 from decode_svc.state_checkpoints import Checkpoint, Compute, StateCheckpoints
 from shared.cache.manifest import Manifest
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.stopping import FinishReason
 from shared.errors import DataLoss, Internal
@@ -54,7 +55,12 @@ from shared.telemetry import Telemetry
 
 # Generation's decode steps of the request: (computed prompt tokens in its blocks, the stream
 # they go to, the first token already sent at full-N) -> the token chunks.
-Steps = Callable[[int, ClientStream, int | None], AsyncIterator[pb.GenerateResponse]]
+Steps = Callable[[int, ClientStream, int | None, "ForkFirsts"], AsyncIterator[pb.GenerateResponse]]
+"""Decode steps from the state after `num_computed` tokens, streamed through a ClientStream,
+after the first token (full-N) and, for a request of several sequences, the other sequences'
+first tokens (ForkFirsts, full-N; empty at n-1)."""
+ForkFirsts = tuple[tuple[int, ...], tuple[TokenLogprobs, ...]]
+NO_FORKS: ForkFirsts = ((), ())
 
 
 @dataclass
@@ -136,13 +142,22 @@ class DecodeReuse:
         computed = self.host.engine.num_prefill_tokens(len(req.prompt))
         chain = chain_of(link, self.host)
         hit = self.prefix.lookup(chain, req.prompt, computed)
+        if not self._restores(req):
+            return Reused(hit, None, link)
         return Reused(hit, self.states.lookup(chain, req.prompt, computed, hit, req.sampling), link)
+
+    def _restores(self, req: RequestContext) -> bool:
+        """A checkpoint keeps no prompt logprobs, and at full-N keeps its first token but not
+        that token's logprobs: a request that asks for them takes the job instead."""
+        return req.n == 1 and req.prompt_logprobs is None and (req.logprobs is None or not self.states.full)
 
     def restorable(self, links: Sequence[PeerLink], req: RequestContext) -> PeerLink | None:
         """The first of `links` under whose chain `lookup` finds a state checkpoint of the prompt
         (with its prefix cache lead), for a request no prefill engine is ready to take; nothing
         pinned or counted until that `lookup`."""
         computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+        if not self._restores(req):
+            return None
         for link in links:
             chain = chain_of(link, self.host)
             lead = self.prefix.cached_blocks(chain, req.prompt, computed)
@@ -279,7 +294,7 @@ class DecodeReuse:
         digest_check_seconds = time.monotonic() - checking
         if self.telemetry is not None:
             self.telemetry.prefix_state_saved_bytes.inc(state.saved_bytes)
-        async for chunk in steps(state.computed, out, first):
+        async for chunk in steps(state.computed, out, first, NO_FORKS):
             yield chunk
         await self.keep_prefix(run, req, reused, local, link, state.computed, reused.hit.tokens)
         tail = out.tail()

@@ -39,11 +39,13 @@ from opentelemetry.util.types import AttributeValue
 from decode_svc.prefill_load import LoadReport, report_from_message
 from shared import tracing
 from shared.cache.manifest import Manifest
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import ServiceError, Unavailable, error_for_status
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
+from shared.rpc.logprobs_message import logprobs_of
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message
 from shared.rpc.proto_time import duration, seconds
 from shared.rpc.sampling_message import job_sampling_message
@@ -72,7 +74,9 @@ class SessionClient:
         self._holding: set[str] = set()  # manifests received, blocks still needed
         self._parted: set[str] = set()  # of those, the ones a manifest part arrived for (the caller releases them)
         self._part_sinks: dict[str, Callable[[Manifest], None]] = {}  # requests taking manifest parts
-        self._token_sinks: dict[str, Callable[[int, float], None]] = {}  # requests taking the first token early
+        self._token_sinks: dict[
+            str, Callable[[int, float, TokenLogprobs | None], None]
+        ] = {}  # requests taking the first token early
         self._outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()  # None: done writing
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = 0.0
@@ -121,13 +125,19 @@ class SessionClient:
         on_part: Callable[[Manifest], None] | None = None,
         *,
         cached_tokens: int = 0,
-        on_first_token: Callable[[int, float], None] | None = None,
+        on_first_token: Callable[[int, float, TokenLogprobs | None], None] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        fork_seeds: Sequence[int] = (),
     ) -> Manifest:
         """Send a job and wait for its manifest; a JobFailure raises its status as a ServiceError.
         `on_part`: the job accepts manifest parts, each but the last given to it as it arrives.
         `cached_tokens`: leading prompt tokens whose K/V decode's prefix cache holds.
         `on_first_token`: the job asks for its first token early (full-N), given to it on arrival
-        with the prefill engine's seconds computing the prompt (0: a prefill that does not say)."""
+        with the prefill engine's seconds computing the prompt (0: a prefill that does not say) and
+        its logprobs. `logprobs`: at the full-N boundary, the first token comes with its logprobs
+        and the k likeliest tokens; `prompt_logprobs`: the manifest carries the prompt's; `fork_seeds`: at the full-N boundary prefill also draws
+        the first token with each (the other sequences of a request of several)."""
         job = pb.PrefillJob(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -137,6 +147,11 @@ class SessionClient:
             cached_prompt_tokens=cached_tokens,
             accept_first_token=on_first_token is not None,
         )
+        if logprobs is not None:
+            job.logprobs = logprobs
+        if prompt_logprobs is not None:
+            job.prompt_logprobs = prompt_logprobs
+        job.fork_seeds.extend(fork_seeds)
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace
@@ -343,7 +358,7 @@ class SessionClient:
         sink = self._token_sinks.get(msg.request_id)
         waiting = self._waiting.get(msg.request_id)
         if sink is not None and waiting is not None and not waiting.done():
-            sink(msg.token_id, seconds(msg.engine_duration))
+            sink(msg.token_id, seconds(msg.engine_duration), logprobs_of(msg.logprobs) if msg.HasField("logprobs") else None)
 
     def _part_arrived(self, request_id: str, part: Manifest) -> None:
         sink = self._part_sinks.get(request_id)

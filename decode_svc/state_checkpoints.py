@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
-import torch
 
+from decode_svc.block_copies import copy_blocks, state_block_ids
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks, skipped_bytes
 from shared.cache.digest import SectionDigest, compare_digests, state_digests
@@ -122,14 +122,8 @@ class StateCheckpoints:
         return sum(c.num_blocks for c in self._entries.values())
 
     def _own_ids(self, blocks: RequestBlocks, lead: int, computed: int) -> np.ndarray:
-        """The request's blocks a checkpoint holds: attention blocks after `lead` up to the one
-        the computed tokens end in, then every Mamba group's blocks (group order)."""
-        end = -(-computed // self.host.layout.block_size)
-        parts = [
-            np.asarray(ids[lead:end] if g.kind == "attention" else ids, dtype=np.int64)
-            for ids, g in zip(blocks.block_ids, self.host.layout.groups)
-        ]
-        return np.concatenate(parts)
+        """The request's blocks a checkpoint holds (`state_block_ids`)."""
+        return state_block_ids(self.host.layout, blocks, lead, computed)
 
     def _digests(self, blocks: RequestBlocks, lead: int, computed: int) -> tuple[SectionDigest, ...]:
         if not self.host.verify_transfer:
@@ -138,13 +132,7 @@ class StateCheckpoints:
         return tuple(state_digests(layout, self.host.views, blocks.block_ids, computed, tokens_from=lead * layout.block_size))
 
     def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """On the compute thread: pool blocks `src` into blocks `dst`, every region of every rank."""
-        for view in self.host.views:
-            cache = view.cache
-            s, d = torch.from_numpy(src).to(cache.device), torch.from_numpy(dst).to(cache.device)
-            for region in range(cache.num_regions):
-                pool = cache.blocks(region)
-                pool.index_copy_(0, d, pool.index_select(0, s))
+        copy_blocks(self.host.views, src, dst)
 
     def _key(self, chain: Chain, prompt: Sequence[int], computed: int, sampling: SamplingParams) -> bytes:
         return state_key(chain, prompt, computed, first_draw(sampling) if self.full else None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared import limits
+from shared.limits import IntRange
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.proto_time import seconds
 
@@ -48,7 +50,24 @@ def chunk_from(message: pb.TokenChunk) -> TokenChunk:
     return TokenChunk(tuple(message.token_ids), message.text)
 
 
+MAX_TOKENS_WIRE = limits.wire_range(pb.GenerateRequest.DESCRIPTOR, "max_tokens")  # 0 goes through: the server says why not
+
+
+def _check(value: object, limit: IntRange, name: str) -> None:
+    """A clear ValueError naming the argument, where protobuf would say only "Value out of range"."""
+    if value not in limit:
+        raise ValueError(f"{name} must be {limit.describe()}, got {value!r}")
+
+
 def request_from(prompt: str | Sequence[int], max_tokens: int, request_id: str | None) -> pb.GenerateRequest:
+    """The request, or ValueError naming the argument the wire cannot carry (the server checks
+    the rest: the vocabulary, its cache's capacity)."""
+    _check(max_tokens, MAX_TOKENS_WIRE, "max_tokens")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {request_id!r}")
+    if not isinstance(prompt, str):
+        for token in prompt:
+            _check(token, limits.TOKEN_ID, "prompt")
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id or "", prompt=prompt, max_tokens=max_tokens)
     return pb.GenerateRequest(request_id=request_id or "", prompt_token_ids=list(prompt), max_tokens=max_tokens)

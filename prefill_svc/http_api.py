@@ -124,8 +124,12 @@ class PrefillHttp:
         )
         usage = objects.Usage(len(ids), 0)
         if isinstance(params, ChatParams):
-            body = objects.chat_completion(objects.Header.new(f"chatcmpl-{rid}", model), "", "length", usage)
+            body = objects.chat_completion(
+                objects.Header.new(f"chatcmpl-{rid}", model), [objects.chat_choice(0, "", "length")], usage
+            )
         else:
-            body = objects.completion(objects.Header.new(f"cmpl-{rid}", model), "", "length", usage)
+            body = objects.completion(
+                objects.Header.new(f"cmpl-{rid}", model), [objects.completion_choice(0, "", "length")], usage
+            )
         body["kv_transfer_params"] = kv
         return JSONResponse(body, background=BackgroundTask(self.handoffs.sent, rid))

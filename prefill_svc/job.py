@@ -6,10 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from prefill_svc.pins import Pin
+from shared import limits
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest
 from shared.cache.manifest import Manifest, ManifestPart
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
@@ -32,6 +35,9 @@ class Job:
     cached_tokens: int = 0  # leading prompt tokens whose K/V decode holds: not digested (nor READ)
     wants_first_token: bool = False  # full-N: the first token goes out the moment it is drawn
     accepts_layer_parts: bool = False  # with parts: the last chunk's state may come in layer parts
+    logprobs: int | None = None  # full-N: the first token's logprobs with the k likeliest (None: none)
+    prompt_logprobs: int | None = None  # the prompt's logprobs with the k likeliest (None: none)
+    fork_seeds: tuple[int, ...] = ()  # full-N: output token 0 drawn again with each (several sequences)
 
 
 def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[int], now: float) -> Job:
@@ -48,16 +54,37 @@ def job_from_message(job: pb.PrefillJob, *, owner: str, readers_per_rank: list[i
         job.cached_prompt_tokens,
         job.accept_first_token,
         job.accept_layer_parts,
+        job_count(job, "logprobs"),
+        job_count(job, "prompt_logprobs"),
+        tuple(job.fork_seeds),
     )
+
+
+def job_count(job: pb.PrefillJob, name: Literal["logprobs", "prompt_logprobs"]) -> int | None:
+    """A job's top-logprobs count (None: unset)."""
+    if not job.HasField(name):
+        return None
+    return limits.LOGPROBS.check(getattr(job, name), f"job.{name}")
+
+
+@dataclass
+class FirstLogprobs:
+    """The logprobs a job asked for, set on a compute thread: the first token's as it is drawn
+    (full-N), the prompt's once the last chunk is computed, and the forks' first tokens."""
+
+    value: TokenLogprobs | None = None
+    prompt: tuple[TokenLogprobs, ...] | None = None
+    forks: tuple[int, ...] = ()  # output token 0 drawn with each fork seed
+    fork_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 PartSink = Callable[[Manifest], None]
 """Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
 
-TokenSink = Callable[[int, float], None]
+TokenSink = Callable[[int, float, TokenLogprobs | None], None]
 """Takes the first output token of a job that asked for it, with the engine's seconds computing
-the prompt, on the event loop, the moment the compute thread drew it: before the digests, the
-pin and the manifest."""
+the prompt and its logprobs (when the job asked), on the event loop, the moment it was drawn:
+before the digests, the pin and the manifest."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +112,15 @@ def manifest_of(
     pin: Pin,
     started: float,
     state: ComputedState,
+    drawn: FirstLogprobs,
     part: ManifestPart | None = None,
 ) -> Manifest:
     """The one place a job's manifest (or one of its parts) is made, once `pin` holds its
-    blocks; `started`: when its compute began (monotonic clock)."""
+    blocks; `started`: when its compute began (monotonic clock). The first token's logprobs and
+    the forks' first tokens travel with the first token; the prompt's logprobs with the last part."""
     lease = pin.lease_left()
+    drew = state.first_token is not None
+    last = part is None or part.index == part.count - 1
     return Manifest(
         request_id=job.request_id,
         transfer_id=tid,
@@ -106,4 +137,8 @@ def manifest_of(
         part=part,
         skipped_tokens=job.cached_tokens,
         engine_ns=int(state.engine_seconds * 1e9),
+        first_logprobs=drawn.value if drew else None,
+        prompt_logprobs=drawn.prompt if last else None,
+        fork_first_tokens=drawn.forks if drew else (),
+        fork_first_logprobs=drawn.fork_logprobs if drew else (),
     )

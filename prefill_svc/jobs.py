@@ -17,7 +17,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from prefill_svc.job import ComputedState, Job, PartSink, TokenSink, deadline_passed, manifest_of
+from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, manifest_of
 from prefill_svc.layer_parts import Digests
 from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.parted_job import PartedJob
@@ -26,8 +26,10 @@ from shared import tracing
 from shared.cache.digest import state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS
+from shared.engine.first_logprobs import fork_draws, prefill_with_logprobs, run_logprobs, scored_prompt, start_scoring
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prefill_chunks import chunk_ends
-from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
+from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.engine.sampling import SamplingParams, leaves_a_token
 from shared.errors import DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.layout.spec import layer_ranges
@@ -150,13 +152,14 @@ class JobRunner:
         started = time.monotonic()
         spans = self.spans_for(job, computed, on_part)
         announce = _announcer(job, on_first_token)
+        drawn = FirstLogprobs()  # what the job asked for besides the state
         if len(spans) > 1:
             assert on_part is not None
             parted = PartedJob(
                 self.host, self.pins, self.chunk_tokens, job, tid, blocks, computed, spans, self.last_layers_for(job, spans)
             )
-            return await parted.run(started, on_end, on_part, announce)
-        state = await self._compute_whole(job, tid, blocks, computed, announce)
+            return await parted.run(started, on_end, on_part, announce, drawn)
+        state = await self._compute_whole(job, tid, blocks, computed, announce, drawn)
         try:
             await faults.pause("before_manifest", job.request_id)
             injected = faults.failure(job.request_id)
@@ -172,7 +175,7 @@ class JobRunner:
         # Expectations are registered before the manifest leaves: no notification can beat them.
         pin = self.pins.pin(tid, job.request_id, job.owner, job.readers_per_rank, on_end=on_end)
         tracing.mark(Step.MANIFEST_BUILT)
-        return manifest_of(self.host.verify_transfer, job, tid, blocks, computed, pin, started, state)
+        return manifest_of(self.host.verify_transfer, job, tid, blocks, computed, pin, started, state, drawn)
 
     def admit(self, job: Job) -> int:
         """Check the job (nothing is touched for one that fails); the prompt tokens it computes."""
@@ -183,7 +186,7 @@ class JobRunner:
         return computed
 
     async def _compute_whole(
-        self, job: Job, tid: str, blocks: RequestBlocks, computed: int, announce: TokenSink | None
+        self, job: Job, tid: str, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
     ) -> ComputedState:
         """The whole prompt's state and digests: in prefill steps beside other jobs where the
         engine batches, else one call on the compute thread. Failed or cancelled, the blocks are
@@ -191,11 +194,11 @@ class JobRunner:
         stepped = self.steps is not None and computed > 0
         if stepped:
             compute: asyncio.Future[ComputedState] = asyncio.ensure_future(
-                self._compute_in_steps(job, blocks, computed, announce)
+                self._compute_in_steps(job, blocks, computed, announce, drawn)
             )
         else:
             # Queued now as the compute thread's own future: no task around it to schedule and resume.
-            compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce))
+            compute = self.host.submit_compute(lambda: self._compute(job, blocks, computed, announce, drawn))
         try:
             state = await asyncio.shield(compute)
         except asyncio.CancelledError:
@@ -211,7 +214,7 @@ class JobRunner:
         return state
 
     async def _compute_in_steps(
-        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
     ) -> ComputedState:
         """`_compute`, the engine's part in prefill steps beside other jobs' chunks (the engine's
         own chunks, so the bits are its `prefill`'s); the digests follow on the digest thread
@@ -221,14 +224,17 @@ class JobRunner:
         engine = self.host.engine
         assert isinstance(engine, ChunkedPrefill)
         run = engine.start_prefill(job.prompt, blocks, job.sampling)
+        start_scoring(run, job.prompt_logprobs)
         order = self.steps.arrival()
         first_token, engine_seconds, start = None, 0.0, 0
         for end in chunk_ends(0, computed, engine.exact_chunk_tokens or 0):
             done = await self.steps.compute(run, start, end, order)
             first_token, start = done.first_token, end
             engine_seconds += done.step_seconds
+        if _draws_more(job, first_token):  # on a compute thread, as colocated draws them
+            await self.host.digest_thread.submit(functools.partial(_draw, run, first_token, job, drawn))
         if announce is not None and first_token is not None:
-            announce(first_token, engine_seconds)
+            announce(first_token, engine_seconds, drawn.value)
         if not self.host.verify_transfer:
             return ComputedState(first_token, [], 0.0, engine_seconds)
         on = self.host.digest_thread.submit if self.host.device == "cpu" else self.host.submit_compute
@@ -250,15 +256,21 @@ class JobRunner:
         faults.digested(self.host, blocks, job.request_id, min(job.cached_tokens, max(0, computed - 1)))
         return digests, took
 
-    def _compute(self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None) -> ComputedState:
+    def _compute(
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
+    ) -> ComputedState:
         """On the compute thread: the engine writes the state (and at the full-N boundary samples
         the first token, given to `announce` at once), then its digests are taken (returned with
         the seconds they and the engine took)."""
         computing = time.monotonic()
-        first_token = self.host.engine.prefill(job.prompt, blocks, job.sampling)
+        done = prefill_with_logprobs(
+            self.host.engine, job.prompt, blocks, job.sampling, job.logprobs, job.prompt_logprobs, job.fork_seeds
+        )
+        first_token, drawn.value, drawn.prompt = done.first, done.first_logprobs, done.prompt_logprobs
+        drawn.forks, drawn.fork_logprobs = done.forks, done.fork_logprobs
         computing = time.monotonic() - computing
         if announce is not None and first_token is not None:
-            announce(first_token, computing)
+            announce(first_token, computing, drawn.value)
         if not self.host.verify_transfer:
             return ComputedState(first_token, [], 0.0, computing)
         digests, took = self._prompt_digests(job, blocks, computed)
@@ -272,8 +284,8 @@ def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
         return None
     sink, loop = on_first_token, asyncio.get_running_loop()
 
-    def announce(token: int, engine_seconds: float) -> None:
-        loop.call_soon_threadsafe(sink, token, engine_seconds)
+    def announce(token: int, engine_seconds: float, logprobs: TokenLogprobs | None) -> None:
+        loop.call_soon_threadsafe(sink, token, engine_seconds, logprobs)
 
     return announce
 
@@ -281,3 +293,16 @@ def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
 def offers_chunks(engine: object, chunk_tokens: int) -> bool:
     """Whether the engine computes a prefill in chunks of `chunk_tokens` with its own prefill's bits."""
     return isinstance(engine, ChunkedPrefill) and engine.exact_chunk_tokens in (None, chunk_tokens)
+
+
+def _draws_more(job: Job, first_token: int | None) -> bool:
+    """Whether the job asked for more than the state: logprobs, or its forks' first tokens."""
+    wants_first = first_token is not None and (job.logprobs is not None or bool(job.fork_seeds))
+    return wants_first or job.prompt_logprobs is not None
+
+
+def _draw(run: PrefillRun, first_token: int | None, job: Job, drawn: FirstLogprobs) -> None:
+    """What the job asked for besides the state, from the logits `run` kept."""
+    drawn.value = run_logprobs(run, first_token, job.logprobs)
+    drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
+    drawn.prompt = scored_prompt(run, job.prompt_logprobs)

@@ -28,13 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefill_svc.job import ComputedState, Job, PartSink, TokenSink, deadline_passed, manifest_of
+from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, manifest_of
 from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan
 from prefill_svc.pins import Pin, PinTable
 from shared import tracing
 from shared.cache.digest import Section, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
+from shared.engine.first_logprobs import fork_draws, run_logprobs, scored_prompt, start_scoring
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.errors import Aborted, DeadlineExceeded
@@ -64,6 +65,7 @@ class PartedJob:
         engine = host.engine
         assert isinstance(engine, ChunkedPrefill)
         self.run_state = engine.start_prefill(job.prompt, blocks, job.sampling)
+        start_scoring(self.run_state, job.prompt_logprobs)
         self.pin: Pin | None = None
         self.digest_seconds = self.engine_seconds = 0.0
         self.engine_before = 0.0  # the engine seconds of the spans done (in order, on the compute thread)
@@ -93,13 +95,21 @@ class PartedJob:
         self.on_end: Callable[[str], None] | None = None
         self.on_part: PartSink = _no_part
         self.announce: TokenSink | None = None
+        self.drawn = FirstLogprobs()
 
     async def run(
-        self, started: float, on_end: Callable[[str], None] | None, on_part: PartSink, announce: TokenSink | None
+        self,
+        started: float,
+        on_end: Callable[[str], None] | None,
+        on_part: PartSink,
+        announce: TokenSink | None,
+        drawn: FirstLogprobs,
     ) -> Manifest:
         """Every part but the last goes to `on_part` as soon as it is pinned; the last is
-        returned. `on_end`: told the reason when the pin ends; `announce`: the first token."""
+        returned. `on_end`: told the reason when the pin ends; `announce`: the first token;
+        `drawn`: gets what the job asked for besides the state (logprobs, forks' first tokens)."""
         self.started, self.on_end, self.on_part, self.announce = started, on_end, on_part, announce
+        self.drawn = drawn
         try:
             self._queue(0)
             if not self.held and len(self.spans) > 1:
@@ -164,6 +174,7 @@ class PartedJob:
                 self.engine_before,
                 self.announce if last else None,
                 last or not self.aside,
+                self.drawn,
                 self.feed if last else None,
             )
         except BaseException:
@@ -202,7 +213,16 @@ class PartedJob:
         state = ComputedState(first_token, digests, self.digest_seconds, self.engine_seconds)
         part = ManifestPart(index, self.count, span.tokens_from, span.tokens_to, layers)
         return manifest_of(
-            self.host.verify_transfer, self.job, self.tid, self.blocks, self.computed, self.pin, self.started, state, part
+            self.host.verify_transfer,
+            self.job,
+            self.tid,
+            self.blocks,
+            self.computed,
+            self.pin,
+            self.started,
+            state,
+            self.drawn,
+            part,
         )
 
     def _abandon(self) -> None:
@@ -242,6 +262,7 @@ class PartedJob:
         engine_before: float,
         announce: TokenSink | None,
         digest: bool,
+        drawn: FirstLogprobs,
         feed: LayerPartFeed | None = None,
     ) -> ComputedState:
         """On the compute thread: the chunks up to the span's end (the last chunk reporting its
@@ -255,10 +276,14 @@ class PartedJob:
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
+        drawn.value = run_logprobs(run, first_token, job.logprobs)
+        drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
+        if last:
+            drawn.prompt = scored_prompt(run, job.prompt_logprobs)
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
         computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:
-            announce(first_token, engine_before + computing)
+            announce(first_token, engine_before + computing, drawn.value)
         if not digest or not self.host.verify_transfer:
             return ComputedState(first_token, [], aside_of_engine, computing)
         digests, took = self.digest_span(job, blocks, span, last, None if feed is None else feed.ranges[-1])

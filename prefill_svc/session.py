@@ -44,12 +44,14 @@ from prefill_svc.pins import PinTable
 from shared import tracing
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS
+from shared.engine.logprobs import TokenLogprobs
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.logs import context as log_context
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.lifecycle import Lifecycle
+from shared.rpc.logprobs_message import logprobs_message
 from shared.rpc.manifest_message import manifest_message
 from shared.rpc.proto_time import duration
 from shared.rpc.status import code_number, to_rpc_status
@@ -329,8 +331,10 @@ class PrefillSession:
                 credit_taken = False  # pinned before its first part: the pin returns the credit
                 self._out.put_nowait(pb.SessionResponse(manifest=manifest_message(part)))
 
-            def send_first_token(token: int, engine_seconds: float) -> None:
+            def send_first_token(token: int, engine_seconds: float, logprobs: TokenLogprobs | None) -> None:
                 first = pb.FirstToken(request_id=rid, token_id=token, engine_duration=duration(engine_seconds))
+                if logprobs is not None:
+                    first.logprobs.CopyFrom(logprobs_message(logprobs))
                 self._out.put_nowait(pb.SessionResponse(first_token=first))
 
             manifest = await self.runner.run(job, on_end=self._credit_back, on_part=send_part, on_first_token=send_first_token)

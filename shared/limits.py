@@ -97,6 +97,8 @@ TOP_K = wire_range(_SAMPLING, "top_k")  # 0: off
 SEED = wire_range(_SAMPLING, "seed")  # the sampler's seeds too: [0, 2**64)
 TEMPERATURE = FloatRange(0.0, FLOAT32_MAX)  # 0: greedy
 TOP_P = FloatRange(0.0, 1.0, open_low=True)
+SEQUENCES = IntRange(0, 16)  # n: sequences per request (0: 1)
+LOGPROBS = IntRange(0, 20)  # top logprobs per token: vLLM's default max_logprobs, OpenAI's top_logprobs bound
 
 # HTTP spellings of the same fields: what the OpenAI / vLLM bodies allow, inside the wire's ranges.
 HTTP_TOP_K = replace(TOP_K, low=-1)  # vLLM's -1: off
@@ -138,5 +140,10 @@ def check_request(request: pb.GenerateRequest) -> None:
     """Every number of a GenerateRequest within its range, each problem naming its field."""
     MAX_TOKENS.check(request.max_tokens, "max_tokens")
     MIN_TOKENS.check(request.min_tokens, "min_tokens")
+    SEQUENCES.check(request.n, "n")
+    if request.HasField("logprobs"):
+        LOGPROBS.check(request.logprobs, "logprobs")
+    if request.HasField("prompt_logprobs"):
+        LOGPROBS.check(request.prompt_logprobs, "prompt_logprobs")
     if request.HasField("sampling"):
         check_sampling(request.sampling)

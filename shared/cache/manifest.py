@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cache.digest import SectionDigest
+from shared.engine.logprobs import TokenLogprobs
 
 IntArray = npt.NDArray[np.int64]
 
@@ -63,6 +64,13 @@ class Manifest:
     part: ManifestPart | None = None
     # The engine's own model calls for the prompt (part of prefill_ns; parts: the sum so far).
     engine_ns: int = 0
+    # With first_token, for a job that asked: its logprobs.
+    first_logprobs: TokenLogprobs | None = None
+    # For a job that asked (the last part only): prompt tokens 1..N-1's logprobs.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With first_token, for a job with fork seeds: output token 0 drawn with each, and their logprobs.
+    fork_first_tokens: tuple[int, ...] = ()
+    fork_first_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def last(self) -> bool:
@@ -103,7 +111,8 @@ class Manifest:
         )
         fields = ("request_id", "transfer_id", "num_computed_tokens", "prompt_token_count", "lease_ns")
         more = ("lease_expire_time_ns", "prefill_ns", "digests", "digest_algorithm", "digest_ns", "engine_ns")
-        parts = ("first_token", "part", "skipped_tokens")
-        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts))
+        parts = ("first_token", "part", "skipped_tokens", "first_logprobs", "prompt_logprobs")
+        forks = ("fork_first_tokens", "fork_first_logprobs")
+        return same_blocks and all(getattr(self, f) == getattr(other, f) for f in (*fields, *more, *parts, *forks))
 
     __hash__ = None  # type: ignore[assignment]

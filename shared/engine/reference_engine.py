@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shared.cache.model_views import RankViews
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.paged_state import PagedStateStore
+from shared.engine.prompt_logprobs import score_rows
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import DEFAULT_SEED, cached_model
 from shared.engine.reference.model import greedy
@@ -42,6 +44,7 @@ class ReferenceDecodeSession:
         self._pending = list(prompt[num_computed:])  # prompt tokens decode still has to compute
         self._pos = num_computed
         self._last: int  # the last sampled token, set by the first step
+        self.last_logits: torch.Tensor | None = None  # what the last step drew from (logprobs)
         if not self._pending:
             raise ValueError("decode needs at least the last prompt token to compute")
 
@@ -61,15 +64,22 @@ class ReferenceDecodeSession:
         s, i = self._sampling, self._index
         self._last = greedy(masked(logits, s, i)) if s.greedy else sample(logits, s, i)
         self._index += 1
+        self.last_logits = logits
         return self._last
 
 
 class ReferencePrefillRun:
     """A prefill in chunks: the same steps `prefill` runs, so any chunking gives the same bits."""
 
-    def __init__(self, engine: ReferenceEngine, tokens: list[int], store: PagedStateStore) -> None:
-        self._engine, self._tokens, self._store = engine, tokens, store
+    def __init__(self, engine: ReferenceEngine, prompt: Sequence[int], store: PagedStateStore) -> None:
+        self._engine, self._prompt, self._store = engine, list(prompt), store
+        self._tokens = self._prompt[: engine.num_prefill_tokens(len(prompt))]
         self._pos = 0
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self._score: int | None = None  # prompt logprobs' top count (None: none kept)
+
+    def score_prompt(self, k: int) -> None:
+        self._score = k
 
     def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> None:
         if not self._pos < end <= len(self._tokens):
@@ -78,7 +88,13 @@ class ReferencePrefillRun:
             self._store.reset_ssm()  # its blocks may still hold an earlier request's state
         # Layer parts: only the last token's step leaves a layer's state final, layer by layer.
         report = on_layer if end == len(self._tokens) else None
-        self._engine.model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos, on_layer=report)
+        model, score = self._engine.model, self._score
+        if score is None:
+            model.prefill(self._tokens[self._pos : end], self._store, start_pos=self._pos, on_layer=report)
+        else:  # `model.prefill`'s steps, each one's logits scored
+            for pos in range(self._pos, end):
+                logits = model.step(self._tokens[pos], pos, self._store, report if pos == end - 1 else None)
+                self.prompt_logprobs += score_rows(self._prompt, pos, logits.reshape(1, -1), score)
         self._pos = end
 
 
@@ -115,7 +131,7 @@ class ReferenceEngine:
     def start_prefill(
         self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY
     ) -> ReferencePrefillRun:
-        return ReferencePrefillRun(self, list(prompt[: self.num_prefill_tokens(len(prompt))]), self._store(blocks))
+        return ReferencePrefillRun(self, prompt, self._store(blocks))
 
     def start_decode(
         self,

@@ -36,33 +36,46 @@ class Header:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
 
-def completion(h: Header, text: str, finish_reason: str, usage: Usage, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    body = h.fields("text_completion") | {
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage.to_json(),
-    }
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion(h: Header, choices: list[dict[str, Any]], usage: Usage, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = h.fields("text_completion") | {"choices": choices, "usage": usage.to_json()}
     return body | (extra or {})
 
 
-def completion_chunk(h: Header, text: str, finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
-    body = h.fields("text_completion") | {
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-    }
+def completion_chunk(
+    h: Header,
+    text: str,
+    finish_reason: str | None,
+    with_usage: bool,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    body = h.fields("text_completion") | {"choices": [completion_choice(index, text, finish_reason, logprobs)]}
     return body | ({"usage": None} if with_usage else {})
 
 
-def chat_completion(h: Header, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    return h.fields("chat.completion") | {
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
-        ],
-        "usage": usage.to_json(),
-    }
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(h: Header, delta: dict[str, Any], finish_reason: str | None, with_usage: bool) -> dict[str, Any]:
+def chat_completion(h: Header, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    return h.fields("chat.completion") | {"choices": choices, "usage": usage.to_json()}
+
+
+def chat_chunk(
+    h: Header,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    with_usage: bool,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     body = h.fields("chat.completion.chunk") | {
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     }
     return body | ({"usage": None} if with_usage else {})
 

@@ -58,16 +58,23 @@ class CommonParams:
     sampling: SamplingParams
     kv_transfer_params: dict[str, Any] | None
     user: str | None = None
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
+    n: int = 1  # choices, each a sequence of its own from the one prompt
 
 
 @dataclass(frozen=True)
 class CompletionParams(CommonParams):
     prompt: str | list[int] = field(default="")
+    best_of: int = 1  # sequences generated; the n of highest cumulative logprob are returned
+    echo: bool = False  # the prompt's text first (with logprobs: its logprobs too)
 
 
 @dataclass(frozen=True)
 class ChatParams(CommonParams):
     messages: tuple[ChatMessage, ...] = field(default=())
+
+
+HTTP_SEQUENCES = IntRange(1, limits.SEQUENCES.high)  # n: 0 is not OpenAI's
 
 
 def _is_int(value: object) -> bool:
@@ -166,9 +173,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgument(f"must be a string, got {model!r}", field="model")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidArgument(f"only n = 1 is supported, got {n!r}", field="n")
+    n = _int(body, "n", HTTP_SEQUENCES, default=1)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -191,7 +196,6 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("must be a string", field="user")
-    _absent_or(body, "best_of", 1, why="only best_of = 1")
     _absent_or(body, "logit_bias", {}, why="logit_bias is not supported")
     return dict(
         model=model,
@@ -206,6 +210,7 @@ def _common(body: Mapping[str, Any], max_tokens: int | None, max_tokens_field: s
         sampling=_sampling(body),
         kv_transfer_params=kv,
         user=user,
+        n=n,
     )
 
 
@@ -238,10 +243,17 @@ def parse_completion(raw: object) -> CompletionParams:
         raise InvalidArgument("is required", field="prompt")
     prompt = _prompt(body["prompt"])
     max_tokens = _int(body, "max_tokens", limits.MAX_TOKENS, default=DEFAULT_COMPLETION_MAX_TOKENS)
-    _absent_or(body, "echo", False, why="echo is not supported")
     _absent_or(body, "suffix", "", why="suffix is not supported")
-    _absent_or(body, "logprobs", why="logprobs are not supported")
-    return CompletionParams(prompt=prompt, **_common(body, max_tokens, "max_tokens"))
+    logprobs = _int(body, "logprobs", limits.LOGPROBS)
+    echo = _bool(body, "echo", False)
+    common = _common(body, max_tokens, "max_tokens")
+    best_of = _int(body, "best_of", HTTP_SEQUENCES, default=common["n"])
+    assert best_of is not None
+    if best_of < common["n"]:
+        raise InvalidArgument(f"{best_of} is less than n ({common['n']})", field="best_of")
+    if best_of > common["n"] and common["stream"]:
+        raise InvalidArgument("best_of above n cannot stream (the best are known at the end)", field="best_of")
+    return CompletionParams(prompt=prompt, logprobs=logprobs, echo=echo, best_of=best_of, **common)
 
 
 def _content(value: object, where: str) -> str:
@@ -281,7 +293,16 @@ def parse_chat(raw: object) -> ChatParams:
     messages = _messages(body.get("messages"))
     field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field_name, limits.MAX_TOKENS)
-    _absent_or(body, "logprobs", False, why="logprobs are not supported")
+    _absent_or(body, "best_of", 1, why="chat has no best_of")
     _absent_or(body, "tools", [], why="tool calls are not supported")
     _absent_or(body, "response_format", {"type": "text"}, why="only text responses are supported")
-    return ChatParams(messages=messages, **_common(body, max_tokens, field_name))
+    return ChatParams(messages=messages, logprobs=_chat_logprobs(body), **_common(body, max_tokens, field_name))
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's `logprobs` (true: the drawn tokens') and `top_logprobs` (how many likeliest), as one count."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", limits.LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidArgument("needs logprobs: true", field="top_logprobs")
+    return (top or 0) if wanted else None

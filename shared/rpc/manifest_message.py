@@ -19,8 +19,10 @@ import numpy as np
 
 from shared.cache.digest import DIGEST_ALGORITHM, Section, SectionDigest
 from shared.cache.manifest import IntArray, Manifest, ManifestPart
+from shared.engine.logprobs import TokenLogprobs
 from shared.errors import FailedPrecondition, Internal
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
+from shared.rpc.logprobs_message import logprobs_message, logprobs_of
 from shared.rpc.proto_time import set_nanoseconds, to_nanoseconds
 
 SECTION_ENUM: dict[Section, pb.StateSection.ValueType] = {
@@ -64,6 +66,12 @@ def manifest_message(m: Manifest) -> pb.Manifest:
     set_nanoseconds(msg.engine_duration, m.engine_ns)
     if m.first_token is not None:
         msg.first_token_id = m.first_token
+    if m.first_logprobs is not None:
+        msg.first_token_logprobs.CopyFrom(logprobs_message(m.first_logprobs))
+    if m.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(logprobs_message(lp) for lp in m.prompt_logprobs)
+    msg.fork_first_token_ids.extend(m.fork_first_tokens)
+    msg.fork_first_token_logprobs.extend(logprobs_message(lp) for lp in m.fork_first_logprobs)
     if m.part is not None:
         p = m.part
         msg.part.CopyFrom(pb.ManifestPart(index=p.index, count=p.count, tokens_from=p.tokens_from, tokens_to=p.tokens_to))
@@ -133,6 +141,30 @@ def _first_token(msg: pb.Manifest, source: ManifestSource) -> int | None:
     if source.vocab_size and token >= source.vocab_size:
         raise _bad(f"prefill {peer} sent first token {token} >= the vocabulary's {source.vocab_size}", "manifest.first_token_id")
     return int(token)
+
+
+def _fork_first_tokens(msg: pb.Manifest, first_token: int | None, source: ManifestSource) -> tuple[int, ...]:
+    """The forks' first tokens come only with a first token, and are tokens."""
+    tokens = tuple(int(t) for t in msg.fork_first_token_ids)
+    if tokens and (first_token is None or (source.vocab_size and max(tokens) >= source.vocab_size)):
+        raise _bad(
+            f"prefill {source.engine_id} sent fork first tokens {list(tokens[:4])} with first token {first_token}",
+            "manifest.fork_first_token_ids",
+        )
+    return tokens
+
+
+def _first_logprobs(msg: pb.Manifest, first_token: int | None, source: ManifestSource) -> TokenLogprobs | None:
+    """The first token's logprobs come only with that token."""
+    if not msg.HasField("first_token_logprobs"):
+        return None
+    lp = msg.first_token_logprobs
+    if first_token is None or lp.token_id != first_token:
+        raise _bad(
+            f"prefill {source.engine_id} sent logprobs of token {lp.token_id} with first token {first_token}",
+            "manifest.first_token_logprobs",
+        )
+    return logprobs_of(lp)
 
 
 def _layers(p: pb.ManifestPart, msg: pb.Manifest, source: ManifestSource) -> range | None:
@@ -216,4 +248,8 @@ def manifest_from_message(msg: pb.Manifest, source: ManifestSource) -> Manifest:
         part=_part(msg, source),
         skipped_tokens=msg.skipped_prompt_tokens,
         engine_ns=to_nanoseconds(msg.engine_duration),
+        first_logprobs=_first_logprobs(msg, first_token, source),
+        prompt_logprobs=tuple(logprobs_of(lp) for lp in msg.prompt_logprobs) if msg.prompt_logprobs else None,
+        fork_first_tokens=_fork_first_tokens(msg, first_token, source),
+        fork_first_logprobs=tuple(logprobs_of(lp) for lp in msg.fork_first_token_logprobs),
     )

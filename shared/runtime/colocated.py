@@ -21,6 +21,8 @@ import numpy as np
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
+from shared.engine.first_logprobs import prefill_with_logprobs
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import Engine, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.engine.stopping import FinishReason, StopRule
@@ -46,6 +48,8 @@ class RunTimes:
 class Streamed:
     token_id: int
     finish: FinishReason | None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token, when asked
 
 
 @dataclass
@@ -130,9 +134,13 @@ class Colocated:
         stop: StopRule | None = None,
         deadline: float | None = None,
         times: RunTimes | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncGenerator[Streamed, None]:
         """The request's tokens as they are computed: at the full boundary prefill's first, then
-        one per decode step. `deadline`: event-loop time (None: none)."""
+        one per decode step. `deadline`: event-loop time (None: none). `logprobs`: each token
+        with its logprobs and the k likeliest (None: without); `prompt_logprobs`: the first
+        token also carries the prompt's, with that many likeliest."""
         rule = stop or StopRule(max_tokens)
         times = times if times is not None else RunTimes()
         loop = asyncio.get_running_loop()
@@ -141,16 +149,19 @@ class Colocated:
         last_call: asyncio.Future[object] | None = None
         try:
             computed = self.engine.num_prefill_tokens(len(prompt))
-            prefill = self.compute.submit(lambda: timed(self.engine.prefill, prompt, blocks, sampling))
+            prefill = self.compute.submit(
+                lambda: timed(prefill_with_logprobs, self.engine, prompt, blocks, sampling, logprobs, prompt_logprobs)
+            )
             last_call = prefill  # type: ignore[assignment]
-            first, times.engine_seconds = await asyncio.shield(prefill)
+            done, times.engine_seconds = await asyncio.shield(prefill)
+            first, scored = done.first, done.prompt_logprobs
             times.prefill_seconds = time.monotonic() - started
             generated = 0
             if first is not None:  # the full-N boundary: prefill sampled the first token
                 times.first_token_at = time.monotonic()
                 generated = 1
                 finish = rule.finish(first, 1)
-                yield Streamed(first, finish)
+                yield Streamed(first, finish, done.first_logprobs, scored)
                 if finish is not None:
                     return
             start = self.compute.submit(
@@ -163,14 +174,20 @@ class Colocated:
             last_call = start  # type: ignore[assignment]
             decode, start_seconds = await asyncio.shield(start)
             member = self.step_loop.join(
-                decode, rule, loop.time() + 1e9 if deadline is None else deadline, AlwaysRoom(), generated=generated
+                decode,
+                rule,
+                loop.time() + 1e9 if deadline is None else deadline,
+                AlwaysRoom(),
+                generated=generated,
+                logprobs=logprobs,
             )
             try:
                 async for token in member.tokens():
                     if times.first_token_at is None:
                         times.first_token_at = time.monotonic()
                         times.first_step_seconds = start_seconds + token.step_seconds  # the first token is decode's own
-                    yield Streamed(token.token_id, token.finish)
+                    yield Streamed(token.token_id, token.finish, token.logprobs, scored if generated == 0 else None)
+                    generated += 1
             finally:
                 self.step_loop.leave(member)
                 last_call = member.last_step

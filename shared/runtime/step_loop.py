@@ -27,13 +27,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from shared.engine.logprobs import TokenLogprobs, session_logprobs
 from shared.engine.protocol import BatchedDecode, DecodeSession, Engine
 from shared.engine.stopping import FinishReason, StopRule
 from shared.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-StepResults = tuple[list[int | BaseException], float]
+StepResults = tuple[list[int | BaseException], list[TokenLogprobs | None], float]
 
 
 class Submit(Protocol):
@@ -73,6 +74,7 @@ class Token:
     finish: FinishReason | None
     step_seconds: float
     batch_size: int
+    logprobs: TokenLogprobs | None = None  # when the member asked for them
 
 
 @dataclass(eq=False)
@@ -84,6 +86,7 @@ class Member:
     deadline: float  # event-loop time
     room: Room
     generated: int  # tokens the request has before its first step here
+    logprobs: int | None = None  # None: no logprobs; k: each token's and the k likeliest
     _tokens: asyncio.Queue[Token | BaseException] = field(init=False, default_factory=asyncio.Queue)
     _growing: asyncio.Future[int] | None = field(init=False, default=None)  # waiting for blocks: sits the steps out
     last_step: asyncio.Future[Any] | None = field(init=False, default=None)  # the last step that included it
@@ -121,9 +124,19 @@ class StepLoop:
     def running(self) -> int:
         return len(self._members)
 
-    def join(self, session: DecodeSession, stop: StopRule, deadline: float, room: Room, *, generated: int = 0) -> Member:
-        """Add a request whose state sits in its blocks; it takes part from the next step."""
-        member = Member(session, stop, deadline, room, generated)
+    def join(
+        self,
+        session: DecodeSession,
+        stop: StopRule,
+        deadline: float,
+        room: Room,
+        *,
+        generated: int = 0,
+        logprobs: int | None = None,
+    ) -> Member:
+        """Add a request whose state sits in its blocks; it takes part from the next step.
+        `logprobs`: each token comes with its logprobs and the k likeliest (None: without)."""
+        member = Member(session, stop, deadline, room, generated, logprobs)
         self._members.append(member)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -174,11 +187,12 @@ class StepLoop:
                 await self._wake.wait()  # a join, or a member's blocks grown
                 continue
             sessions = [m.session for m in ready]
-            step = self._submit(functools.partial(_step, self._engine, sessions, batched=self._batches))
+            tops = [m.logprobs for m in ready]
+            step = self._submit(functools.partial(_step, self._engine, sessions, tops, batched=self._batches))
             for m in ready:
                 m.last_step = step
             try:
-                results, seconds = await asyncio.shield(step)
+                results, logprobs, seconds = await asyncio.shield(step)
             except BaseException as e:  # the compute thread is shut down (service stopping)
                 for m in ready:
                     self._fail(m, e)
@@ -189,7 +203,7 @@ class StepLoop:
             self.largest_batch = max(self.largest_batch, len(ready))
             if self.on_step is not None:
                 self.on_step(len(ready), seconds)
-            for m, result in zip(ready, results):
+            for m, result, lp in zip(ready, results, logprobs):
                 if m.done:  # left while the step ran: its token is nobody's
                     continue
                 if isinstance(result, BaseException):
@@ -199,7 +213,7 @@ class StepLoop:
                 finish = m.stop.finish(result, m.generated)
                 if finish is not None:
                     self.leave(m)
-                m._deliver(Token(result, finish, seconds, len(ready)))
+                m._deliver(Token(result, finish, seconds, len(ready), lp))
 
     async def aclose(self) -> None:
         """Stop stepping (service shutdown): every member left fails with CancelledError."""
@@ -211,10 +225,11 @@ class StepLoop:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _step(engine: Engine, sessions: Sequence[DecodeSession], *, batched: bool) -> StepResults:
+def _step(engine: Engine, sessions: Sequence[DecodeSession], tops: Sequence[int | None], *, batched: bool) -> StepResults:
     """One step of every session, on the compute thread: one batched forward where the engine
     batches (a failure then fails the whole batch: the forward's state writes are not
-    attributable), else each session in turn (a failure fails that session only)."""
+    attributable), else each session in turn (a failure fails that session only). With each
+    token, its logprobs where `tops` asks (from the logits the session drew it from)."""
     began = time.monotonic()
     results: list[int | BaseException]
     if batched:
@@ -231,4 +246,14 @@ def _step(engine: Engine, sessions: Sequence[DecodeSession], *, batched: bool) -
                 results.append(session.step())
             except Exception as e:
                 results.append(e)
-    return results, time.monotonic() - began
+    logprobs: list[TokenLogprobs | None] = []
+    for i, (session, result, k) in enumerate(zip(sessions, results, tops)):
+        if k is None or isinstance(result, BaseException):
+            logprobs.append(None)
+            continue
+        try:
+            logprobs.append(session_logprobs(session, result, k))
+        except Exception as e:
+            results[i] = e
+            logprobs.append(None)
+    return results, logprobs, time.monotonic() - began

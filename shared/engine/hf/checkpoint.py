@@ -82,12 +82,21 @@ class HfCheckpoint:
     @torch.no_grad()
     def forward(self, ids: Sequence[int], start: int, cache: Any) -> Tensor:
         """Run tokens `ids` at positions start.. on `cache` (updated in place); logits of the last one."""
+        return self._forward(ids, start, cache, 1)[-1]
+
+    def forward_all(self, ids: Sequence[int], start: int, cache: Any) -> Tensor:
+        """`forward`, with the logits of every token [len(ids), vocab] (prompt logprobs). The
+        last row comes out of the same matmul as the others, so its bits may differ from
+        `forward`'s."""
+        return self._forward(ids, start, cache, 0)
+
+    def _forward(self, ids: Sequence[int], start: int, cache: Any, keep: int) -> Tensor:
         # Bits must not depend on the core count or on which thread calls (see compute_threads).
         pin_intra_op_threads(1)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device).unsqueeze(0)
         # Explicit positions always: Bamba otherwise puts every resumed token at position 0.
-        out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep)
         kernel_fallbacks_note()  # transformers' first calls may have fallen back to PyTorch kernels: said once
-        logits: Tensor = out.logits[0, -1]
+        logits: Tensor = out.logits[0]
         return logits

@@ -28,8 +28,10 @@ from shared.engine.first_feed import first_feed
 from shared.engine.hf.cache_state import RECURRENT_DTYPE, HfState, build_cache, extract_ssm_layer, extract_state
 from shared.engine.hf.checkpoint import HfCheckpoint, decoder_layers
 from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.prompt_logprobs import score_rows
 from shared.engine.protocol import EnsureCapacity, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
@@ -232,6 +234,21 @@ class HfPrefillRun:
         self._end = engine.num_prefill_tokens(len(prompt))
         self._cache = engine.checkpoint.new_cache()
         self._pos = 0
+        self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self._score: int | None = None  # prompt logprobs' top count (None: none kept)
+
+    def score_prompt(self, k: int) -> None:
+        self._score = k
+
+    def _forward(self, start: int, end: int) -> Tensor:
+        """The chunk's forward: the last token's logits (with prompt logprobs, kept from every row)."""
+        ids, checkpoint = self._prompt[start:end], self._engine.checkpoint
+        if self._score is None:
+            return checkpoint.forward(ids, start, self._cache)
+        rows = checkpoint.forward_all(ids, start, self._cache)
+        self.prompt_logprobs += score_rows(self._prompt, start, rows, self._score)
+        return rows[-1]
 
     def _write_kv(self, layer: int, start: int, end: int) -> None:
         """Mirror K/V of positions [start, end) of attention layer `layer` into the blocks."""
@@ -255,7 +272,7 @@ class HfPrefillRun:
         if start == 0:
             self._store.reset_ssm()  # its blocks may still hold an earlier request's state
         if end < self._end:
-            engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
+            self._forward(start, end)
             for layer in spec.attention_layers:
                 self._write_kv(layer, start, end)
             self._pos = end
@@ -276,7 +293,7 @@ class HfPrefillRun:
             layers = []
         hooks = [module.register_forward_hook(lambda *_, i=i: finish(i)) for i, module in enumerate(layers)]
         try:
-            logits = engine.checkpoint.forward(self._prompt[start:end], start, self._cache)
+            logits = self._forward(start, end)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -288,7 +305,10 @@ class HfPrefillRun:
             if on_layer is not None:
                 on_layer(layer)
         self._pos = end
-        return sample(logits, self._sampling, 0) if engine.boundary == "full" else None
+        if engine.boundary != "full":
+            return None
+        self.first_logits = logits
+        return sample(logits, self._sampling, 0)
 
 
 class HfDecodeSession:

@@ -25,6 +25,7 @@ from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.first_feed import first_feed
 from shared.engine.hf.engine import read_state
 from shared.engine.hf.tokenizer import HfTokenizer
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
@@ -32,6 +33,7 @@ from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import SSM_MIXERS, ChunkInput, Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.prompt_logprobs import score_rows
 from shared.engine.protocol import DecodeSession, EnsureCapacity, PrefillChunk, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
@@ -162,7 +164,7 @@ class PagedEngine:
             if given.start == 0:
                 run._store.reset_ssm()  # its blocks may still hold an earlier request's state
         outputs = self.model.forward_chunks(inputs, invariant=self.batch_invariant)
-        return [run._advance(c.end, logits, carried) for run, c, (logits, carried) in zip(runs, chunks, outputs)]
+        return [run._advance(c.end, out.logits, out.states, out.rows) for run, c, out in zip(runs, chunks, outputs)]
 
     # --- decode -------------------------------------------------------------------------
     def start_decode(
@@ -230,7 +232,7 @@ class PagedEngine:
         ends = chunk_ends(0, num_computed, self.exact_chunk_tokens or 0)
         for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
             chunk = ChunkInput(prompt[begin:end], begin, expected, carried, end == num_computed)
-            _, carried = self.model.forward_chunks([chunk], invariant=self.batch_invariant)[0]
+            carried = self.model.forward_chunks([chunk], invariant=self.batch_invariant)[0].states
         dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
         got = read_state(store, self.spec, num_computed, dtypes)
         problems = store.replica_mismatches(num_computed)
@@ -284,6 +286,9 @@ class PagedPrefillRun:
         self._pos = 0
         self._carried: SsmStates = {}
         self.last_logits: Tensor | None = None  # the prompt's last token's, once computed
+        self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self._score: int | None = None  # prompt logprobs' top count (None: none kept)
 
     @property
     def engine(self) -> PagedEngine:
@@ -294,6 +299,9 @@ class PagedPrefillRun:
         """Prompt tokens computed so far."""
         return self._pos
 
+    def score_prompt(self, k: int) -> None:
+        self._score = k
+
     def compute(self, end: int, on_layer: Callable[[int], None] | None = None) -> int | None:
         return self._engine.prefill_batch([PrefillChunk(self, end, on_layer)])[0]
 
@@ -302,13 +310,25 @@ class PagedPrefillRun:
         if not start < end <= self._end:
             raise ValueError(f"chunk [{start}, {end}) outside the {self._end} tokens prefill computes")
         last = end == self._end
-        return ChunkInput(self._prompt[start:end], start, self._store, self._carried, last, on_layer if last else None)
+        return ChunkInput(
+            self._prompt[start:end],
+            start,
+            self._store,
+            self._carried,
+            last,
+            on_layer if last else None,
+            keep_rows=self._score is not None,
+        )
 
-    def _advance(self, end: int, logits: Tensor, carried: SsmStates) -> int | None:
+    def _advance(self, end: int, logits: Tensor, carried: SsmStates, rows: Tensor | None) -> int | None:
+        start = self._pos
         self._pos, self._carried = end, carried
+        if rows is not None and self._score is not None:
+            self.prompt_logprobs += score_rows(self._prompt, start, rows, self._score)
         if end == self._end:
             self.last_logits = logits
         if end == self._end and self._engine.boundary == "full":
+            self.first_logits = logits
             return sample(logits, self._sampling, 0)
         return None
 

@@ -68,6 +68,17 @@ class ChunkInput:
     carried: SsmStates | None
     write_ssm: bool
     on_layer: Callable[[int], None] | None = None
+    keep_rows: bool = False  # also the logits of every token (prompt logprobs)
+
+
+@dataclass
+class ChunkOutput:
+    """A chunk's logits of its last token, its SSM states after it, and (`keep_rows`) the
+    logits of each of its tokens."""
+
+    logits: Tensor
+    states: SsmStates
+    rows: Tensor | None = None
 
 
 @dataclass
@@ -162,7 +173,7 @@ class Model:
         return self._logits(h[-1:], invariant=False)[0], states
 
     # --- many requests, a chunk of tokens each ------------------------------------------
-    def forward_chunks(self, chunks: Sequence[ChunkInput], *, invariant: bool) -> list[tuple[Tensor, SsmStates]]:
+    def forward_chunks(self, chunks: Sequence[ChunkInput], *, invariant: bool) -> list[ChunkOutput]:
         """Each chunk as `forward_sequence` computes it alone, all in one forward: logits of each
         chunk's last token and its SSM states after it.
 
@@ -217,7 +228,11 @@ class Model:
         # The last rows again on whole tiles with padding after them (a decode step's shape).
         ends = h[last] if not invariant else pad_rows(h[last], -(-(len(chunks) + 1) // TILE_ROWS) * TILE_ROWS)
         logits = self._logits(ends, invariant=invariant)
-        return [(logits[i], states[i]) for i in range(len(chunks))]
+        # A chunk's every-token logits from its own rows only: the same shapes alone or not.
+        return [
+            ChunkOutput(logits[i], states[i], self._logits(h[rows], invariant=False) if c.keep_rows else None)
+            for i, (c, rows) in enumerate(zip(chunks, spans))
+        ]
 
     def _attend_chunks(
         self,

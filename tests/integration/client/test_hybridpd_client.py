@@ -82,6 +82,29 @@ async def test_errors_carry_status_reason_and_field(pair: HttpPair) -> None:
     assert zero.status == "INVALID_ARGUMENT" and zero.fields == ("max_tokens",)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "request_id", "named"),
+    [
+        ([1, 2], 2**32, None, "max_tokens"),
+        ([1, 2], -1, None, "max_tokens"),
+        ([1, 2**32], 3, None, "prompt"),
+        ([1, -2], 3, None, "prompt"),
+        ([1, 2], 3, 7, "request_id"),
+    ],
+)
+async def test_arguments_the_wire_cannot_carry_are_value_errors_naming_them(
+    prompt: list[int], max_tokens: int, request_id: object, named: str
+) -> None:
+    """Raised before anything is sent (protobuf alone would say "Value out of range"); the
+    address is never dialled."""
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match=f"^{named} ") as sync_error:
+        client.generate(prompt, max_tokens, request_id=request_id)  # type: ignore[arg-type]
+    async with AsyncClient("127.0.0.1:1") as aclient:
+        with pytest.raises(ValueError, match=f"^{named} "):
+            await aclient.generate(prompt, max_tokens, request_id=request_id)  # type: ignore[arg-type]
+    assert "out of range" not in str(sync_error.value)
+
+
 async def test_unreachable_service_is_a_retryable_error() -> None:
     async with AsyncClient("127.0.0.1:1", timeout=2) as client:
         with pytest.raises(GenerateError) as info:

@@ -85,7 +85,7 @@ COMMON_FIELDS: dict[str, Field] = {
         st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4), st.lists(st.text(max_size=3))
     ),
     "stream_options": Field(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk})),
-    "n": Field(st.just(1), st.integers(-2, 3)),
+    "n": Field(st.integers(1, 3), st.sampled_from(BOUNDS) | st.integers(-3, 30)),
     "temperature": Field(st.floats(0, 2) | st.sampled_from([1e-45, 1e-310, 5e-324]), st.floats(-10, 1e300) | st.floats()),
     "top_p": Field(st.floats(0, 1, exclude_min=True) | st.sampled_from([1e-45, 5e-324]), unit | st.floats()),
     "top_k": Field(st.integers(-1, 300) | st.just(U32), st.sampled_from(BOUNDS) | st.integers(-(2**70), 2**70)),
@@ -95,7 +95,7 @@ COMMON_FIELDS: dict[str, Field] = {
     "user": Field(st.text(max_size=10), st.text()),
     "stop_token_ids": Field(st.lists(st.integers(0, 255), max_size=4), st.lists(st.sampled_from(BOUNDS), min_size=1) | token_ids),
     "ignore_eos": Field(st.booleans(), st.integers()),
-    "best_of": Field(st.just(1), st.integers(0, 2)),
+    "best_of": Field(st.none(), st.integers(-1, 20)),
     "logit_bias": Field(st.just({}), st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2)),
     "kv_transfer_params": Field(
         st.sampled_from([None, {}, {"do_remote_prefill": False}]),
@@ -109,8 +109,8 @@ COMPLETION_FIELDS = {
         prompt_text | token_ids | st.lists(prompt_text | token_ids, max_size=3),
     ),
     "max_tokens": Field(st.integers(1, 6), few_tokens),
-    "logprobs": Field(st.none(), st.booleans() | st.integers(0, 3)),
-    "echo": Field(st.just(False), st.booleans()),
+    "logprobs": Field(st.none() | st.integers(0, 20), st.booleans() | st.sampled_from(BOUNDS) | st.integers(-3, 30)),
+    "echo": Field(st.booleans(), st.integers(-1, 2) | st.text(max_size=2)),
     "suffix": Field(st.just(""), st.text(max_size=3)),
 }
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
@@ -122,7 +122,8 @@ CHAT_FIELDS = {
     "messages": Field(messages, st.lists(bad_message | junk, max_size=3)),
     "max_tokens": Field(st.integers(1, 6), few_tokens),
     "max_completion_tokens": Field(st.none() | st.integers(1, 6), few_tokens),
-    "logprobs": Field(st.sampled_from([None, False]), st.booleans() | st.integers(0, 3)),
+    "logprobs": Field(st.sampled_from([None, False, True]), st.integers(0, 3) | junk),
+    "top_logprobs": Field(st.none(), st.sampled_from(BOUNDS) | st.integers(-3, 30)),
     "tools": Field(st.just([]), st.lists(junk, max_size=1)),
     "response_format": Field(st.just({"type": "text"}), st.just({"type": "json_object"})),
 }
@@ -224,6 +225,9 @@ REQUEST_FIELDS: dict[str, Field] = {
     "stop_token_ids": Field(st.lists(st.integers(0, 255), max_size=4), wire_ids),
     "ignore_eos": Field(st.booleans(), st.booleans()),
     "min_tokens": Field(st.integers(0, 1), st.integers(0, U32)),
+    "logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
+    "prompt_logprobs": Field(st.none() | st.integers(0, 20), st.integers(0, U32)),
+    "n": Field(st.integers(0, 4), st.integers(0, U32)),
     "kv_transfer_params": Field(
         st.sampled_from(["", "{}", '{"do_remote_prefill": false}']), st.sampled_from(["[]", "{", '{"do_remote_decode": 1}'])
     ),
@@ -254,12 +258,36 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return request
 
 
+TINY = pb.SamplingParams(temperature=1e-39, top_p=5e-324)  # subnormal in fp32; 0 in fp32
+GRPC_REGRESSIONS = [
+    # The slow run's failing example once: a request id over 128 characters, with sampling that
+    # overflows the fp32 scores and min_tokens masking stop ids. Refused for the id, naming it.
+    pb.GenerateRequest(
+        request_id="0" * 129, prompt_token_ids=[1, 2, 3], max_tokens=2, min_tokens=1, stop_token_ids=[5, 7], sampling=TINY
+    ),
+    # The same request with an id in range runs (the tiny temperature draws the greedy token).
+    pb.GenerateRequest(
+        request_id="0" * 128, prompt_token_ids=[1, 2, 3], max_tokens=2, min_tokens=1, stop_token_ids=[5, 7], sampling=TINY
+    ),
+    # Every id but one masked before min_tokens: the one left is drawn.
+    pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=3, min_tokens=1, stop_token_ids=range(255), sampling=TINY),
+    pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, logprobs=20, prompt_logprobs=20, sampling=TINY),
+]
+
+
+def grpc_regressions(test: Any) -> Any:
+    for message in GRPC_REGRESSIONS:
+        test = example(message=message)(test)
+    return test
+
+
 def fuzz_grpc(port: int, examples: int) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
 
         @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(message=generate_requests())
+        @grpc_regressions
         def one(message: pb.GenerateRequest) -> None:
             try:
                 replies = list(stub.Generate(message, timeout=30))
@@ -269,7 +297,7 @@ def fuzz_grpc(port: int, examples: int) -> None:
                 return
             assert replies and replies[-1].HasField("summary"), message
             summary = replies[-1].summary
-            assert 1 <= summary.generated_token_count <= message.max_tokens
+            assert 1 <= summary.generated_token_count <= message.max_tokens * max(1, message.n)
 
         one()
 

@@ -120,7 +120,7 @@ async def test_errors_arrive_as_client_exceptions_naming_the_field(http_pair: Ht
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=9)
         assert bad_temp.value.body["param"] == "temperature"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad_n:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
         assert bad_n.value.body["param"] == "n"  # type: ignore[index]
         with pytest.raises(openai.BadRequestError) as bad_stream:  # a streamed request fails before its first byte
             await client.completions.create(model=MODEL, prompt=[999999], max_tokens=2, stream=True)

@@ -65,16 +65,21 @@ def test_completion_accepts_what_clients_and_routers_send() -> None:
         ({"top_p": 1.01}, "top_p"),
         ({"seed": 1.5}, "seed"),
         ({"seed": 2**70}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"best_of": 3}, "best_of"),
+        ({"echo": "yes"}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"best_of": 17}, "best_of"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 3, "stream": True}, "best_of"),
         ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"top_k": -2}, "top_k"),
@@ -123,10 +128,24 @@ def test_chat_messages_and_limits() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 1.5}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ],
 )
 def test_chat_rejections_name_the_field(body: dict[str, Any], field: str) -> None:
     assert rejected_field(parse_chat, body) == field
+
+
+def test_logprobs_become_one_count() -> None:
+    assert parse_completion(completion()).logprobs is None
+    assert parse_completion(completion(logprobs=0)).logprobs == 0
+    assert parse_completion(completion(logprobs=20)).logprobs == 20
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat(chat).logprobs is None
+    assert parse_chat({**chat, "logprobs": False}).logprobs is None
+    assert parse_chat({**chat, "logprobs": True}).logprobs == 0
+    assert parse_chat({**chat, "logprobs": True, "top_logprobs": 5}).logprobs == 5

@@ -10,7 +10,8 @@ import pytest
 
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest
 from shared.cache.manifest import Manifest, ManifestPart
-from shared.errors import ServiceError
+from shared.engine.logprobs import TokenLogprobs
+from shared.errors import Internal, ServiceError
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.manifest_message import ManifestSource, manifest_from_message, manifest_message
 
@@ -38,6 +39,10 @@ def manifest() -> Manifest:
         first_token=299,
         skipped_tokens=32,
         engine_ns=11_000_321,
+        first_logprobs=TokenLogprobs(299, -1.25, ((7, -0.5), (299, -1.25))),
+        prompt_logprobs=(TokenLogprobs(4, -3.0), TokenLogprobs(9, -0.25)),
+        fork_first_tokens=(12, 299),
+        fork_first_logprobs=(TokenLogprobs(12, -2.0), TokenLogprobs(299, -1.25)),
     )
 
 
@@ -55,6 +60,10 @@ def test_every_field_survives_domain_to_message_to_domain() -> None:
             changed = value + "x"
         elif f.name == "part":  # a whole-state manifest, and the same state as one part
             changed = ManifestPart(0, 1, 0, m.num_computed_tokens)
+        elif f.name == "first_logprobs":
+            changed = dataclasses.replace(value, logprob=-1.5)
+        elif f.name in ("prompt_logprobs", "fork_first_tokens", "fork_first_logprobs"):
+            changed = value[:1]
         else:
             changed = value + 1
         assert dataclasses.replace(m, **{f.name: changed}) != back, f.name
@@ -62,11 +71,15 @@ def test_every_field_survives_domain_to_message_to_domain() -> None:
 
 
 def test_an_n_minus_1_manifest_has_no_first_token_both_ways() -> None:
-    m = dataclasses.replace(manifest(), num_computed_tokens=40, first_token=None)
+    m = dataclasses.replace(
+        manifest(), num_computed_tokens=40, first_token=None, first_logprobs=None, fork_first_tokens=(), fork_first_logprobs=()
+    )
     msg = manifest_message(m)
     assert not msg.HasField("first_token_id")
     assert manifest_from_message(msg, SOURCE) == m
-    token_zero = dataclasses.replace(manifest(), first_token=0)  # 0 is a token, not "unset"
+    token_zero = dataclasses.replace(
+        manifest(), first_token=0, first_logprobs=None, fork_first_tokens=(), fork_first_logprobs=()
+    )  # 0 is a token, not "unset"
     assert manifest_message(token_zero).HasField("first_token_id")
     assert manifest_from_message(manifest_message(token_zero), SOURCE).first_token == 0
 
@@ -133,7 +146,15 @@ def test_missing_digests_are_refused_only_where_they_are_checked() -> None:
 
 
 def test_a_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> None:
-    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=0)
+    whole = dataclasses.replace(
+        manifest(),
+        first_token=None,
+        first_logprobs=None,
+        fork_first_tokens=(),
+        fork_first_logprobs=(),
+        num_computed_tokens=40,
+        skipped_tokens=0,
+    )
     first = dataclasses.replace(whole, part=ManifestPart(0, 3, 0, 16))
     last = dataclasses.replace(whole, part=ManifestPart(2, 3, 32, 40))
     for m in (first, last):
@@ -158,7 +179,15 @@ def test_a_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> Non
 def test_parts_after_a_cached_prefix_start_at_it() -> None:
     """Decode's prefix cache and parts: a whole manifest's K/V starts after the skipped tokens,
     and a part may not start inside them."""
-    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=16)
+    whole = dataclasses.replace(
+        manifest(),
+        first_token=None,
+        first_logprobs=None,
+        fork_first_tokens=(),
+        fork_first_logprobs=(),
+        num_computed_tokens=40,
+        skipped_tokens=16,
+    )
     assert (whole.tokens_from, whole.tokens_to) == (16, 40)
     first = dataclasses.replace(whole, part=ManifestPart(0, 2, 16, 32))
     back = manifest_from_message(manifest_message(first), SOURCE)
@@ -171,7 +200,15 @@ def test_parts_after_a_cached_prefix_start_at_it() -> None:
 def test_a_layer_part_survives_both_ways_and_one_that_does_not_fit_is_refused() -> None:
     """Layer parts split the last chunk's tokens by model layers; the one reaching the last layer
     is the last part, and a range outside the model or before the last chunk is refused."""
-    whole = dataclasses.replace(manifest(), first_token=None, num_computed_tokens=40, skipped_tokens=0)
+    whole = dataclasses.replace(
+        manifest(),
+        first_token=None,
+        first_logprobs=None,
+        fork_first_tokens=(),
+        fork_first_logprobs=(),
+        num_computed_tokens=40,
+        skipped_tokens=0,
+    )
     middle = dataclasses.replace(whole, part=ManifestPart(1, 3, 32, 40, range(0, 4)))
     last = dataclasses.replace(whole, part=ManifestPart(2, 3, 32, 40, range(4, 6)))
     for m in (middle, last):
@@ -202,3 +239,11 @@ def test_a_layer_part_survives_both_ways_and_one_that_does_not_fit_is_refused() 
     unknown = dataclasses.replace(SOURCE, num_layers=0)  # a source whose layer count decode does not know
     with pytest.raises(ServiceError):
         manifest_from_message(manifest_message(middle), unknown)
+
+
+def test_first_token_logprobs_come_only_with_their_token() -> None:
+    msg = manifest_message(manifest())
+    msg.first_token_logprobs.token_id = 300
+    with pytest.raises(Internal) as e:
+        manifest_from_message(msg, SOURCE)
+    assert e.value.fields == ("manifest.first_token_logprobs",)

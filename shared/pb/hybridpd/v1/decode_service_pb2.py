@@ -24,9 +24,10 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from shared.pb.hybridpd.v1 import layout_pb2 as hybridpd_dot_v1_dot_layout__pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as hybridpd_dot_v1_dot_logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybridpd/v1/decode_service.proto\x12\x0bhybridpd.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18hybridpd/v1/layout.proto\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x1a\n\x12kv_transfer_params\x18\x10 \x01(\t\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"x\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.hybridpd.v1.TokenChunkH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.hybridpd.v1.GenerateSummaryH\x00\x42\t\n\x07payload\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x92\x01\n\rTransferStats\x12\x17\n\x0f\x61ttention_bytes\x18\x01 \x01(\x04\x12\x12\n\nconv_bytes\x18\x02 \x01(\x04\x12\x11\n\tssm_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nread_count\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65scriptor_count\x18\x06 \x01(\x04\"\xec\x06\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x02 \x01(\r\x12\x1d\n\x15generated_token_count\x18\x03 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12\x19\n\x11prefill_engine_id\x18\x06 \x01(\t\x12\x16\n\x0eprefill_target\x18\x07 \x01(\t\x12,\n\x08transfer\x18\x08 \x01(\x0b\x32\x1a.hybridpd.v1.TransferStats\x12\x33\n\x10prefill_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rread_duration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0etotal_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0estate_verified\x18\r \x01(\x08\x12\x18\n\x10\x64igests_verified\x18\x0e \x01(\x08\x12\x38\n\x15\x64igest_check_duration\x18\x0f \x01(\x0b\x32\x19.google.protobuf.Duration\x12:\n\x17prefill_digest_duration\x18\x10 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0c\n\x04seed\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x1e \x01(\r\x12:\n\x17prefill_engine_duration\x18\x1f \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13prefix_state_reused\x18  \x01(\x08\x12=\n\x1a\x66irst_step_engine_duration\x18! \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11prefilled_locally\x18\" \x01(\x08\"\x12\n\x10GetLayoutRequest\"\x86\x01\n\x11PrefillPeerStatus\x12\x0e\n\x06target\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.hybridpd.v1.PeerState\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x06\x12\x12\n\nlast_error\x18\x05 \x01(\t\"m\n\x11GetLayoutResponse\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\x12-\n\x05peers\x18\x02 \x03(\x0b\x32\x1e.hybridpd.v1.PrefillPeerStatus*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*o\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PEER_STATE_CONNECTING\x10\x01\x12\x14\n\x10PEER_STATE_READY\x10\x02\x12\x15\n\x11PEER_STATE_FAILED\x10\x03\x32\xa6\x01\n\rDecodeService\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12J\n\tGetLayout\x12\x1d.hybridpd.v1.GetLayoutRequest\x1a\x1e.hybridpd.v1.GetLayoutResponseBl\n\x0bhybridpd.v1B\x12\x44\x65\x63odeServiceProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybridpd/v1/decode_service.proto\x12\x0bhybridpd.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18hybridpd/v1/layout.proto\x1a\x1ahybridpd/v1/logprobs.proto\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x1a\n\x12kv_transfer_params\x18\x10 \x01(\t\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x13 \x01(\rB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\xb0\x01\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.hybridpd.v1.TokenChunkH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.hybridpd.v1.GenerateSummaryH\x00\x12\x36\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1b.hybridpd.v1.PromptLogprobsH\x00\x42\t\n\x07payload\"<\n\x0ePromptLogprobs\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.hybridpd.v1.TokenLogprobs\"j\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.hybridpd.v1.TokenLogprobs\x12\r\n\x05index\x18\x04 \x01(\r\"\x92\x01\n\rTransferStats\x12\x17\n\x0f\x61ttention_bytes\x18\x01 \x01(\x04\x12\x12\n\nconv_bytes\x18\x02 \x01(\x04\x12\x11\n\tssm_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nread_count\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65scriptor_count\x18\x06 \x01(\x04\"\xbf\x07\n\x0fGenerateSummary\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x02 \x01(\r\x12\x1d\n\x15generated_token_count\x18\x03 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12\x19\n\x11prefill_engine_id\x18\x06 \x01(\t\x12\x16\n\x0eprefill_target\x18\x07 \x01(\t\x12,\n\x08transfer\x18\x08 \x01(\x0b\x32\x1a.hybridpd.v1.TransferStats\x12\x33\n\x10prefill_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rread_duration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0etotal_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0estate_verified\x18\r \x01(\x08\x12\x18\n\x10\x64igests_verified\x18\x0e \x01(\x08\x12\x38\n\x15\x64igest_check_duration\x18\x0f \x01(\x0b\x32\x19.google.protobuf.Duration\x12:\n\x17prefill_digest_duration\x18\x10 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0c\n\x04seed\x18\x11 \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x1e \x01(\r\x12:\n\x17prefill_engine_duration\x18\x1f \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13prefix_state_reused\x18  \x01(\x08\x12=\n\x1a\x66irst_step_engine_duration\x18! \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11prefilled_locally\x18\" \x01(\x08\x12\x31\n\x0e\x66inish_reasons\x18# \x03(\x0e\x32\x19.hybridpd.v1.FinishReason\x12\x1e\n\x16generated_token_counts\x18$ \x03(\r\"\x12\n\x10GetLayoutRequest\"\x86\x01\n\x11PrefillPeerStatus\x12\x0e\n\x06target\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.hybridpd.v1.PeerState\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x06\x12\x12\n\nlast_error\x18\x05 \x01(\t\"m\n\x11GetLayoutResponse\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\x12-\n\x05peers\x18\x02 \x03(\x0b\x32\x1e.hybridpd.v1.PrefillPeerStatus*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*o\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PEER_STATE_CONNECTING\x10\x01\x12\x14\n\x10PEER_STATE_READY\x10\x02\x12\x15\n\x11PEER_STATE_FAILED\x10\x03\x32\xa6\x01\n\rDecodeService\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12J\n\tGetLayout\x12\x1d.hybridpd.v1.GetLayoutRequest\x1a\x1e.hybridpd.v1.GetLayoutResponseBl\n\x0bhybridpd.v1B\x12\x44\x65\x63odeServiceProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +35,30 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.pb.hybridpd.v1.decod
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013hybridpd.v1B\022DecodeServiceProtoP\001Z\026hybridpd/v1;hybridpdv1\242\002\003HPD\252\002\013HybridPd.V1\312\002\013HybridPd\\V1\352\002\014HybridPd::V1'
-  _globals['_FINISHREASON']._serialized_start=1925
-  _globals['_FINISHREASON']._serialized_end=2020
-  _globals['_PEERSTATE']._serialized_start=2022
-  _globals['_PEERSTATE']._serialized_end=2133
-  _globals['_GENERATEREQUEST']._serialized_start=108
-  _globals['_GENERATEREQUEST']._serialized_end=346
-  _globals['_SAMPLINGPARAMS']._serialized_start=348
-  _globals['_SAMPLINGPARAMS']._serialized_end=458
-  _globals['_GENERATERESPONSE']._serialized_start=460
-  _globals['_GENERATERESPONSE']._serialized_end=580
-  _globals['_TOKENCHUNK']._serialized_start=582
-  _globals['_TOKENCHUNK']._serialized_end=627
-  _globals['_TRANSFERSTATS']._serialized_start=630
-  _globals['_TRANSFERSTATS']._serialized_end=776
-  _globals['_GENERATESUMMARY']._serialized_start=779
-  _globals['_GENERATESUMMARY']._serialized_end=1655
-  _globals['_GETLAYOUTREQUEST']._serialized_start=1657
-  _globals['_GETLAYOUTREQUEST']._serialized_end=1675
-  _globals['_PREFILLPEERSTATUS']._serialized_start=1678
-  _globals['_PREFILLPEERSTATUS']._serialized_end=1812
-  _globals['_GETLAYOUTRESPONSE']._serialized_start=1814
-  _globals['_GETLAYOUTRESPONSE']._serialized_end=1923
-  _globals['_DECODESERVICE']._serialized_start=2136
-  _globals['_DECODESERVICE']._serialized_end=2302
+  _globals['_FINISHREASON']._serialized_start=2313
+  _globals['_FINISHREASON']._serialized_end=2408
+  _globals['_PEERSTATE']._serialized_start=2410
+  _globals['_PEERSTATE']._serialized_end=2521
+  _globals['_GENERATEREQUEST']._serialized_start=136
+  _globals['_GENERATEREQUEST']._serialized_end=471
+  _globals['_SAMPLINGPARAMS']._serialized_start=473
+  _globals['_SAMPLINGPARAMS']._serialized_end=583
+  _globals['_GENERATERESPONSE']._serialized_start=586
+  _globals['_GENERATERESPONSE']._serialized_end=762
+  _globals['_PROMPTLOGPROBS']._serialized_start=764
+  _globals['_PROMPTLOGPROBS']._serialized_end=824
+  _globals['_TOKENCHUNK']._serialized_start=826
+  _globals['_TOKENCHUNK']._serialized_end=932
+  _globals['_TRANSFERSTATS']._serialized_start=935
+  _globals['_TRANSFERSTATS']._serialized_end=1081
+  _globals['_GENERATESUMMARY']._serialized_start=1084
+  _globals['_GENERATESUMMARY']._serialized_end=2043
+  _globals['_GETLAYOUTREQUEST']._serialized_start=2045
+  _globals['_GETLAYOUTREQUEST']._serialized_end=2063
+  _globals['_PREFILLPEERSTATUS']._serialized_start=2066
+  _globals['_PREFILLPEERSTATUS']._serialized_end=2200
+  _globals['_GETLAYOUTRESPONSE']._serialized_start=2202
+  _globals['_GETLAYOUTRESPONSE']._serialized_end=2311
+  _globals['_DECODESERVICE']._serialized_start=2524
+  _globals['_DECODESERVICE']._serialized_end=2690
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as _logprobs_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -78,6 +79,9 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; one is made up when empty. Must be unique among in-flight requests."""
     prompt: _builtins.str
@@ -96,6 +100,23 @@ class GenerateRequest(_message.Message):
     (the object a prefill engine's HTTP prefill leg answered). With `do_remote_prefill: true` the
     state is not computed for this request but READ from the prefill engine it names (handshaken
     on first sight), so a gRPC gateway can run the same two-leg flow as an HTTP router.
+    """
+    logprobs: _builtins.int
+    """Unset: no log probabilities. Set to k (0 to 20): every generated token comes with its
+    log probability and the k most likely tokens at its position (TokenChunk.logprobs).
+    """
+    prompt_logprobs: _builtins.int
+    """Unset: none. Set to k (0 to 20): the prompt's logprobs (every prompt token but the first,
+    with the k likeliest tokens at its position), computed by prefill, sent in one
+    GenerateResponse.prompt_logprobs before the first token chunk (vLLM's prompt_logprobs; what
+    an OpenAI `echo` with `logprobs` returns). Not with kv_transfer_params, nor on the synthetic engine.
+    """
+    n: _builtins.int
+    """Sequences to generate from the one prompt (0 or 1: one; at most 16). The prompt is
+    prefilled and transferred once; decode forks its state into n sequences (prompt attention
+    blocks shared read-only, the rest of the state copied per sequence). Sequence i samples as a
+    request with seed (seed + i) mod 2**64 would (the seed picked when unset); token chunks carry
+    their sequence's index, the summary one finish reason and token count per sequence.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -121,12 +142,22 @@ class GenerateRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         min_tokens: _builtins.int = ...,
         kv_transfer_params: _builtins.str = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "ignore_eos", b"ignore_eos", "kv_transfer_params", b"kv_transfer_params", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "prompt", b"prompt", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -177,25 +208,51 @@ class GenerateResponse(_message.Message):
 
     CHUNK_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> Global___TokenChunk: ...
     @_builtins.property
     def summary(self) -> Global___GenerateSummary: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> Global___PromptLogprobs: ...
     def __init__(
         self,
         *,
         chunk: Global___TokenChunk | None = ...,
         summary: Global___GenerateSummary | None = ...,
+        prompt_logprobs: Global___PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "summary", b"summary"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "prompt_logprobs", b"prompt_logprobs", "summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "payload", b"payload", "prompt_logprobs", b"prompt_logprobs", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["chunk", "summary"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["chunk", "summary", "prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """The logprobs of prompt tokens 1..N-1 (the first prompt token has none), in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class TokenChunk(_message.Message):
@@ -205,19 +262,29 @@ class TokenChunk(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text of these tokens (may be empty when a character spans chunks)."""
+    index: _builtins.int
+    """Which of the request's n sequences these tokens belong to (0 when n is 1)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]:
+        """With GenerateRequest.logprobs: one per token id, in order."""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
+        logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -288,6 +355,8 @@ class GenerateSummary(_message.Message):
     PREFIX_STATE_REUSED_FIELD_NUMBER: _builtins.int
     FIRST_STEP_ENGINE_DURATION_FIELD_NUMBER: _builtins.int
     PREFILLED_LOCALLY_FIELD_NUMBER: _builtins.int
+    FINISH_REASONS_FIELD_NUMBER: _builtins.int
+    GENERATED_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_token_count: _builtins.int
     generated_token_count: _builtins.int
@@ -357,6 +426,14 @@ class GenerateSummary(_message.Message):
         that does not report it.
         """
 
+    @_builtins.property
+    def finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[Global___FinishReason.ValueType]:
+        """Per sequence (n of them, in index order): why it ended and how many tokens it generated.
+        finish_reason and generated_token_count above are sequence 0's and the sum.
+        """
+
+    @_builtins.property
+    def generated_token_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -382,10 +459,12 @@ class GenerateSummary(_message.Message):
         prefix_state_reused: _builtins.bool = ...,
         first_step_engine_duration: _duration_pb2.Duration | None = ...,
         prefilled_locally: _builtins.bool = ...,
+        finish_reasons: _abc.Iterable[Global___FinishReason.ValueType] | None = ...,
+        generated_token_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "first_step_engine_duration", b"first_step_engine_duration", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "read_duration", b"read_duration", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "first_step_engine_duration", b"first_step_engine_duration", "generated_token_count", b"generated_token_count", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefilled_locally", b"prefilled_locally", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_check_duration", b"digest_check_duration", "digests_verified", b"digests_verified", "finish_reason", b"finish_reason", "finish_reasons", b"finish_reasons", "first_step_engine_duration", b"first_step_engine_duration", "generated_token_count", b"generated_token_count", "generated_token_counts", b"generated_token_counts", "num_transferred_tokens", b"num_transferred_tokens", "prefill_digest_duration", b"prefill_digest_duration", "prefill_duration", b"prefill_duration", "prefill_engine_duration", b"prefill_engine_duration", "prefill_engine_id", b"prefill_engine_id", "prefill_target", b"prefill_target", "prefilled_locally", b"prefilled_locally", "prefix_cached_tokens", b"prefix_cached_tokens", "prefix_state_reused", b"prefix_state_reused", "prompt_token_count", b"prompt_token_count", "read_duration", b"read_duration", "request_id", b"request_id", "seed", b"seed", "state_verified", b"state_verified", "time_to_first_token", b"time_to_first_token", "total_duration", b"total_duration", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,9 +26,10 @@ from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from shared.pb.hybridpd.v1 import layout_pb2 as hybridpd_dot_v1_dot_layout__pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as hybridpd_dot_v1_dot_logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hybridpd/v1/prefill_service.proto\x12\x0bhybridpd.v1\x1a\x17google/rpc/status.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18hybridpd/v1/layout.proto\"=\n\x10HandshakeRequest\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\">\n\x11HandshakeResponse\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\"\xa6\x02\n\x0eSessionRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.SessionHelloH\x00\x12&\n\x03job\x18\x02 \x01(\x0b\x32\x17.hybridpd.v1.PrefillJobH\x00\x12(\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x16.hybridpd.v1.CancelJobH\x00\x12\x31\n\theartbeat\x18\x04 \x01(\x0b\x32\x1c.hybridpd.v1.DecodeHeartbeatH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.hybridpd.v1.ReleaseBlocksH\x00\x12)\n\x05\x63laim\x18\x06 \x01(\x0b\x32\x18.hybridpd.v1.ClaimPinnedH\x00\x42\t\n\x07payload\"\xae\x01\n\x0b\x43laimPinned\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x41\n\rtrace_context\x18\x03 \x03(\x0b\x32*.hybridpd.v1.ClaimPinned.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa8\x02\n\x0fSessionResponse\x12*\n\x05ready\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.SessionReadyH\x00\x12)\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.hybridpd.v1.ManifestH\x00\x12*\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x17.hybridpd.v1.JobFailureH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.hybridpd.v1.PrefillHeartbeatH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.DrainH\x00\x12.\n\x0b\x66irst_token\x18\x06 \x01(\x0b\x32\x17.hybridpd.v1.FirstTokenH\x00\x42\t\n\x07payload\"\xa0\x01\n\x0cSessionHello\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x02 \x01(\x06\x12\x1b\n\x13prefill_incarnation\x18\x03 \x01(\x06\x12 \n\x18readers_per_prefill_rank\x18\x04 \x03(\r\x12\x1b\n\x13max_pinned_requests\x18\x05 \x01(\r\"\xf5\x01\n\x0cSessionReady\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\x06\x12\x31\n\x0elease_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13max_pinned_requests\x18\x05 \x01(\r\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.hybridpd.v1.PrefillLoad\"\xfe\x02\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.hybridpd.v1.JobSampling\x12@\n\rtrace_context\x18\x05 \x03(\x0b\x32).hybridpd.v1.PrefillJob.TraceContextEntry\x12\x1d\n\x15\x61\x63\x63\x65pt_manifest_parts\x18\x06 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x10 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pt_first_token\x18\x11 \x01(\x08\x12\x1a\n\x12\x61\x63\x63\x65pt_layer_parts\x18\x12 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"f\n\nFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x32\n\x0f\x65ngine_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"z\n\x0bJobSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\"\x1f\n\tCancelJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x0f\x44\x65\x63odeHeartbeat\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"H\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\" \n\x0bGroupBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xda\x04\n\x08Manifest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.hybridpd.v1.GroupBlocks\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1a\n\x12prompt_token_count\x18\x05 \x01(\r\x12\x35\n\x11lease_expire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0elease_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10prefill_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x07\x64igests\x18\t \x03(\x0b\x32\x18.hybridpd.v1.StateDigest\x12\x18\n\x10\x64igest_algorithm\x18\n \x01(\t\x12\x32\n\x0f\x64igest_duration\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x0e\x66irst_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\'\n\x04part\x18\r \x01(\x0b\x32\x19.hybridpd.v1.ManifestPart\x12\x1d\n\x15skipped_prompt_tokens\x18\x14 \x01(\r\x12\x32\n\x0f\x65ngine_duration\x18\x15 \x01(\x0b\x32\x19.google.protobuf.DurationB\x11\n\x0f_first_token_id\"|\n\x0cManifestPart\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x13\n\x0btokens_from\x18\x03 \x01(\r\x12\x11\n\ttokens_to\x18\x04 \x01(\r\x12\x13\n\x0blayers_from\x18\x05 \x01(\r\x12\x11\n\tlayers_to\x18\x06 \x01(\r\"n\n\x0bStateDigest\x12\x14\n\x0cprefill_rank\x18\x01 \x01(\r\x12*\n\x07section\x18\x02 \x01(\x0e\x32\x19.hybridpd.v1.StateSection\x12\r\n\x05group\x18\x03 \x01(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"j\n\nJobFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstatus_code\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\"\n\x06status\x18\x04 \x01(\x0b\x32\x12.google.rpc.Status\"X\n\x10PrefillHeartbeat\x12\x1c\n\x14pinned_request_count\x18\x01 \x01(\r\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.hybridpd.v1.PrefillLoad\"8\n\x0bPrefillLoad\x12\x15\n\rpinned_blocks\x18\x01 \x01(\r\x12\x12\n\nother_jobs\x18\x02 \x01(\r\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t*r\n\x0cStateSection\x12\x1d\n\x19STATE_SECTION_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_SECTION_FA\x10\x01\x12\x16\n\x12STATE_SECTION_CONV\x10\x02\x12\x15\n\x11STATE_SECTION_SSM\x10\x03\x32\xa6\x01\n\x0ePrefillService\x12J\n\tHandshake\x12\x1d.hybridpd.v1.HandshakeRequest\x1a\x1e.hybridpd.v1.HandshakeResponse\x12H\n\x07Session\x12\x1b.hybridpd.v1.SessionRequest\x1a\x1c.hybridpd.v1.SessionResponse(\x01\x30\x01\x42m\n\x0bhybridpd.v1B\x13PrefillServiceProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hybridpd/v1/prefill_service.proto\x12\x0bhybridpd.v1\x1a\x17google/rpc/status.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18hybridpd/v1/layout.proto\x1a\x1ahybridpd/v1/logprobs.proto\"=\n\x10HandshakeRequest\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\">\n\x11HandshakeResponse\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.EngineLayout\"\xa6\x02\n\x0eSessionRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.SessionHelloH\x00\x12&\n\x03job\x18\x02 \x01(\x0b\x32\x17.hybridpd.v1.PrefillJobH\x00\x12(\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x16.hybridpd.v1.CancelJobH\x00\x12\x31\n\theartbeat\x18\x04 \x01(\x0b\x32\x1c.hybridpd.v1.DecodeHeartbeatH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.hybridpd.v1.ReleaseBlocksH\x00\x12)\n\x05\x63laim\x18\x06 \x01(\x0b\x32\x18.hybridpd.v1.ClaimPinnedH\x00\x42\t\n\x07payload\"\xae\x01\n\x0b\x43laimPinned\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x41\n\rtrace_context\x18\x03 \x03(\x0b\x32*.hybridpd.v1.ClaimPinned.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa8\x02\n\x0fSessionResponse\x12*\n\x05ready\x18\x01 \x01(\x0b\x32\x19.hybridpd.v1.SessionReadyH\x00\x12)\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.hybridpd.v1.ManifestH\x00\x12*\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x17.hybridpd.v1.JobFailureH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.hybridpd.v1.PrefillHeartbeatH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.DrainH\x00\x12.\n\x0b\x66irst_token\x18\x06 \x01(\x0b\x32\x17.hybridpd.v1.FirstTokenH\x00\x42\t\n\x07payload\"\xa0\x01\n\x0cSessionHello\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x02 \x01(\x06\x12\x1b\n\x13prefill_incarnation\x18\x03 \x01(\x06\x12 \n\x18readers_per_prefill_rank\x18\x04 \x03(\r\x12\x1b\n\x13max_pinned_requests\x18\x05 \x01(\r\"\xf5\x01\n\x0cSessionReady\x12\x19\n\x11prefill_engine_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\x06\x12\x31\n\x0elease_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x12heartbeat_interval\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x13max_pinned_requests\x18\x05 \x01(\r\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.hybridpd.v1.PrefillLoad\"\xe8\x03\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.hybridpd.v1.JobSampling\x12@\n\rtrace_context\x18\x05 \x03(\x0b\x32).hybridpd.v1.PrefillJob.TraceContextEntry\x12\x1d\n\x15\x61\x63\x63\x65pt_manifest_parts\x18\x06 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x10 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pt_first_token\x18\x11 \x01(\x08\x12\x1a\n\x12\x61\x63\x63\x65pt_layer_parts\x18\x12 \x01(\x08\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nfork_seeds\x18\x15 \x03(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x94\x01\n\nFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x32\n\x0f\x65ngine_duration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1a.hybridpd.v1.TokenLogprobs\"z\n\x0bJobSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmin_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\"\x1f\n\tCancelJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x0f\x44\x65\x63odeHeartbeat\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"H\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\" \n\x0bGroupBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"\xa6\x06\n\x08Manifest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12(\n\x06groups\x18\x03 \x03(\x0b\x32\x18.hybridpd.v1.GroupBlocks\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1a\n\x12prompt_token_count\x18\x05 \x01(\r\x12\x35\n\x11lease_expire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0elease_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10prefill_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x07\x64igests\x18\t \x03(\x0b\x32\x18.hybridpd.v1.StateDigest\x12\x18\n\x10\x64igest_algorithm\x18\n \x01(\t\x12\x32\n\x0f\x64igest_duration\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x0e\x66irst_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\'\n\x04part\x18\r \x01(\x0b\x32\x19.hybridpd.v1.ManifestPart\x12\x1d\n\x15skipped_prompt_tokens\x18\x14 \x01(\r\x12\x32\n\x0f\x65ngine_duration\x18\x15 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x38\n\x14\x66irst_token_logprobs\x18\x16 \x01(\x0b\x32\x1a.hybridpd.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x17 \x03(\x0b\x32\x1a.hybridpd.v1.TokenLogprobs\x12\x1c\n\x14\x66ork_first_token_ids\x18\x18 \x03(\r\x12=\n\x19\x66ork_first_token_logprobs\x18\x19 \x03(\x0b\x32\x1a.hybridpd.v1.TokenLogprobsB\x11\n\x0f_first_token_id\"|\n\x0cManifestPart\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x13\n\x0btokens_from\x18\x03 \x01(\r\x12\x11\n\ttokens_to\x18\x04 \x01(\r\x12\x13\n\x0blayers_from\x18\x05 \x01(\r\x12\x11\n\tlayers_to\x18\x06 \x01(\r\"n\n\x0bStateDigest\x12\x14\n\x0cprefill_rank\x18\x01 \x01(\r\x12*\n\x07section\x18\x02 \x01(\x0e\x32\x19.hybridpd.v1.StateSection\x12\r\n\x05group\x18\x03 \x01(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"j\n\nJobFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstatus_code\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\"\n\x06status\x18\x04 \x01(\x0b\x32\x12.google.rpc.Status\"X\n\x10PrefillHeartbeat\x12\x1c\n\x14pinned_request_count\x18\x01 \x01(\r\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.hybridpd.v1.PrefillLoad\"8\n\x0bPrefillLoad\x12\x15\n\rpinned_blocks\x18\x01 \x01(\r\x12\x12\n\nother_jobs\x18\x02 \x01(\r\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t*r\n\x0cStateSection\x12\x1d\n\x19STATE_SECTION_UNSPECIFIED\x10\x00\x12\x14\n\x10STATE_SECTION_FA\x10\x01\x12\x16\n\x12STATE_SECTION_CONV\x10\x02\x12\x15\n\x11STATE_SECTION_SSM\x10\x03\x32\xa6\x01\n\x0ePrefillService\x12J\n\tHandshake\x12\x1d.hybridpd.v1.HandshakeRequest\x1a\x1e.hybridpd.v1.HandshakeResponse\x12H\n\x07Session\x12\x1b.hybridpd.v1.SessionRequest\x1a\x1c.hybridpd.v1.SessionResponse(\x01\x30\x01\x42m\n\x0bhybridpd.v1B\x13PrefillServiceProtoP\x01Z\x16hybridpd/v1;hybridpdv1\xa2\x02\x03HPD\xaa\x02\x0bHybridPd.V1\xca\x02\x0bHybridPd\\V1\xea\x02\x0cHybridPd::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,54 +41,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMPINNED_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLJOB_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_PREFILLJOB_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_STATESECTION']._serialized_start=3395
-  _globals['_STATESECTION']._serialized_end=3509
-  _globals['_HANDSHAKEREQUEST']._serialized_start=166
-  _globals['_HANDSHAKEREQUEST']._serialized_end=227
-  _globals['_HANDSHAKERESPONSE']._serialized_start=229
-  _globals['_HANDSHAKERESPONSE']._serialized_end=291
-  _globals['_SESSIONREQUEST']._serialized_start=294
-  _globals['_SESSIONREQUEST']._serialized_end=588
-  _globals['_CLAIMPINNED']._serialized_start=591
-  _globals['_CLAIMPINNED']._serialized_end=765
-  _globals['_CLAIMPINNED_TRACECONTEXTENTRY']._serialized_start=714
-  _globals['_CLAIMPINNED_TRACECONTEXTENTRY']._serialized_end=765
-  _globals['_SESSIONRESPONSE']._serialized_start=768
-  _globals['_SESSIONRESPONSE']._serialized_end=1064
-  _globals['_SESSIONHELLO']._serialized_start=1067
-  _globals['_SESSIONHELLO']._serialized_end=1227
-  _globals['_SESSIONREADY']._serialized_start=1230
-  _globals['_SESSIONREADY']._serialized_end=1475
-  _globals['_PREFILLJOB']._serialized_start=1478
-  _globals['_PREFILLJOB']._serialized_end=1860
-  _globals['_PREFILLJOB_TRACECONTEXTENTRY']._serialized_start=714
-  _globals['_PREFILLJOB_TRACECONTEXTENTRY']._serialized_end=765
-  _globals['_FIRSTTOKEN']._serialized_start=1862
-  _globals['_FIRSTTOKEN']._serialized_end=1964
-  _globals['_JOBSAMPLING']._serialized_start=1966
-  _globals['_JOBSAMPLING']._serialized_end=2088
-  _globals['_CANCELJOB']._serialized_start=2090
-  _globals['_CANCELJOB']._serialized_end=2121
-  _globals['_DECODEHEARTBEAT']._serialized_start=2123
-  _globals['_DECODEHEARTBEAT']._serialized_end=2161
-  _globals['_RELEASEBLOCKS']._serialized_start=2163
-  _globals['_RELEASEBLOCKS']._serialized_end=2235
-  _globals['_GROUPBLOCKS']._serialized_start=2237
-  _globals['_GROUPBLOCKS']._serialized_end=2269
-  _globals['_MANIFEST']._serialized_start=2272
-  _globals['_MANIFEST']._serialized_end=2874
-  _globals['_MANIFESTPART']._serialized_start=2876
-  _globals['_MANIFESTPART']._serialized_end=3000
-  _globals['_STATEDIGEST']._serialized_start=3002
-  _globals['_STATEDIGEST']._serialized_end=3112
-  _globals['_JOBFAILURE']._serialized_start=3114
-  _globals['_JOBFAILURE']._serialized_end=3220
-  _globals['_PREFILLHEARTBEAT']._serialized_start=3222
-  _globals['_PREFILLHEARTBEAT']._serialized_end=3310
-  _globals['_PREFILLLOAD']._serialized_start=3312
-  _globals['_PREFILLLOAD']._serialized_end=3368
-  _globals['_DRAIN']._serialized_start=3370
-  _globals['_DRAIN']._serialized_end=3393
-  _globals['_PREFILLSERVICE']._serialized_start=3512
-  _globals['_PREFILLSERVICE']._serialized_end=3678
+  _globals['_STATESECTION']._serialized_start=3780
+  _globals['_STATESECTION']._serialized_end=3894
+  _globals['_HANDSHAKEREQUEST']._serialized_start=194
+  _globals['_HANDSHAKEREQUEST']._serialized_end=255
+  _globals['_HANDSHAKERESPONSE']._serialized_start=257
+  _globals['_HANDSHAKERESPONSE']._serialized_end=319
+  _globals['_SESSIONREQUEST']._serialized_start=322
+  _globals['_SESSIONREQUEST']._serialized_end=616
+  _globals['_CLAIMPINNED']._serialized_start=619
+  _globals['_CLAIMPINNED']._serialized_end=793
+  _globals['_CLAIMPINNED_TRACECONTEXTENTRY']._serialized_start=742
+  _globals['_CLAIMPINNED_TRACECONTEXTENTRY']._serialized_end=793
+  _globals['_SESSIONRESPONSE']._serialized_start=796
+  _globals['_SESSIONRESPONSE']._serialized_end=1092
+  _globals['_SESSIONHELLO']._serialized_start=1095
+  _globals['_SESSIONHELLO']._serialized_end=1255
+  _globals['_SESSIONREADY']._serialized_start=1258
+  _globals['_SESSIONREADY']._serialized_end=1503
+  _globals['_PREFILLJOB']._serialized_start=1506
+  _globals['_PREFILLJOB']._serialized_end=1994
+  _globals['_PREFILLJOB_TRACECONTEXTENTRY']._serialized_start=742
+  _globals['_PREFILLJOB_TRACECONTEXTENTRY']._serialized_end=793
+  _globals['_FIRSTTOKEN']._serialized_start=1997
+  _globals['_FIRSTTOKEN']._serialized_end=2145
+  _globals['_JOBSAMPLING']._serialized_start=2147
+  _globals['_JOBSAMPLING']._serialized_end=2269
+  _globals['_CANCELJOB']._serialized_start=2271
+  _globals['_CANCELJOB']._serialized_end=2302
+  _globals['_DECODEHEARTBEAT']._serialized_start=2304
+  _globals['_DECODEHEARTBEAT']._serialized_end=2342
+  _globals['_RELEASEBLOCKS']._serialized_start=2344
+  _globals['_RELEASEBLOCKS']._serialized_end=2416
+  _globals['_GROUPBLOCKS']._serialized_start=2418
+  _globals['_GROUPBLOCKS']._serialized_end=2450
+  _globals['_MANIFEST']._serialized_start=2453
+  _globals['_MANIFEST']._serialized_end=3259
+  _globals['_MANIFESTPART']._serialized_start=3261
+  _globals['_MANIFESTPART']._serialized_end=3385
+  _globals['_STATEDIGEST']._serialized_start=3387
+  _globals['_STATEDIGEST']._serialized_end=3497
+  _globals['_JOBFAILURE']._serialized_start=3499
+  _globals['_JOBFAILURE']._serialized_end=3605
+  _globals['_PREFILLHEARTBEAT']._serialized_start=3607
+  _globals['_PREFILLHEARTBEAT']._serialized_end=3695
+  _globals['_PREFILLLOAD']._serialized_start=3697
+  _globals['_PREFILLLOAD']._serialized_end=3753
+  _globals['_DRAIN']._serialized_start=3755
+  _globals['_DRAIN']._serialized_end=3778
+  _globals['_PREFILLSERVICE']._serialized_start=3897
+  _globals['_PREFILLSERVICE']._serialized_end=4063
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.rpc import status_pb2 as _status_pb2
 from shared.pb.hybridpd.v1 import layout_pb2 as _layout_pb2
+from shared.pb.hybridpd.v1 import logprobs_pb2 as _logprobs_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -358,6 +359,9 @@ class PrefillJob(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ACCEPT_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     ACCEPT_LAYER_PARTS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FORK_SEEDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among this decode engine's in-flight requests."""
     accept_manifest_parts: _builtins.bool
@@ -385,6 +389,14 @@ class PrefillJob(_message.Message):
     later layers. Only with accept_manifest_parts. False (the default), or a prefill that ignores
     it: the last part covers every layer, as before.
     """
+    logprobs: _builtins.int
+    """At the full-N boundary: unset, the first token comes without log probabilities; k, with its
+    log probability and the k most likely tokens (FirstToken.logprobs, Manifest.first_token_logprobs).
+    """
+    prompt_logprobs: _builtins.int
+    """Unset: none. k: the prompt's logprobs with the k likeliest tokens (Manifest.prompt_logprobs;
+    with parts, the last part only).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -404,6 +416,13 @@ class PrefillJob(_message.Message):
         long-lived, so per-request context rides in the message, not in the call's metadata.
         """
 
+    @_builtins.property
+    def fork_seeds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At the full-N boundary, for a request of several sequences: prefill also draws output token 0
+        with each of these seeds (the job's sampling otherwise), from the same logits
+        (Manifest.fork_first_token_ids, in order). Empty: one sequence.
+        """
+
     def __init__(
         self,
         *,
@@ -416,12 +435,22 @@ class PrefillJob(_message.Message):
         cached_prompt_tokens: _builtins.int = ...,
         accept_first_token: _builtins.bool = ...,
         accept_layer_parts: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        fork_seeds: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "accept_first_token", b"accept_first_token", "accept_layer_parts", b"accept_layer_parts", "accept_manifest_parts", b"accept_manifest_parts", "cached_prompt_tokens", b"cached_prompt_tokens", "fork_seeds", b"fork_seeds", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout", b"timeout", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___PrefillJob: _TypeAlias = PrefillJob  # noqa: Y015
 
@@ -438,6 +467,7 @@ class FirstToken(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     token_id: _builtins.int
     @_builtins.property
@@ -447,16 +477,21 @@ class FirstToken(_message.Message):
         manifest. Absent (zero) from a prefill that predates it.
         """
 
+    @_builtins.property
+    def logprobs(self) -> _logprobs_pb2.TokenLogprobs:
+        """With PrefillJob.logprobs: the token's log probabilities (absent from a prefill that predates it)."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
         engine_duration: _duration_pb2.Duration | None = ...,
+        logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "logprobs", b"logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_duration", b"engine_duration", "logprobs", b"logprobs", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -636,6 +671,10 @@ class Manifest(_message.Message):
     PART_FIELD_NUMBER: _builtins.int
     SKIPPED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_DURATION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FORK_FIRST_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FORK_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     transfer_id: _builtins.str
     """Notification payload the READs must carry (unique per prefill incarnation)."""
@@ -702,6 +741,22 @@ class Manifest(_message.Message):
         Zero from a prefill that does not report it.
         """
 
+    @_builtins.property
+    def first_token_logprobs(self) -> _logprobs_pb2.TokenLogprobs:
+        """With first_token_id, for a job that asked (PrefillJob.logprobs): that token's log probabilities."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]:
+        """For a job that asked (PrefillJob.prompt_logprobs): prompt tokens 1..N-1's logprobs, in order."""
+
+    @_builtins.property
+    def fork_first_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With first_token_id, for a job with fork_seeds: the first token drawn with each, in order, and
+        (with PrefillJob.logprobs) their logprobs.
+        """
+
+    @_builtins.property
+    def fork_first_token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_logprobs_pb2.TokenLogprobs]: ...
     def __init__(
         self,
         *,
@@ -720,10 +775,14 @@ class Manifest(_message.Message):
         part: Global___ManifestPart | None = ...,
         skipped_prompt_tokens: _builtins.int = ...,
         engine_duration: _duration_pb2.Duration | None = ...,
+        first_token_logprobs: _logprobs_pb2.TokenLogprobs | None = ...,
+        prompt_logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
+        fork_first_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        fork_first_token_logprobs: _abc.Iterable[_logprobs_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_duration", b"digest_duration", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "part", b"part", "prefill_duration", b"prefill_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id", "digest_algorithm", b"digest_algorithm", "digest_duration", b"digest_duration", "digests", b"digests", "engine_duration", b"engine_duration", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "fork_first_token_ids", b"fork_first_token_ids", "fork_first_token_logprobs", b"fork_first_token_logprobs", "groups", b"groups", "lease_duration", b"lease_duration", "lease_expire_time", b"lease_expire_time", "num_computed_tokens", b"num_computed_tokens", "part", b"part", "prefill_duration", b"prefill_duration", "prompt_logprobs", b"prompt_logprobs", "prompt_token_count", b"prompt_token_count", "request_id", b"request_id", "skipped_prompt_tokens", b"skipped_prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_id: _TypeAlias = _typing.Literal["first_token_id"]  # noqa: Y015
     _WhichOneofArgType__first_token_id: _TypeAlias = _typing.Literal["_first_token_id", b"_first_token_id"]  # noqa: Y015
