@@ -42,6 +42,8 @@ class PagedStateStore:
         self._whole_pages = tp == 1 and all(
             bool(torch.equal(rows, torch.arange(len(rows)))) for rows in (self._conv_rows[0], self._ssm_rows[0])
         )
+        # One rank holding every KV head in order: its kernel blocks' tokens are K/V as they are.
+        self._whole_kv = tp == 1 and bool(torch.equal(self._kv_heads[0], torch.arange(len(self._kv_heads[0]))))
         device = ranks[0].cache.device
         self._device = device
 
@@ -250,6 +252,8 @@ def read_kv_many(
     first = stores[0]
     spec = first.layout.spec
     region, blocks, rows = _kv_blocks(stores, layer, lengths, index)
+    if first._whole_kv:
+        return _whole_kv(first, region, blocks, lengths, dtype)
     total = int(rows.shape[0])
     shape = (total, 2, spec.attention.num_kv_heads, spec.attention.head_dim)
     out = torch.empty(shape, dtype=dtype, device=first._device)
@@ -260,6 +264,24 @@ def read_kv_many(
         out[:, :, heads] = tokens.index_select(0, rows.to(first._device))
     parts = torch.split(out, list(lengths))
     return [(p[:, 0], p[:, 1]) for p in parts]
+
+
+def _whole_kv(
+    first: PagedStateStore, region: int, blocks: Tensor, lengths: Sequence[int], dtype: torch.dtype
+) -> list[tuple[Tensor, Tensor]]:
+    """`read_kv_many` where one rank holds every head: the kernel blocks gathered and laid out
+    as tokens in one copy; each request's tokens are then a slice of them (its blocks follow the
+    previous request's), not a second gather."""
+    fa = first.ranks[0].fa[region]  # [kernel blocks, 2, heads, kb, hd]
+    got = fa.index_select(0, blocks.to(fa.device))
+    kb = got.shape[3]
+    tokens = got.permute(0, 3, 1, 2, 4).reshape(-1, 2, got.shape[2], got.shape[4]).to(first._device, dtype)
+    out, row = [], 0
+    for n in lengths:
+        part = tokens[row : row + n]
+        out.append((part[:, 0], part[:, 1]))
+        row += -(-n // kb) * kb
+    return out
 
 
 def _mamba_blocks(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[int, Tensor]:

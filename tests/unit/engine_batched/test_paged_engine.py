@@ -196,3 +196,22 @@ def test_a_restored_prefix_feeds_the_rest_of_the_prompt(family: str, hf_checkpoi
         assert a == b
         assert float((logits_of(whole) - logits_of(restored)).abs().max()) < 1e-4
     assert restored.num_tokens == whole.num_tokens == len(prompt) + 2
+
+
+def test_the_one_rank_kv_read_equals_the_general_one(hf_checkpoint: Callable[[str], str]) -> None:
+    """At TP 1 a step reads K/V as slices of the gathered blocks (`_whole_kv`); the general path
+    (a gather per rank, then the tokens picked out) must give the same tensors."""
+    from shared.engine.paged_state import read_kv_many
+
+    engine = paged_engine(hf_checkpoint("nemotron_h"))
+    pool = BlockPool(engine.layout)
+    sessions = [start(engine, pool, prompt_of(3 + 17 * i, salt=i), f"r{i}")[0] for i in range(5)]
+    stores, lengths = [s._store for s in sessions], [s.num_tokens for s in sessions]
+    layer = engine.spec.attention_layers[0]
+    assert all(s._whole_kv for s in stores)
+    fast = read_kv_many(stores, layer, lengths, engine.model.dtype)
+    for s in stores:
+        s._whole_kv = False
+    general = read_kv_many(stores, layer, lengths, engine.model.dtype)
+    assert [k.shape[0] for k, _ in fast] == lengths
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(fast, general))
