@@ -601,7 +601,7 @@ class Generation:
             for i, (fork_out, fork_local) in enumerate(zip(out.forks, blocks, strict=True), start=1):
                 fork_req = dataclasses.replace(req, sampling=fork_sampling(req.sampling, i))
                 first = tokens[i - 1] if first_token is not None else None
-                lp = logprobs[i - 1] if first is not None and req.logprobs is not None else None
+                lp = logprobs[i - 1] if first is not None and i <= len(logprobs) else None
                 streams.append(self._fork(fork_req, num_computed, fork_local, compute, fork_out, first, lp))
             async for chunk in merged(streams):
                 yield chunk

@@ -91,6 +91,8 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
     n = max(1, request.n)
     if n > 1 and remote is not None:
         raise InvalidArgument("more than one sequence is not served for a P/D decode leg (kv_transfer_params)", field="n")
+    if n > 1:
+        check_sequences_fit(host, len(prompt), request.max_tokens, n)
     if prompt_logprobs is not None and not host.engine.samples:
         raise InvalidArgument(f"this engine ({host.engine.spec.name}) has no logits of the prompt", field="prompt_logprobs")
     deadline = loop_now + (time_remaining if time_remaining is not None else DEFAULT_TIMEOUT_SECONDS)
@@ -109,6 +111,21 @@ def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: floa
         prompt_logprobs,
         n,
     )
+
+
+def check_sequences_fit(host: EngineHost, prompt_len: int, max_tokens: int, n: int) -> None:
+    """n sequences of a prompt must fit the cache together (sharing the prompt's full attention
+    blocks, decode_svc/forks.py), or they would wait for each other's blocks until the deadline."""
+    layout = host.layout
+    each = sum(host.blocks_per_group(prompt_len + max_tokens))
+    shared = host.engine.num_prefill_tokens(prompt_len) // layout.block_size * len(layout.attention_group_ids)
+    needed = n * each - (n - 1) * shared
+    if needed > host.num_blocks:
+        raise InvalidArgument(
+            f"{n} sequences of up to {prompt_len + max_tokens} tokens need {needed} cache blocks together; this decode "
+            f"engine has {host.num_blocks}: ask for fewer sequences or fewer max_tokens",
+            field="n",
+        )
 
 
 def check_fits_prefill(host: EngineHost, link: PeerLink, req: RequestContext) -> None:

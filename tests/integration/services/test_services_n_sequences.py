@@ -210,3 +210,17 @@ async def test_a_request_id_that_names_a_running_fork_is_already_exists(start_pr
     async with asyncio.timeout(10):
         while decode.host.allocator.num_used:
             await asyncio.sleep(0.02)
+
+
+async def test_sequences_that_cannot_fit_the_cache_together_are_refused(start_prefill, start_decode) -> None:  # type: ignore[no-untyped-def]
+    """Each alone fits, all together do not: refused at once (they would wait for each other's blocks)."""
+    reference = engine_factory_for("reference")
+    prefill = await start_prefill("--model", "tiny-mamba2", engine=reference)
+    decode = await start_decode(prefill.port, "--model", "tiny-mamba2", "--num-blocks", "16", engine=reference)
+    capacity = decode.host.max_tokens()
+    fields = dict(prompt_token_ids=[1, 2, 3], max_tokens=capacity // 2)
+    ids, _, _ = await generate_n(decode.port, 1, **fields)  # one fits
+    assert len(ids[0]) == capacity // 2
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await generate_n(decode.port, 4, **fields)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n:" in (e.value.details() or "")
