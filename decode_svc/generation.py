@@ -57,11 +57,13 @@ a P/D decode leg never moves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from decode_svc.early_token import EarlyToken
@@ -94,9 +96,9 @@ from shared.errors import (
     Unavailable,
 )
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.rpc import fault_hooks
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.logprobs_message import checked_first
+from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.step_loop import StepLoop
 from shared.telemetry import Telemetry
@@ -158,6 +160,46 @@ class ComputeGuard:
             last.add_done_callback(lambda _: free())
 
 
+@dataclass
+class Admitted:
+    """Where an admitted request's state comes from and the blocks it holds: a prefill peer
+    (for a P/D decode leg, the one its params name), what decode's caches hold for the prompt,
+    or decode's own engine (`here`: why)."""
+
+    peer: PrefillPeer | None
+    reused: Reused
+    here: Reason | None
+    local: RequestBlocks
+    remote_leg: bool = False
+
+
+@dataclass
+class RequestIo:
+    """A request's model calls, READ handles and manifest parts, and the blocks its READs write:
+    what freeing its blocks waits for."""
+
+    compute: ComputeGuard
+    reads: ReadFence
+    parts: PartReads
+    target: ReadTarget
+
+
+@dataclass
+class Outcome:
+    ended: bool = False  # the stage served the request to its end
+
+
+@dataclass
+class Moved:
+    """What the transfer stage leaves for decoding: the READ state (None: the first token ended
+    the request), the blocks it is in, the first token (full-N) and the client stream."""
+
+    transfer: Transfer | None = None
+    local: RequestBlocks | None = None
+    first: int | None = None
+    out: ClientStream | None = None
+
+
 class Generation:
     def __init__(
         self,
@@ -206,162 +248,221 @@ class Generation:
             self._active -= keys
 
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stages: admit (where its state comes from, its blocks), then one of
+        restore (a state checkpoint), compute here (decode's own prefill) or transfer (a job or a
+        claim, the READ), then decode (join the step loop, stream, finish). Each stage that ends
+        the request returns through its own responses; the blocks are freed once no model call
+        or READ uses them."""
+        adm = await self._admit(req)
+        io = RequestIo(ComputeGuard(self.host), ReadFence(), PartReads(), ReadTarget(adm.local))
+        try:
+            if adm.reused.state is not None:
+                restored = Outcome()
+                async with closing(self._restore(req, adm, io, restored)) as stage:
+                    async for response in stage:
+                        yield response
+                if restored.ended:
+                    return
+            self._repick(adm)
+            if adm.here is not None:
+                steps: Steps = lambda n, out, first, forks: self._steps(req, n, adm.local, io.compute, out, first, forks)  # noqa: E731
+                async with closing(self.local.run(req, adm.local, io.compute.run, steps, adm.here)) as stage:
+                    async for response in stage:
+                        yield response
+                return
+            moved = Moved()
+            async with closing(self._transfer(req, adm, io, moved)) as stage:
+                async for response in stage:
+                    yield response
+            if moved.transfer is None:  # the first token ended the request: no state was needed
+                return
+            assert moved.out is not None and moved.local is not None
+            decoding = self._decode(req, moved.transfer, moved.local, io.compute, moved.out, moved.first, adm.reused)
+            async with closing(decoding) as stage:
+                async for response in stage:
+                    yield response
+        finally:
+            io.compute.free_when_idle(req.request_id, io.reads, adm.reused.hit)
+            self.reuse.release_state(adm.reused)
+
+    async def _admit(self, req: RequestContext) -> Admitted:
+        """Where the request's state comes from (a prefill peer, a state checkpoint, decode's own
+        engine; for a P/D decode leg the prefill engine its params name), and its local blocks
+        (the prompt and the first step; queued while the cache is full)."""
         loop = asyncio.get_running_loop()
-        deadline, remote = req.deadline, req.remote
-        key = req.request_id
         admit = admission_tokens(len(req.prompt))
-        peer: PrefillPeer | None
-        here: Reason | None = None  # decode computes the prompt itself (decode_svc/local_prefill.py)
-        if remote is None:
+        if req.remote is None:
             peer, reused, here = self._source(req)
             try:
                 leading = self.reuse.leading(reused)
-                local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()), leading=leading)
+                local = await self.host.allocate_queued(
+                    req.request_id, admit, wait_deadline(req.deadline, loop.time()), leading=leading
+                )
             except BaseException:
                 self.reuse.release(reused)
                 raise
-        else:
-            reused = Reused()
-            try:
-                peer = await self.learned.peer_for(remote)  # the named engine, params checked against it
-                local = await self.host.allocate_queued(key, admit, wait_deadline(deadline, loop.time()))
-            except BaseException as e:
-                # Prefill pinned the state for whoever claims it: free it now, not at its lease's end.
-                self.learned.give_up(remote, f"decode leg failed before its claim: {type(e).__name__}")
-                raise
-        compute = ComputeGuard(self.host)
-        reads = ReadFence()
-        parts = PartReads()
-        target = ReadTarget(local)
+            return Admitted(peer, reused, here, local)
         try:
-            state = reused.state
-            if state is not None:
-                ended = None if state.first_token is None else req.stop.finish(state.first_token, 1)
-                if ended is not None:  # the stored first token ends the request: no state is needed
-                    self._count_without_prefill(peer)
-                    for only in self.reuse.first_token_only(req, reused, ended):
-                        yield only
-                    return
-                if await self.reuse.restored(compute.run, reused, local):
-                    self._count_without_prefill(peer)
-                    from_state = self.reuse.decode_restored(
-                        req,
-                        reused,
-                        local,
-                        compute.run,
-                        lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks),
-                    )
-                    async for restored in from_state:
-                        yield restored
-                    return
-            if remote is not None:
-                assert peer is not None
-                if not peer.ready:
-                    raise Unavailable(
-                        f"prefill {peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
-                    )
-            elif here is None and (peer is None or not peer.ready):  # lost while it waited for blocks, or none was ready
-                peer, here = self._pick_or_here(reused)
-            if here is not None:
-                steps: Steps = lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks)  # noqa: E731
-                async for from_here in self.local.run(req, local, compute.run, steps, here):
-                    yield from_here
-                return
-            assert peer is not None
-            job_sent = time.monotonic()
-            out = client_stream(self.host, req, self.telemetry)
-            # The first token early, unless the prompt's logprobs must go out before it (they come
-            # with the manifest), or other sequences' first tokens come with it (in the manifest).
-            alone = req.prompt_logprobs is None and req.n == 1
-            early = EarlyToken() if remote is None and self.host.engine.boundary == "full" and alone else None
-            if remote is None:  # another prefill engine takes the job if this one fails it before its manifest
-                attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
-                job = asyncio.ensure_future(
-                    on_some_prefill(self.peers, peer, attempt, deadline, self._count_retry, retryable=lambda: not parts.any)
-                )
-                try:
-                    token = None if early is None else await early.first(job)
-                    if token is not None:  # prefill drew it ahead of its manifest: it goes out at once
-                        assert early is not None
-                        yield out.chunk([token], checked_first(early.logprobs, token, req.logprobs, "first_token.logprobs"))
-                        ended = req.stop.finish(token, 1)
-                        if ended is not None and not job.done():  # no state is needed, so no manifest either
-                            assert early is not None and early.link is not None
-                            await self._stop_job(job, parts, reads, key, "the first token ended the request")
-                            taken = early.seconds_after(job_sent)
-                            transfer = Transfer(early.link, None, ReadStats(), taken, engine_seconds=early.engine_seconds)
-                            for response in (
-                                out.tail(),
-                                summary(req, out, ended, transfer, self.checks, transferred=0, read=False),
-                            ):
-                                if response is not None:
-                                    yield response
-                            return
-                    session, link, manifest = await job
-                except BaseException as e:
-                    await self._stop_job(job, parts, reads, key, f"read not completed: {type(e).__name__}")
-                    raise
-            else:
-                assert peer.session is not None and peer.link is not None and remote.transfer_id is not None
-                session, link = peer.session, peer.link
-                manifest = await session.claim(remote.request_id, remote.transfer_id)
-            prefill_seconds = time.monotonic() - job_sent
-            pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
-            sent_early = early is not None and early.sent
-            try:
-                if remote is not None:
-                    computed = self.host.engine.num_prefill_tokens(len(req.prompt))
-                    check_claimed(remote, manifest, len(req.prompt), computed, req.prompt_field)
-                local = self.reuse.read_blocks(manifest, reused, target, link.engine_id)
-                first = first_token_of(manifest, self.host, link.engine_id)
-                if early is not None:
-                    early.check(first, link.engine_id)
-                if req.prompt_logprobs is not None:  # before any token: the first is not sent early then
-                    yield prompt_response(manifest.prompt_logprobs, req.prompt, req.prompt_logprobs, "manifest.prompt_logprobs")
-                first_logprobs = None
-                if first is not None and not sent_early:
-                    first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
-                # A first token that ends the request needs no state; with several sequences the others do.
-                ended = None if first is None or req.n > 1 else req.stop.finish(first, 1)
-                if ended is None:
-                    read = _unless_session_ends(session, self._read_all(link, manifest, local, deadline, reads, parts))
-                    if first is None or sent_early:  # nothing to send meanwhile: no task of its own for the READ
-                        stats = await read
-                    else:
-                        reading = asyncio.ensure_future(read)
-                        try:
-                            yield out.chunk([first], first_logprobs)  # while the READ runs: the transfer hides behind it
-                            stats = await reading
-                        finally:
-                            if not reading.done():  # the client went away during the first chunk
-                                reading.cancel()
-                                await asyncio.gather(reading, return_exceptions=True)
-            except BaseException as e:
-                # Prefill may reuse its blocks once no READ of ours can still be reading them.
-                await parts.cancel()
-                reason = f"read not completed: {type(e).__name__}"
-                reads.when_released(lambda: session.release(pinned_as, reason))
-                raise
-            if ended is not None:
-                assert first is not None
-                # The first token ended the request: the state is never needed, so never READ (the
-                # READs of parts already started are stopped; prefill frees once they are released).
-                await parts.cancel()
-                reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
-                for response in (None if sent_early else out.chunk([first], first_logprobs), out.tail()):
-                    if response is not None:
-                        yield response
-                transfer = Transfer(link, manifest, ReadStats(), prefill_seconds)
-                yield summary(req, out, ended, transfer, self.checks, transferred=0, read=False)
-                return
-            session.done_reading(pinned_as)
-            self._count_read(stats)
-            transfer = Transfer(link, manifest, stats, prefill_seconds)
-            async for response in self._decode(req, transfer, local, compute, out, first, reused):
+            named = await self.learned.peer_for(req.remote)  # the named engine, params checked against it
+            local = await self.host.allocate_queued(req.request_id, admit, wait_deadline(req.deadline, loop.time()))
+        except BaseException as e:
+            # Prefill pinned the state for whoever claims it: free it now, not at its lease's end.
+            self.learned.give_up(req.remote, f"decode leg failed before its claim: {type(e).__name__}")
+            raise
+        return Admitted(named, Reused(), None, local, remote_leg=True)
+
+    async def _restore(
+        self, req: RequestContext, adm: Admitted, io: RequestIo, restored: Outcome
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """A state checkpoint of the prompt: its first token alone may end the request, else its
+        state restored into the request's blocks is decoded on (`restored.ended` either way). A
+        restore that fails its digests leaves the request to the other stages."""
+        reused = adm.reused
+        state = reused.state
+        assert state is not None
+        ended = None if state.first_token is None else req.stop.finish(state.first_token, 1)
+        if ended is not None:  # the stored first token ends the request: no state is needed
+            self._count_without_prefill(adm.peer)
+            for only in self.reuse.first_token_only(req, reused, ended):
+                yield only
+            restored.ended = True
+            return
+        if not await self.reuse.restored(io.compute.run, reused, adm.local):
+            return
+        self._count_without_prefill(adm.peer)
+        restored.ended = True
+        local, compute = adm.local, io.compute
+        from_state = self.reuse.decode_restored(
+            req,
+            reused,
+            local,
+            compute.run,
+            lambda n, out, first, forks: self._steps(req, n, local, compute, out, first, forks),
+        )
+        async with closing(from_state) as stage:
+            async for response in stage:
                 yield response
-        finally:
-            compute.free_when_idle(key, reads, reused.hit)
-            self.reuse.release_state(reused)
+
+    def _repick(self, adm: Admitted) -> None:
+        """The peer the request was admitted with may have been lost while it waited for blocks
+        (or none was ready): a plain request takes another, or decode's own engine; a decode leg
+        fails UNAVAILABLE."""
+        if adm.here is not None:
+            return
+        if adm.remote_leg:
+            assert adm.peer is not None
+            if not adm.peer.ready:
+                raise Unavailable(
+                    f"prefill {adm.peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
+                )
+        elif adm.peer is None or not adm.peer.ready:
+            adm.peer, adm.here = self._pick_or_here(adm.reused)
+
+    async def _transfer(
+        self, req: RequestContext, adm: Admitted, io: RequestIo, moved: Moved
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The state from prefill: a job on the peer's Session stream (the first token streamed
+        the moment prefill draws it, at full-N) or the claim of a decode leg, then the READ. On
+        return `moved.transfer` is set, or None when the first token ended the request (then the
+        summary went out already)."""
+        peer = adm.peer
+        assert peer is not None
+        key, reused = req.request_id, adm.reused
+        compute, reads, parts, target = io.compute, io.reads, io.parts, io.target
+        job_sent = time.monotonic()
+        out = client_stream(self.host, req, self.telemetry)
+        moved.out = out
+        # The first token early, unless the prompt's logprobs must go out before it (they come
+        # with the manifest), or other sequences' first tokens come with it (in the manifest).
+        alone = req.prompt_logprobs is None and req.n == 1
+        early = EarlyToken() if not adm.remote_leg and self.host.engine.boundary == "full" and alone else None
+        if not adm.remote_leg:  # another prefill engine takes the job if this one fails it before its manifest
+            attempt = functools.partial(self._submit, req, reused, target, compute, reads, parts, early)
+            job = asyncio.ensure_future(
+                on_some_prefill(self.peers, peer, attempt, req.deadline, self._count_retry, retryable=lambda: not parts.any)
+            )
+            try:
+                token = None if early is None else await early.first(job)
+                if token is not None:  # prefill drew it ahead of its manifest: it goes out at once
+                    assert early is not None
+                    yield out.chunk([token], checked_first(early.logprobs, token, req.logprobs, "first_token.logprobs"))
+                    ended = req.stop.finish(token, 1)
+                    if ended is not None and not job.done():  # no state is needed, so no manifest either
+                        assert early.link is not None
+                        await self._stop_job(job, parts, reads, key, "the first token ended the request")
+                        taken = early.seconds_after(job_sent)
+                        transfer = Transfer(early.link, None, ReadStats(), taken, engine_seconds=early.engine_seconds)
+                        for response in (
+                            out.tail(),
+                            summary(req, out, ended, transfer, self.checks, transferred=0, read=False),
+                        ):
+                            if response is not None:
+                                yield response
+                        return
+                session, link, manifest = await job
+            except BaseException as e:
+                await self._stop_job(job, parts, reads, key, f"read not completed: {type(e).__name__}")
+                raise
+        else:
+            remote = req.remote
+            assert remote is not None and peer.session is not None and peer.link is not None and remote.transfer_id is not None
+            session, link = peer.session, peer.link
+            manifest = await session.claim(remote.request_id, remote.transfer_id)
+        prefill_seconds = time.monotonic() - job_sent
+        pinned_as = manifest.request_id  # prefill's name for the pin (the prefill leg's id for a claim)
+        sent_early = early is not None and early.sent
+        try:
+            if adm.remote_leg:
+                assert req.remote is not None
+                computed = self.host.engine.num_prefill_tokens(len(req.prompt))
+                check_claimed(req.remote, manifest, len(req.prompt), computed, req.prompt_field)
+            local = self.reuse.read_blocks(manifest, reused, target, link.engine_id)
+            moved.local = local
+            first = first_token_of(manifest, self.host, link.engine_id)
+            if early is not None:
+                early.check(first, link.engine_id)
+            if req.prompt_logprobs is not None:  # before any token: the first is not sent early then
+                yield prompt_response(manifest.prompt_logprobs, req.prompt, req.prompt_logprobs, "manifest.prompt_logprobs")
+            first_logprobs = None
+            if first is not None and not sent_early:
+                first_logprobs = checked_first(manifest.first_logprobs, first, req.logprobs, "manifest.first_token_logprobs")
+            # A first token that ends the request needs no state; with several sequences the others do.
+            ended = None if first is None or req.n > 1 else req.stop.finish(first, 1)
+            if ended is None:
+                read = _unless_session_ends(session, self._read_all(link, manifest, local, req.deadline, reads, parts))
+                if first is None or sent_early:  # nothing to send meanwhile: no task of its own for the READ
+                    stats = await read
+                else:
+                    reading = asyncio.ensure_future(read)
+                    try:
+                        yield out.chunk([first], first_logprobs)  # while the READ runs: the transfer hides behind it
+                        stats = await reading
+                    finally:
+                        if not reading.done():  # the client went away during the first chunk
+                            reading.cancel()
+                            await asyncio.gather(reading, return_exceptions=True)
+        except BaseException as e:
+            # Prefill may reuse its blocks once no READ of ours can still be reading them.
+            await parts.cancel()
+            reason = f"read not completed: {type(e).__name__}"
+            reads.when_released(lambda: session.release(pinned_as, reason))
+            raise
+        if ended is not None:
+            assert first is not None
+            # The first token ended the request: the state is never needed, so never READ (the
+            # READs of parts already started are stopped; prefill frees once they are released).
+            await parts.cancel()
+            reads.when_released(lambda: session.release(pinned_as, "the first token ended the request"))
+            for response in (None if sent_early else out.chunk([first], first_logprobs), out.tail()):
+                if response is not None:
+                    yield response
+            transfer = Transfer(link, manifest, ReadStats(), prefill_seconds)
+            yield summary(req, out, ended, transfer, self.checks, transferred=0, read=False)
+            return
+        session.done_reading(pinned_as)
+        self._count_read(stats)
+        moved.first = first
+        moved.transfer = Transfer(link, manifest, stats, prefill_seconds)
 
     def _source(self, req: RequestContext) -> tuple[PrefillPeer | None, Reused, Reason | None]:
         """Where a plain request's state comes from: decode's own engine for a prompt below
@@ -509,7 +610,7 @@ class Generation:
                 field="manifest.lease_duration",
                 reason="LEASE_EXPIRED",
             )
-        await fault_hooks.pause("before_read", manifest.request_id)
+        await faults.pause("before_read", manifest.request_id)
         timeout = min(self.read_timeout, deadline - asyncio.get_running_loop().time())
         async with link.reading():
             return await read_request(self.host, link, manifest, local, timeout=timeout, fence=reads)
@@ -528,7 +629,7 @@ class Generation:
         boundary), streamed to the client, then the summary."""
         link, manifest = transfer.link, transfer.manifest
         assert manifest is not None
-        await fault_hooks.pause("after_read", req.request_id)
+        await faults.pause("after_read", req.request_id)
         num_computed = manifest.num_computed_tokens
         digest_check_seconds = 0.0
         if self.host.verify_transfer:
@@ -674,6 +775,19 @@ class Generation:
         for posting in stats.post_seconds:
             t.post_seconds.observe(posting)
         t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """`stream` closed on the way out, before the stage around it goes on: a request that ends
+    (its client gone, a failure) runs the inner stage's cleanup first (its READs stopped, its
+    step-loop place given up), not whenever the stream is collected."""
+    try:
+        yield stream
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _raise(error: ServiceError) -> ReadStats:
