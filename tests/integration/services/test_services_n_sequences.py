@@ -178,7 +178,7 @@ async def test_a_cancelled_request_of_several_sequences_frees_every_block(start_
     prefill = await start_prefill("--model", "tiny-mamba2", engine=reference)
     decode = await start_decode(prefill.port, "--model", "tiny-mamba2", engine=reference)
     request = dpb.GenerateRequest(
-        prompt_token_ids=list(range(3, 60)), max_tokens=400, n=4, sampling=dpb.SamplingParams(temperature=1.0, seed=3)
+        prompt_token_ids=list(range(3, 60)), max_tokens=200, n=4, sampling=dpb.SamplingParams(temperature=1.0, seed=3)
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
         call = dpb_grpc.DecodeServiceStub(channel).Generate(request, timeout=60)
