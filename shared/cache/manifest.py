@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cache.digest import SectionDigest
-from shared.engine.logprobs import TokenLogprobs
+from shared.token_logprobs import TokenLogprobs
 
 IntArray = npt.NDArray[np.int64]
 

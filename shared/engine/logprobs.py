@@ -9,20 +9,14 @@ filtered token still has its model probability. The same logits give the same bi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from shared.token_logprobs import TokenLogprobs
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One token's log probability and the `k` likeliest tokens at its position."""
-
-    token_id: int
-    logprob: float  # an fp32 value
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first, ties: lower id first
+__all__ = ["TokenLogprobs", "token_logprobs"]
 
 
 def token_logprobs(logits: Tensor, token_id: int, k: int) -> TokenLogprobs:
