@@ -3,10 +3,10 @@ engine that batches: shared/runtime/prefill_loop.py; else on the compute thread)
 state's digests, the fault seam's `before_manifest`, pin, and the manifest describing it. A job
 sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead.
 
-Decode's prefix cache (`cached_prompt_tokens`): the whole prompt is still computed (the SSM
-state needs it), but no digest covers the K/V of the cached tokens, and every manifest echoes
-the count; with parts, the first part starts there (the parts cover only the tokens after the
-cached prefix).
+Decode's prefix cache (`cached_prompt_tokens`): prefill still computes the prompt (the SSM
+state needs it; from token 0, or from a boundary it kept itself: below), but no digest covers
+the K/V of the cached tokens, and every manifest echoes the count; with parts, the first part
+starts there (the parts cover only the tokens after the cached prefix).
 
 Prefill's own prefix reuse (prefill_svc/boundary_cache.py, on engines that resume a chunked
 prefill exactly): a job starts at the longest chunk boundary of its prompt the boundary cache
