@@ -174,10 +174,12 @@ class JobRunner:
             self.host.when_freed(tid, functools.partial(cache.abandon, pending))
         if hit is None:
             return blocks, 0, pending
+        restoring = self.host.submit_compute(functools.partial(cache.restore, hit, blocks))
         try:
-            await self.host.submit_compute(functools.partial(cache.restore, hit, blocks))
+            await asyncio.shield(restoring)
         except BaseException:
-            self.host.free(tid)
+            # The copy may still be writing the job's blocks: free them once it is done.
+            restoring.add_done_callback(lambda _: self.host.free(tid))
             raise
         return blocks, hit.tokens, pending
 
@@ -303,7 +305,13 @@ class JobRunner:
             first_token, start = done.first_token, end
             engine_seconds += done.step_seconds
             if resume.keeps_at(end):  # before the next chunk moves the run's state on
-                await self.host.submit_compute(functools.partial(resume.take, engine, run, blocks))
+                taking = self.host.submit_compute(functools.partial(resume.take, engine, run, blocks))
+                try:
+                    await asyncio.shield(taking)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(taking)  # it writes the copies' blocks until it is done
+                    raise
         if _draws_more(job, first_token):  # on a compute thread, as colocated draws them
             await self.host.digest_thread.submit(functools.partial(_draw, run, first_token, job, drawn))
         if announce is not None and first_token is not None:
