@@ -27,6 +27,7 @@ from shared.engine.protocol import PrefillChunk
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from tests.integration.services.colocated_tokens import colocated_tokens
 from tests.integration.services.hf_services import generate_ids, hf_pair
+from tests.integration.services.test_services_logprobs import generate_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(300)]
 
@@ -221,3 +222,31 @@ async def test_a_job_takes_the_boundaries_blocks_back(hf_checkpoint: Callable[[s
         assert len(ids) == ANSWER and summary.digests_verified
         assert _metric(prefill, "hybrid_pd_prefill_boundary_evictions_total") > 0
         await _all_but_boundaries_freed(prefill, kept=False)
+
+
+async def test_a_job_asking_for_prompt_logprobs_computes_from_token_0(hf_checkpoint: Callable[[str], str]) -> None:
+    """Prompt logprobs need every chunk's logits: such a turn 2 resumes nowhere (it still keeps
+    its own boundary) and gets a logprob for every prompt token but the first."""
+    directory = hf_checkpoint("nemotron_h")
+    async with hf_pair(
+        directory,
+        directory,
+        1,
+        1,
+        engine="paged",
+        check_state=False,
+        prefill_flags=(*CHUNKS, "--num-blocks", "64"),
+        decode_flags=("--num-blocks", "128", *ONE_MANIFEST),
+    ) as (prefill, decode):
+        first = _tokens(31, 50)
+        turn1, _ = await generate_ids(decode.port, first, ANSWER)
+        second = [*first, *turn1, *_tokens(32, 30)]
+        before, hits = COMPUTED[0], _metric(prefill, "hybrid_pd_prefill_boundary_hits_total")
+        ids, _, prompt, _ = await generate_all(
+            decode.port, prompt_token_ids=second, max_tokens=ANSWER, logprobs=1, prompt_logprobs=1
+        )
+        assert COMPUTED[0] - before == prefill.host.engine.num_prefill_tokens(len(second))
+        assert _metric(prefill, "hybrid_pd_prefill_boundary_hits_total") == hits
+        assert prompt is not None and len(prompt) == len(second) - 1
+        assert len(_cache(prefill)) == 2  # turn 1's boundary and turn 2's
+    assert ids == await colocated_tokens("paged", directory, second, ANSWER, prefill_chunk_tokens=CHUNK)
