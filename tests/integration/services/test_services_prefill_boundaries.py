@@ -108,13 +108,15 @@ async def _all_but_boundaries_freed(prefill: PrefillApp, *, kept: bool = True) -
     assert len(cache) == 0 and prefill.host.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("parts", [False, True], ids=["steps", "parts"])
-async def test_a_second_turn_computes_only_its_new_chunks(hf_checkpoint: Callable[[str], str], parts: bool) -> None:
+@pytest.mark.parametrize(("parts", "prefill_tp"), [(False, 1), (True, 1), (True, 2)], ids=["steps", "parts", "parts-tp2"])
+async def test_a_second_turn_computes_only_its_new_chunks(
+    hf_checkpoint: Callable[[str], str], parts: bool, prefill_tp: int
+) -> None:
     directory = hf_checkpoint("nemotron_h")
     async with hf_pair(
         directory,
         directory,
-        1,
+        prefill_tp,
         1,
         engine="paged",
         check_state=False,  # decode's check recomputes in one forward, not prefill's chunks
