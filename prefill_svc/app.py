@@ -7,6 +7,7 @@ import logging
 
 from prometheus_client import Counter
 
+from prefill_svc.boundary_cache import usable
 from prefill_svc.http_api import PrefillHttp, advertised_address
 from prefill_svc.pins import PinTable
 from prefill_svc.servicer import PrefillServicer
@@ -25,6 +26,18 @@ from shared.runtime.engine_host import EngineFactory, EngineHost
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+DEFAULT_BOUNDARY_SHARE = 0.25  # of the cache's blocks, for prefill's boundary cache
+
+
+def boundary_blocks(settings: ServiceSettings, host: EngineHost) -> int:
+    """--prefix-cache-blocks on prefill, else the default share where prefill runs chunked on an
+    engine that resumes exactly (prefill_svc/boundary_cache.py)."""
+    if settings.prefix_cache_blocks is not None:
+        return settings.prefix_cache_blocks
+    chunk = settings.prefill_chunk_tokens
+    return int(host.num_blocks * DEFAULT_BOUNDARY_SHARE) if chunk > 0 and usable(host.engine, chunk) else 0
 
 
 class PrefillApp:
@@ -48,10 +61,21 @@ class PrefillApp:
                 max_batched_tokens=settings.max_batched_tokens,
                 manifest_part_tokens=settings.manifest_part_tokens,
                 layer_parts=settings.layer_parts,
+                prefix_cache_blocks=boundary_blocks(settings, host),
             ),
             self.metrics,
         )
         pb_grpc.add_PrefillServiceServicer_to_server(self.servicer, self.shell.server)
+        boundaries = self.servicer.runner.boundaries
+        if boundaries.enabled:
+            default = " (default share; --prefix-cache-blocks 0 turns it off)" if settings.prefix_cache_blocks is None else ""
+            log.info(
+                "prefix reuse: up to %d of %d blocks for chunk boundaries (every %d tokens)%s",
+                boundaries.capacity_blocks,
+                host.num_blocks,
+                boundaries.chunk_tokens,
+                default,
+            )
         # /health, /metrics, /version, /v1/models, render, and the P/D prefill leg.
         http_info = ServiceInfo(
             "prefill", settings.model_names, lambda: self.shell.health.ready, self.metrics.registry, host.max_tokens

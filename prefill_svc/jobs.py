@@ -3,10 +3,17 @@ engine that batches: shared/runtime/prefill_loop.py; else on the compute thread)
 state's digests, the fault seam's `before_manifest`, pin, and the manifest describing it. A job
 sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead.
 
-Decode's prefix cache (`cached_prompt_tokens`): the whole prompt is still computed (the SSM
-state needs it), but no digest covers the K/V of the cached tokens, and every manifest echoes
-the count; with parts, the first part starts there (the parts cover only the tokens after the
-cached prefix)."""
+Decode's prefix cache (`cached_prompt_tokens`): prefill still computes the prompt (the SSM
+state needs it; from token 0, or from a boundary it kept itself: below), but no digest covers
+the K/V of the cached tokens, and every manifest echoes the count; with parts, the first part
+starts there (the parts cover only the tokens after the cached prefix).
+
+Prefill's own prefix reuse (prefill_svc/boundary_cache.py, on engines that resume a chunked
+prefill exactly): a job starts at the longest chunk boundary of its prompt the boundary cache
+holds (its K/V blocks shared as the job's leading blocks, the conv / SSM state copied into the
+job's blocks) and computes only the chunks after it; it keeps its own last boundary for the
+next turn. Digests, parts, pins and the manifest are what a job from token 0 gives: the blocks
+hold the same bytes. A job asking for prompt logprobs computes from token 0 (every chunk's logits)."""
 
 from __future__ import annotations
 
@@ -17,11 +24,15 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from prefill_svc.boundary_cache import BoundaryCache, Pending
 from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, manifest_of
 from prefill_svc.layer_parts import Digests
 from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.parted_job import PartedJob
 from prefill_svc.pins import PinTable
+from prefill_svc.resume import Resume
 from shared import tracing
 from shared.cache.digest import state_digests
 from shared.cache.manifest import Manifest
@@ -37,6 +48,7 @@ from shared.rpc.deadlines import wait_deadline
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.prefill_loop import PrefillLoop
+from shared.telemetry import Telemetry
 from shared.tracing import Step
 
 
@@ -88,6 +100,8 @@ class JobRunner:
         part_tokens: int = 0,
         layer_parts: int = 0,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+        boundary_blocks: int = 0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.host = host
         self.pins = pins
@@ -100,6 +114,10 @@ class JobRunner:
         self.steps: PrefillLoop | None = None
         if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
             self.steps = PrefillLoop(engine, host.submit_compute, max_batched_tokens)
+        # Prefix reuse on prefill (--prefix-cache-blocks): only where jobs compute in steps.
+        self.boundaries = BoundaryCache(host, boundary_blocks if self.steps is not None else 0, chunk_tokens, telemetry)
+        if self.boundaries.enabled:
+            host.reclaim = self.boundaries.reclaim  # a job short of blocks takes unused boundaries back
 
     async def aclose(self) -> None:
         if self.steps is not None:
@@ -125,12 +143,50 @@ class JobRunner:
     def next_transfer_id(self) -> str:
         return f"t{next(self._ids):x}"
 
-    async def allocate(self, key: str, num_tokens: int, deadline: float | None) -> RequestBlocks:
-        """Blocks for the job; while the cache is full, wait for frees (queued) until shortly
-        before the job's deadline, then RESOURCE_EXHAUSTED. Without a deadline: no waiting."""
+    async def allocate(
+        self, key: str, num_tokens: int, deadline: float | None, leading: list[np.ndarray] | None = None
+    ) -> RequestBlocks:
+        """Blocks for the job (`leading`: a kept boundary's blocks, put first); while the cache
+        is full, wait for frees (queued) until shortly before the job's deadline, then
+        RESOURCE_EXHAUSTED. Without a deadline: no waiting."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        return await self.host.allocate_queued(key, num_tokens, now if deadline is None else wait_deadline(deadline, now))
+        until = now if deadline is None else wait_deadline(deadline, now)
+        return await self.host.allocate_queued(key, num_tokens, until, leading=leading)
+
+    async def resume_point(self, job: Job, tid: str, computed: int) -> tuple[RequestBlocks, int, Pending | None]:
+        """The job's blocks, the token its compute starts at (a kept boundary's, restored into
+        its blocks; else 0) and the boundary it will keep (None: none)."""
+        cache = self.boundaries
+        if not cache.enabled or faults.corrupts(job.request_id):
+            return await self.allocate(tid, computed, job.deadline), 0, None
+        hit = None if job.prompt_logprobs is not None else cache.lookup(job.prompt, computed)
+        try:
+            blocks = await self.allocate(tid, computed, job.deadline, cache.leading(hit))
+        except BaseException:
+            if hit is not None:
+                cache.release(hit)
+            raise
+        if hit is not None:
+            self.host.when_freed(tid, functools.partial(cache.release, hit))
+        pending = cache.plan(job.prompt, computed, hit)
+        if pending is not None:
+            self.host.when_freed(tid, functools.partial(cache.abandon, pending))
+        if hit is None:
+            return blocks, 0, pending
+        restoring = self.host.submit_compute(functools.partial(cache.restore, hit, blocks))
+        try:
+            await asyncio.shield(restoring)
+        except BaseException:
+            # The copy may still be writing the job's blocks: free them once it is done.
+            restoring.add_done_callback(lambda _: self.host.free(tid))
+            raise
+        return blocks, hit.tokens, pending
+
+    def kept(self, pending: Pending | None, blocks: RequestBlocks) -> None:
+        """The job computed its state: keep its boundary (taken during the compute)."""
+        if pending is not None:
+            self.boundaries.insert(pending, blocks)
 
     async def run(
         self,
@@ -148,7 +204,7 @@ class JobRunner:
         tracing.mark(Step.JOB_STARTED)
         computed = self.admit(job)
         tid = self.next_transfer_id()
-        blocks = await self.allocate(tid, computed, job.deadline)
+        blocks, start, pending = await self.resume_point(job, tid, computed)
         started = time.monotonic()
         spans = self.spans_for(job, computed, on_part)
         announce = _announcer(job, on_first_token)
@@ -156,10 +212,20 @@ class JobRunner:
         if len(spans) > 1:
             assert on_part is not None
             parted = PartedJob(
-                self.host, self.pins, self.chunk_tokens, job, tid, blocks, computed, spans, self.last_layers_for(job, spans)
+                self.host,
+                self.pins,
+                self.chunk_tokens,
+                job,
+                tid,
+                blocks,
+                computed,
+                spans,
+                self.last_layers_for(job, spans),
+                Resume(self.boundaries, start, pending),
             )
             return await parted.run(started, on_end, on_part, announce, drawn)
-        state = await self._compute_whole(job, tid, blocks, computed, announce, drawn)
+        state = await self._compute_whole(job, tid, blocks, computed, announce, drawn, Resume(self.boundaries, start, pending))
+        self.kept(pending, blocks)
         try:
             await faults.pause("before_manifest", job.request_id)
             injected = faults.failure(job.request_id)
@@ -186,7 +252,14 @@ class JobRunner:
         return computed
 
     async def _compute_whole(
-        self, job: Job, tid: str, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
+        self,
+        job: Job,
+        tid: str,
+        blocks: RequestBlocks,
+        computed: int,
+        announce: TokenSink | None,
+        drawn: FirstLogprobs,
+        resume: Resume,
     ) -> ComputedState:
         """The whole prompt's state and digests: in prefill steps beside other jobs where the
         engine batches, else one call on the compute thread. Failed or cancelled, the blocks are
@@ -194,7 +267,7 @@ class JobRunner:
         stepped = self.steps is not None and computed > 0
         if stepped:
             compute: asyncio.Future[ComputedState] = asyncio.ensure_future(
-                self._compute_in_steps(job, blocks, computed, announce, drawn)
+                self._compute_in_steps(job, blocks, computed, announce, drawn, resume)
             )
         else:
             # Queued now as the compute thread's own future: no task around it to schedule and resume.
@@ -214,7 +287,7 @@ class JobRunner:
         return state
 
     async def _compute_in_steps(
-        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs
+        self, job: Job, blocks: RequestBlocks, computed: int, announce: TokenSink | None, drawn: FirstLogprobs, resume: Resume
     ) -> ComputedState:
         """`_compute`, the engine's part in prefill steps beside other jobs' chunks (the engine's
         own chunks, so the bits are its `prefill`'s); the digests follow on the digest thread
@@ -223,14 +296,22 @@ class JobRunner:
         assert self.steps is not None
         engine = self.host.engine
         assert isinstance(engine, ChunkedPrefill)
-        run = engine.start_prefill(job.prompt, blocks, job.sampling)
+        run = resume.start(engine, job, blocks)
         start_scoring(run, job.prompt_logprobs)
         order = self.steps.arrival()
-        first_token, engine_seconds, start = None, 0.0, 0
-        for end in chunk_ends(0, computed, engine.exact_chunk_tokens or 0):
+        first_token, engine_seconds, start = None, 0.0, resume.tokens
+        for end in chunk_ends(start, computed, engine.exact_chunk_tokens or 0):
             done = await self.steps.compute(run, start, end, order)
             first_token, start = done.first_token, end
             engine_seconds += done.step_seconds
+            if resume.keeps_at(end):  # before the next chunk moves the run's state on
+                taking = self.host.submit_compute(functools.partial(resume.take, engine, run, blocks))
+                try:
+                    await asyncio.shield(taking)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(taking)  # it writes the copies' blocks until it is done
+                    raise
         if _draws_more(job, first_token):  # on a compute thread, as colocated draws them
             await self.host.digest_thread.submit(functools.partial(_draw, run, first_token, job, drawn))
         if announce is not None and first_token is not None:

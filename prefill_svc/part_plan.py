@@ -10,7 +10,8 @@ fixed work on both sides (a digest call, a message, a READ, a check) whatever it
 part covers the rest, up to `computed`, and the conv and SSM state, final only then. The plan is known before
 the first chunk, so prefill knows how many READ notifications to expect per reader (one per
 part). With decode's prefix cache, the parts start after the cached prefix (`tokens_from`): the
-chunks still compute from token 0, but only blocks that end after it become parts.
+chunks still compute from token 0 (or from a boundary prefill kept), but only blocks that end
+after it become parts.
 """
 
 from __future__ import annotations

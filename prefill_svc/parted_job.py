@@ -32,6 +32,7 @@ from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSi
 from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan
 from prefill_svc.pins import Pin, PinTable
+from prefill_svc.resume import Resume
 from shared import tracing
 from shared.cache.digest import Section, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
@@ -56,15 +57,19 @@ class PartedJob:
         computed: int,
         spans: list[PartSpan],
         layers: list[range] | None,
+        resume: Resume,
     ) -> None:
         """`spans`: the job's parts (part_plan.part_spans, more than one); `layers`: the last
-        span's layer parts (None: one last part of every layer)."""
+        span's layer parts (None: one last part of every layer); `resume`: where the compute
+        starts (a kept boundary: spans before it compute nothing, their parts still leave) and
+        the boundary the job keeps."""
+        self.resume = resume
         self.host, self.pins, self.chunk_tokens = host, pins, chunk_tokens
         self.job, self.tid, self.blocks, self.computed, self.spans, self.layers = job, tid, blocks, computed, spans, layers
         self.loop = asyncio.get_running_loop()
         engine = host.engine
         assert isinstance(engine, ChunkedPrefill)
-        self.run_state = engine.start_prefill(job.prompt, blocks, job.sampling)
+        self.run_state = resume.start(engine, job, blocks)
         start_scoring(self.run_state, job.prompt_logprobs)
         self.pin: Pin | None = None
         self.digest_seconds = self.engine_seconds = 0.0
@@ -121,6 +126,8 @@ class PartedJob:
                     await self._send_layer_parts(index, span, compute)
                 state = await asyncio.shield(compute)
                 tracing.mark(Step.COMPUTED)
+                if last and self.resume.pending is not None:
+                    self.resume.cache.insert(self.resume.pending, self.blocks)
                 if self.aside and not last:
                     state = await self._digests_aside(span, state)
                 self.digest_seconds += state.digest_seconds
@@ -161,7 +168,7 @@ class PartedJob:
         """On the compute thread: the span's chunks and (unless taken aside) its digests."""
         if self.stop.is_set():
             raise self._released()
-        start = 0 if index == 0 else self.spans[index - 1].compute_to
+        start = max(self.resume.tokens, 0 if index == 0 else self.spans[index - 1].compute_to)
         last = index == len(self.spans) - 1
         try:
             done = self.compute_span(
@@ -276,6 +283,8 @@ class PartedJob:
         computing = time.monotonic()
         for end in chunk_ends(start, span.compute_to, self.chunk_tokens):
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
+            if self.resume.keeps_at(end):  # before the next chunk moves the run's state on
+                self.resume.take(self.host.engine, run, blocks)
         drawn.value = run_logprobs(run, first_token, job.logprobs)
         drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
         if last:

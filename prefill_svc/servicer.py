@@ -47,6 +47,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             config.manifest_part_tokens,
             config.layer_parts,
             config.max_batched_tokens,
+            config.prefix_cache_blocks,
+            self.metrics.telemetry,
         )
         if self.runner.steps is not None:
             self.runner.steps.on_step = self.metrics.telemetry.observe_prefill_step

@@ -73,6 +73,7 @@ class SessionConfig:
     max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # --max-batched-tokens: a batched prefill step's budget
     manifest_part_tokens: int = 0  # --manifest-part-tokens: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # --layer-parts: the last chunk's state in this many layer parts (0: one part)
+    prefix_cache_blocks: int = 0  # --prefix-cache-blocks: prefill's boundary cache (0: off)
 
 
 def _failure(request_id: str, error: ServiceError) -> pb.SessionResponse:

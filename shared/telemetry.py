@@ -102,6 +102,26 @@ class Telemetry:
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
         for result in HANDSHAKE_RESULTS:
             self.handshakes.labels(result=result)
+        self.prefill_boundary_hits = Counter(
+            "hybrid_pd_prefill_boundary_hits",
+            "Jobs that started at a chunk boundary prefill's boundary cache held (prefix reuse on prefill)",
+            registry=prefill,
+        )
+        self.prefill_boundary_misses = Counter(
+            "hybrid_pd_prefill_boundary_misses",
+            "Jobs the boundary cache could have served that found no cached boundary of their prompt",
+            registry=prefill,
+        )
+        self.prefill_boundary_skipped_tokens = Counter(
+            "hybrid_pd_prefill_boundary_skipped_tokens",
+            "Prompt tokens prefill did not compute because the boundary cache held their state",
+            registry=prefill,
+        )
+        self.prefill_boundary_evictions = Counter(
+            "hybrid_pd_prefill_boundary_evictions",
+            "Boundaries the boundary cache gave up (least recently used, when blocks were needed)",
+            registry=prefill,
+        )
         self.prefill_batch_size = Histogram(
             "hybrid_pd_prefill_batch_size",
             "Jobs that computed a chunk in one prefill step (batched prefill)",

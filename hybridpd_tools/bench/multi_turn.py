@@ -46,7 +46,7 @@ class MultiTurnConfig:
     max_tokens: int = 32  # each answer
     warmup: int = 1  # unmeasured requests per setup first, at the first turn's length
     seed: int = 0
-    prefix_cache_blocks: int = 0  # the decode service's prefix cache (0: off, the baseline)
+    prefix_cache_blocks: int = 0  # decode's prefix cache and prefill's boundary cache (0: off, the baseline)
 
     def longest_prompt(self) -> int:
         return self.first_turn_tokens + (self.turns - 1) * (self.max_tokens + self.turn_tokens)
@@ -148,6 +148,8 @@ def turn_row(t: int, turns: Sequence[Turn]) -> dict[str, Any]:
         "ttft_ms": {"disaggregated": ms_summary([r.ttft for r in d]), "colocated": ms_summary([r.ttft for r in c])},
         "ttft_ratio": json_number(ratio(d_ttft, c_ttft)),
         "read_ms": ms_summary([seconds(s.read_duration) for s in summaries]),
+        # Prefill's own compute of the prompt: with its boundary cache, only the chunks after the kept boundary.
+        "prefill_engine_ms": ms_summary([seconds(s.prefill_engine_duration) for s in summaries]),
         "reads": first.transfer.read_count if first else None,  # one per rank pair and manifest part
         "digest_check_ms": ms_summary([seconds(s.digest_check_duration) for s in summaries]),
         "tokens_match": f"{sum(a.token_ids == b.token_ids for a, b in zip(d, c))}/{len(turns)}",

@@ -167,7 +167,8 @@ async def start_setups(
 ) -> AsyncIterator[Running]:
     """Start the setups of `setup` (`spec`: its model's) with caches for `concurrent` requests of up
     to `prompt_tokens` + `max_tokens` tokens each (one block spare), plus `prefix_cache_blocks` on
-    the disaggregated decode for its prefix cache; stop them on exit. With
+    the disaggregated decode for its prefix cache and on prefill for its boundary cache (used with
+    chunked prefill on the paged engine); stop them on exit. With
     `setup.prefill_chunk_tokens`, `unpipelined` adds a decode service with --manifest-parts off on
     the same prefill (long-prompt's comparison); `prefix_cache_states` one with that many state
     checkpoints (repeat's comparison)."""
@@ -194,7 +195,10 @@ async def start_setups(
             "--tp",
             str(prefill_tp),
             "--num-blocks",
-            str(p_blocks),
+            str(p_blocks + prefix_cache_blocks),
+            # Prefill's boundary cache (prefix reuse on prefill) gets as many blocks on top.
+            "--prefix-cache-blocks",
+            str(prefix_cache_blocks),
             "--engine-id",
             f"{name}-prefill",
             *chunks,

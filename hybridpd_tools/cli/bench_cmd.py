@@ -669,7 +669,8 @@ def _add_multi_turn_and_repeat_flags(e: argparse.ArgumentParser) -> None:
         e,
         "prefix-cache-blocks",
         0,
-        "multi-turn: the decode service's --prefix-cache-blocks (0: no prefix reuse, the baseline)",
+        "multi-turn: --prefix-cache-blocks on the decode service and on prefill (its boundary cache, with "
+        "--prefill-chunk-tokens on the paged engine), each with that many blocks more (0: no prefix reuse, the baseline)",
         type=_non_negative,
         metavar="N",
     )

@@ -318,8 +318,12 @@ FLAGS: tuple[Flag, ...] = (
         "cached prefix (engines whose prefix K/V is prompt-independent: the reference engine, the hf engine with "
         "--prefill-chunk-tokens on prefill); evicted least recently used when the cache needs blocks, so they only "
         "hold blocks no request asked for. Default: 25%% of the cache's blocks for an engine whose prefix can be "
-        "stable (the reference and hf engines; the synthetic engine keeps nothing); 0: off",
-        roles=("decode",),
+        "stable (the reference and hf engines; the synthetic engine keeps nothing); 0: off. prefill: keep the "
+        "conv / SSM state at chunk boundaries (with --prefill-chunk-tokens, on an engine that resumes a chunked "
+        "prefill exactly: the paged engine) in up to this many blocks, so a prompt sharing a kept boundary's tokens "
+        "(a conversation's next turn) computes only the chunks after its longest one; the boundaries share their "
+        "attention blocks, take their copies only from free blocks and are evicted least recently used when a job "
+        "needs blocks. Default: 25%% of the cache's blocks when prefill runs chunked on such an engine; 0: off",
         metavar="BLOCKS",
     ),
     Flag(

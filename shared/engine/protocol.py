@@ -161,3 +161,28 @@ class BatchedPrefill(Protocol):
         """Each chunk as its run's `compute(end, on_layer)` alone would compute it, to the bit,
         and what that returns; at most one chunk per run."""
         ...
+
+
+@runtime_checkable
+class ResumablePrefill(Protocol):
+    """A chunked prefill that can start at a chunk boundary from a state kept earlier (prefill's
+    boundary cache: prefill_svc/boundary_cache.py). A chunk computed from the same tokens after
+    the same chunks gives the same bits, so the K/V of tokens [0, b) and the conv / SSM state
+    after the chunk ending at b (a multiple of the chunk size) are all a prompt sharing those b
+    tokens needs to compute on from b, with the bits of a run from token 0."""
+
+    # False: the blocks hold the state at a narrower precision than a run carries between its
+    # chunks, so continuing from them would round (no boundary is kept).
+    resumes_exactly: bool
+
+    def start_prefill_at(
+        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, sampling: SamplingParams = GREEDY
+    ) -> PrefillRun:
+        """A run of `prompt` whose tokens [0, start) are computed: their K/V and the conv / SSM
+        state after them are in `blocks` already; its first chunk computes from `start`."""
+        ...
+
+    def keep_boundary_state(self, run: PrefillRun, blocks: RequestBlocks) -> None:
+        """Write the conv / SSM state `run` reached (after its last computed chunk) into the
+        Mamba groups' blocks of `blocks`; the run goes on unchanged."""
+        ...

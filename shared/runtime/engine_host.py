@@ -137,6 +137,9 @@ class EngineHost:
     # Decode's prefix cache and state checkpoints: free up to n of the blocks they keep (least
     # recently used, none in use) when an allocation finds too few free; returns how many freed.
     reclaim: Callable[[int], int] | None = None
+    # Called once when a holder's blocks are freed (`when_freed`): prefill's boundary cache
+    # unpins the boundaries a job borrowed blocks from.
+    _on_free: dict[str, list[Callable[[], None]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.views = [RankViews(self.layout, cache) for cache in self.caches]
@@ -274,8 +277,14 @@ class EngineHost:
             blocks.request_id, [np.concatenate([have, more]) for have, more in zip(blocks.block_ids, _runs(ids, extra))]
         )
 
+    def when_freed(self, key: str, fn: Callable[[], None]) -> None:
+        """Call `fn` once, when `free(key)` is first called after this."""
+        self._on_free.setdefault(key, []).append(fn)
+
     def free(self, key: str) -> int:
         freed = self.allocator.free(key)
+        for fn in self._on_free.pop(key, ()):
+            fn()
         if freed:
             self._freed.set()
             self._freed = asyncio.Event()

@@ -128,6 +128,11 @@ async def part_left(request_id: str, index: int) -> None:
         await _active.part_left(request_id, index)
 
 
+def corrupts(request_id: str) -> bool:
+    """Whether the injector flips a byte of this request's state (nothing of it may be kept)."""
+    return _active is not None and _active.corruption(request_id) is not None
+
+
 def digested(
     host: EngineHost, blocks: RequestBlocks, request_id: str, first_token: int, *, last: bool = True, layers: range | None = None
 ) -> None:

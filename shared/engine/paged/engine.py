@@ -34,7 +34,7 @@ from shared.engine.paged.model import SSM_MIXERS, ChunkInput, Parallel, SsmState
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.prompt_logprobs import score_rows
-from shared.engine.protocol import DecodeSession, EnsureCapacity, PrefillChunk, RequestBlocks
+from shared.engine.protocol import DecodeSession, EnsureCapacity, PrefillChunk, PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
 from shared.layout.page import EngineLayout
@@ -146,6 +146,45 @@ class PagedEngine:
 
     def start_prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> PagedPrefillRun:
         return PagedPrefillRun(self, prompt, self._store(blocks), sampling)
+
+    # --- prefill from a kept chunk boundary (ResumablePrefill) --------------------------
+    @property
+    def resumes_exactly(self) -> bool:
+        """Whether a run continued from the state in blocks has a run's bits: the blocks hold
+        the conv state at the model's dtype and the SSM state at fp32, the precisions a run
+        carries between its chunks (narrower state dtypes would round it)."""
+        return (
+            torch_dtype(self.spec.conv_dtype) == self.model.dtype
+            and torch_dtype(self.spec.ssm_dtype) == torch.float32
+            and bool(self.exact_chunk_tokens)
+        )
+
+    def start_prefill_at(
+        self, prompt: Sequence[int], blocks: RequestBlocks, start: int, sampling: SamplingParams = GREEDY
+    ) -> PagedPrefillRun:
+        """A run whose tokens [0, start) are computed already: their K/V and the conv / SSM
+        state after them sit in `blocks` (restored from a kept boundary); its first chunk reads
+        that state from the blocks."""
+        run = PagedPrefillRun(self, prompt, self._store(blocks), sampling)
+        if not 0 <= start < run._end:
+            raise ValueError(f"start {start} outside the {run._end} tokens prefill computes")
+        if start:
+            run._pos, run._carried = start, None
+        return run
+
+    def keep_boundary_state(self, run: PrefillRun, blocks: RequestBlocks) -> None:
+        """Write `run`'s conv / SSM state after its last computed chunk into the Mamba groups'
+        blocks of `blocks` (a boundary's copy; the run goes on unchanged)."""
+        if not isinstance(run, PagedPrefillRun) or run.engine is not self:
+            raise ValueError("keep_boundary_state: the run must come from this engine")
+        store = self._store(blocks)
+        if run._carried is None:  # resumed and nothing computed since: the run's blocks hold it
+            source = run._store
+            for layer in self.spec.ssm_layers:
+                store.write_ssm(layer, *source.read_ssm(layer))
+            return
+        for layer, (conv, ssm) in run._carried.items():
+            store.write_ssm(layer, conv, ssm)
 
     @torch.no_grad()
     def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
@@ -284,7 +323,8 @@ class PagedPrefillRun:
         self._engine, self._prompt, self._store, self._sampling = engine, list(prompt), store, sampling
         self._end = engine.num_prefill_tokens(len(prompt))
         self._pos = 0
-        self._carried: SsmStates = {}
+        # None: the blocks hold the state to start from (a run resumed at a kept boundary).
+        self._carried: SsmStates | None = {}
         self.last_logits: Tensor | None = None  # the prompt's last token's, once computed
         self.first_logits: Tensor | None = None  # full-N: what output token 0 was drawn from
         self.prompt_logprobs: list[TokenLogprobs] = []
