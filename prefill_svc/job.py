@@ -12,8 +12,9 @@ from prefill_svc.pins import Pin
 from shared import limits
 from shared.cache.digest import DIGEST_ALGORITHM, SectionDigest
 from shared.cache.manifest import Manifest, ManifestPart
+from shared.engine.first_logprobs import fork_draws, run_logprobs, scored_prompt
 from shared.engine.logprobs import TokenLogprobs
-from shared.engine.protocol import RequestBlocks
+from shared.engine.protocol import PrefillRun, RequestBlocks
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.proto_time import seconds
@@ -76,6 +77,14 @@ class FirstLogprobs:
     prompt: tuple[TokenLogprobs, ...] | None = None
     forks: tuple[int, ...] = ()  # output token 0 drawn with each fork seed
     fork_logprobs: tuple[TokenLogprobs, ...] = ()
+
+    def draw(self, run: PrefillRun, first_token: int | None, job: Job, *, prompt: bool = True) -> None:
+        """What `job` asked for besides the state, from the logits `run` kept (on a compute
+        thread, as a colocated run draws them); `prompt`: the prompt's logprobs too (its last chunk)."""
+        self.value = run_logprobs(run, first_token, job.logprobs)
+        self.forks, self.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
+        if prompt:
+            self.prompt = scored_prompt(run, job.prompt_logprobs)
 
 
 PartSink = Callable[[Manifest], None]

@@ -37,10 +37,10 @@ from shared import tracing
 from shared.cache.digest import state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS
-from shared.engine.first_logprobs import fork_draws, prefill_with_logprobs, run_logprobs, scored_prompt, start_scoring
+from shared.engine.first_logprobs import prefill_with_logprobs, start_scoring
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prefill_chunks import chunk_ends
-from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, PrefillRun, RequestBlocks
+from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
 from shared.engine.sampling import SamplingParams, leaves_a_token
 from shared.errors import DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.layout.spec import layer_ranges
@@ -313,7 +313,7 @@ class JobRunner:
                         await asyncio.shield(taking)  # it writes the copies' blocks until it is done
                     raise
         if _draws_more(job, first_token):  # on a compute thread, as colocated draws them
-            await self.host.digest_thread.submit(functools.partial(_draw, run, first_token, job, drawn))
+            await self.host.digest_thread.submit(functools.partial(drawn.draw, run, first_token, job))
         if announce is not None and first_token is not None:
             announce(first_token, engine_seconds, drawn.value)
         if not self.host.verify_transfer:
@@ -380,10 +380,3 @@ def _draws_more(job: Job, first_token: int | None) -> bool:
     """Whether the job asked for more than the state: logprobs, or its forks' first tokens."""
     wants_first = first_token is not None and (job.logprobs is not None or bool(job.fork_seeds))
     return wants_first or job.prompt_logprobs is not None
-
-
-def _draw(run: PrefillRun, first_token: int | None, job: Job, drawn: FirstLogprobs) -> None:
-    """What the job asked for besides the state, from the logits `run` kept."""
-    drawn.value = run_logprobs(run, first_token, job.logprobs)
-    drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
-    drawn.prompt = scored_prompt(run, job.prompt_logprobs)

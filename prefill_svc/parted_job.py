@@ -36,7 +36,7 @@ from prefill_svc.resume import Resume
 from shared import tracing
 from shared.cache.digest import Section, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
-from shared.engine.first_logprobs import fork_draws, run_logprobs, scored_prompt, start_scoring
+from shared.engine.first_logprobs import start_scoring
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.errors import Aborted, DeadlineExceeded
@@ -285,10 +285,7 @@ class PartedJob:
             first_token = run.compute(end, on_layer)  # called in the prompt's last chunk only
             if self.resume.keeps_at(end):  # before the next chunk moves the run's state on
                 self.resume.take(self.host.engine, run, blocks)
-        drawn.value = run_logprobs(run, first_token, job.logprobs)
-        drawn.forks, drawn.fork_logprobs = fork_draws(run, first_token, job.sampling, job.fork_seeds, job.logprobs)
-        if last:
-            drawn.prompt = scored_prompt(run, job.prompt_logprobs)
+        drawn.draw(run, first_token, job, prompt=last)
         aside_of_engine = 0.0 if feed is None else feed.digest_seconds  # layer parts' digests taken on this thread
         computing = time.monotonic() - computing - aside_of_engine
         if announce is not None and first_token is not None:

@@ -414,7 +414,8 @@ class PagedDecodeSession:
     def _feed_sequence(self) -> int:
         """Feed the pending tokens in one forward (more than one: after a prefix restore)."""
         self._store.blocks = self._ensure(self._pos + len(self._pending))
-        logits, _ = self._engine.model.forward_sequence(self._pending, self._pos, self._store, None, write_ssm=True)
+        fed = ChunkInput(self._pending, self._pos, self._store, None, write_ssm=True)
+        logits = self._engine.model.forward_chunks([fed], invariant=self._engine.batch_invariant)[0].logits
         return self._advance(logits, len(self._pending))
 
     def _advance(self, logits: Tensor, fed: int) -> int:

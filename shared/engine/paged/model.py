@@ -1,5 +1,5 @@
-"""The decoder stack: prefill of one request over many tokens, or a decode step of a tile of
-requests over one token each, reading and writing state only through the paged blocks.
+"""The decoder stack: a forward of chunks (one or many requests, many tokens each) or a decode
+step of a tile of requests over one token each, reading and writing state only through the paged blocks.
 
 A layer is a list of sublayers, each `h = h + scale * mixer(norm(h))`; a mixer is attention,
 a Mamba2 mixer, an MLP or a mixture of experts (families.py builds them from a checkpoint).
@@ -57,10 +57,11 @@ SsmStates = dict[int, tuple[Tensor, Tensor]]
 
 @dataclass
 class ChunkInput:
-    """One request's chunk in a batched prefill forward (`Model.forward_chunks`): tokens `ids`
-    at positions start.., state in `store`, SSM layers starting from `carried` (None: the
-    blocks' state), writing their final state with `write_ssm`; `on_layer` as in
-    `forward_sequence`."""
+    """One request's chunk in a forward of chunks (`Model.forward_chunks`): tokens `ids` at
+    positions start.., K/V of earlier positions read from `store` and the new ones written
+    there, SSM layers starting from `carried` (None: the blocks' state, zero at start 0) and,
+    with `write_ssm`, storing their final state; `on_layer(i)` follows layer i once its bytes
+    are final."""
 
     ids: Sequence[int]
     start: int
@@ -132,50 +133,10 @@ class Model:
             logits = logits * self.logits_scale
         return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
 
-    # --- one request, many tokens -------------------------------------------------------
-    def forward_sequence(
-        self,
-        ids: Sequence[int],
-        start: int,
-        store: PagedStateStore,
-        carried: SsmStates | None,
-        *,
-        write_ssm: bool,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> tuple[Tensor, SsmStates]:
-        """Tokens `ids` at positions start.. of one request: K/V of earlier positions are read
-        from its blocks and the new ones written there; SSM layers start from `carried` (None:
-        the blocks' state, zero at start 0) and, with `write_ssm`, store their final state.
-        `on_layer(i)` follows layer i once its bytes are final. Logits of the last token, and
-        the SSM states after it."""
-        t = len(ids)
-        token_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + t, dtype=torch.long, device=self.device)
-        h = self._embed(token_ids)
-        states: SsmStates = {}
-        for index, layer in enumerate(self.layers):
-            for sub in layer.sublayers:
-                x = sub.norm(h)
-                mixer = sub.mixer
-                if isinstance(mixer, Attention):
-                    y = self._attend_sequence(mixer, index, x, positions, start, store)
-                elif isinstance(mixer, SSM_MIXERS):
-                    y = self._mamba_sequence(mixer, index, x, start, store, carried, states, write_ssm)
-                elif isinstance(mixer, Parallel):
-                    ssm_y = self._mamba_sequence(mixer.mamba, index, x, start, store, carried, states, write_ssm)
-                    attn_y = self._attend_sequence(mixer.attention, index, _scaled(x, mixer.attn_in), positions, start, store)
-                    y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
-                else:
-                    y = mixer(x, invariant=False)
-                h = h + y * sub.scale if sub.scale != 1.0 else h + y
-            if on_layer is not None:
-                on_layer(index)
-        return self._logits(h[-1:], invariant=False)[0], states
-
     # --- many requests, a chunk of tokens each ------------------------------------------
     def forward_chunks(self, chunks: Sequence[ChunkInput], *, invariant: bool) -> list[ChunkOutput]:
-        """Each chunk as `forward_sequence` computes it alone, all in one forward: logits of each
-        chunk's last token and its SSM states after it.
+        """Every chunk in one forward: logits of each chunk's last token and its SSM states after
+        it (a prefill's chunks, or a decode session's restored prompt tail, alone or together).
 
         The chunks' rows are stacked; every row-wise op (norms, projections, MLPs, experts) runs
         once over the stack, attention and the SSM scans per chunk on the chunk's own rows. With
@@ -263,16 +224,6 @@ class Model:
         for c, rows, out in zip(chunks, spans, states):
             y[rows] = self._mamba_sequence(mixer, index, x[rows], c.start, c.store, c.carried, out, c.write_ssm)
         return y
-
-    def _attend_sequence(
-        self, mixer: Attention, index: int, x: Tensor, positions: Tensor, start: int, store: PagedStateStore
-    ) -> Tensor:
-        q, k, v, gate = mixer.qkv(x, positions, invariant=False)
-        store.write_kv_range(index, start, k, v)
-        if start:
-            past_k, past_v = store.read_kv_as(index, start, self.dtype)
-            k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
-        return mixer.output(mixer.attend(q, k, v, start), gate, invariant=False)
 
     def _mamba_sequence(
         self,
