@@ -7,8 +7,9 @@ and the first step; queued while the cache is full) -> job on the peer's Session
 -> one READ per (decode rank, prefill rank) -> [check the state: digests, and the recompute with
 --check-state, decode_svc/read_checks.py] -> the request joins the engine's step loop
 (shared/runtime/step_loop.py: one step computes the next token of every running request), the
-blocks grown as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> one
-token chunk per step, then a summary (decode_svc/responses.py).
+blocks grown as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> token
+chunks (a token each, or N with --stream-interval N: `ClientStream`), then a summary
+(decode_svc/responses.py).
 
 At the full-N boundary (--boundary full) prefill samples the first output token and sends it
 ahead of its manifest, the moment it is drawn (decode_svc/early_token.py): it goes to the client

@@ -9,7 +9,7 @@ grpc.aio servers with NIXL READs over UCX on DRAM."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,9 @@ from shared.layout.page import EngineLayout
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.rpc.logprobs_message import logprobs_of
+from shared.runtime.colocated import Colocated
 from shared.runtime.engine_host import EngineFactory, engine_factory_for
+from tests.integration.services.hf_services import hf_pair
 from tests.reuse import REUSE_OFF
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -169,6 +171,31 @@ async def test_logprobs_several_sequences_and_prompt_logprobs_keep_their_shapes(
         assert all(len(lp.top) == 2 for lp in four.logprobs(i))
     assert four.tokens(0) != four.tokens(1)  # negative control: the sequences are told apart
     assert four.summary is not None and list(four.summary.generated_token_counts) == [11, 11, 11]
+
+
+async def test_at_full_n_prefills_first_tokens_go_alone_then_groups(hf_checkpoint: Callable[[str], str]) -> None:
+    """The paged engine's pair: prefill draws every sequence's first token, which decode sends
+    at once (before its READ), then the decode steps' tokens in groups."""
+    model = hf_checkpoint("qwen3_5")
+    prompt = [5, 17, 33, 2, 91, 40, 7, 12, 60, 3, 21]
+    async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=("--stream-interval", "4")) as (_, decode):
+        greedy = await generate(decode.port, prompt_token_ids=prompt, max_tokens=10, ignore_eos=True)
+        forked = await generate(
+            decode.port, prompt_token_ids=prompt, max_tokens=10, ignore_eos=True, n=2, logprobs=1, sampling=SEEDED
+        )
+    colocated = await asyncio.to_thread(Colocated.build, "paged", model, 1, 256)
+    try:
+        want = await colocated.generate("c", prompt, 10)
+        other = await colocated.generate("d", [*prompt[:-1], 8], 10)
+    finally:
+        colocated.close()
+    assert greedy.sizes() == grouped(10, 4)
+    assert greedy.tokens() == want
+    assert greedy.tokens() != other  # negative control: another last prompt token is seen
+    for i in range(2):
+        assert forked.sizes(i) == grouped(10, 4)
+        assert len(forked.logprobs(i)) == 10
+    assert all(len(c.logprobs) == len(c.token_ids) for c in forked.chunks)
 
 
 class FailingAt:
