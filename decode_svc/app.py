@@ -72,6 +72,7 @@ class DecodeApp:
             prefix_cache_states=prefix_states,
             local_prefill=settings.local_prefill,
             local_prefill_below=settings.local_prefill_below,
+            stream_interval=settings.stream_interval,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo(

@@ -7,8 +7,9 @@ and the first step; queued while the cache is full) -> job on the peer's Session
 -> one READ per (decode rank, prefill rank) -> [check the state: digests, and the recompute with
 --check-state, decode_svc/read_checks.py] -> the request joins the engine's step loop
 (shared/runtime/step_loop.py: one step computes the next token of every running request), the
-blocks grown as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> one
-token chunk per step, then a summary (decode_svc/responses.py).
+blocks grown as the sequence crosses block boundaries (decode_svc/growing_blocks.py) -> token
+chunks (a token each, or N with --stream-interval N: `ClientStream`), then a summary
+(decode_svc/responses.py).
 
 At the full-N boundary (--boundary full) prefill samples the first output token and sends it
 ahead of its manifest, the moment it is drawn (decode_svc/early_token.py): it goes to the client
@@ -663,13 +664,21 @@ class Generation:
         forks: ForkFirsts = NO_FORKS,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Decode steps from the state in `local` until the request finishes (`out.finish`); a
-        request of several sequences forks first (`_forked`)."""
-        if req.n == 1:
-            async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+        request of several sequences forks first (`_forked`). A failure first sends every
+        sequence's tokens held for its stream interval's chunk: an error holds none back."""
+        try:
+            if req.n == 1:
+                async for chunk in self._sequence(req, num_computed, local, compute, out, first_token):
+                    yield chunk
+                return
+            async for chunk in self._forked(req, num_computed, local, compute, out, first_token, forks):
                 yield chunk
-            return
-        async for chunk in self._forked(req, num_computed, local, compute, out, first_token, forks):
-            yield chunk
+        except Exception:
+            for stream in (out, *out.forks):
+                held = stream.flush()
+                if held is not None:
+                    yield held
+            raise
 
     async def _forked(
         self,
@@ -758,7 +767,9 @@ class Generation:
                 if out.generated == 0:  # the request's first token is decode's own (n-1 boundary)
                     out.first_step_seconds = start_seconds + token.step_seconds
                 out.finish = token.finish
-                yield out.chunk([token.token_id], None if token.logprobs is None else [token.logprobs])
+                response = out.step(token.token_id, token.logprobs, token.finish)
+                if response is not None:  # else held: the stream interval's chunk is not full yet
+                    yield response
         finally:
             self.step_loop.leave(member)
             compute.after(member.last_step)  # its blocks stay until a step still running with it ends

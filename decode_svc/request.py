@@ -45,6 +45,7 @@ class RequestContext:
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
     prompt_logprobs: int | None = None  # None: none; k: the prompt's, from prefill
     n: int = 1  # sequences from the one prompt (decode_svc/forks.py)
+    stream_interval: int = 1  # tokens a stream coalesces before it sends (--stream-interval; the first goes alone)
 
 
 def validate(host: EngineHost, request: pb.GenerateRequest, time_remaining: float | None) -> RequestContext:

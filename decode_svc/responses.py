@@ -45,23 +45,53 @@ class ComputedHere:
 
 
 class ClientStream:
-    """What the client has been sent: token chunks with their text, and when the first one left."""
+    """What the client has been sent of one sequence: token chunks with their text, and when the
+    first one left. The one place a stream coalesces tokens (--stream-interval N): a decode
+    step's token (`step`) goes out at once when it is the sequence's first or its last, else it
+    waits until N are held; a first token drawn elsewhere (`chunk`) goes out at once."""
 
-    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None, index: int = 0) -> None:
+    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None, index: int = 0, interval: int = 1) -> None:
         self._text = text
         self.index = index  # which of the request's sequences (0 unless it has several)
         self.forks: list[ClientStream] = []  # sequence 0's: the other sequences' streams
         self._started = started
         self._telemetry = telemetry
-        self.generated = 0
+        self._interval = interval  # tokens a chunk carries before it is sent (the first token: alone)
+        self._held: list[int] = []  # step tokens not sent yet
+        self._held_logprobs: list[TokenLogprobs] = []
+        self.generated = 0  # tokens taken, sent or held
         self.first_token_at: float | None = None
         # The decode engine's seconds for the request's first token, when decode computed it.
         self.first_step_seconds = 0.0
         self.finish: FinishReason | None = None  # set by the step that ends the request
 
     def chunk(self, ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> pb.GenerateResponse:
-        """`ids` with their text, and their logprobs (one each) when the request asked."""
+        """`ids` with their text, and their logprobs (one each) when the request asked, sent now."""
         self.generated += len(ids)
+        self._held += ids
+        self._held_logprobs += logprobs or []
+        response = self.flush()
+        assert response is not None
+        return response
+
+    def step(self, token_id: int, logprobs: TokenLogprobs | None, finish: FinishReason | None) -> pb.GenerateResponse | None:
+        """A decode step's token (`finish`: the reason it ends the sequence), in the chunk it
+        completes, or None while the chunk still waits for more (--stream-interval)."""
+        first = self.generated == 0
+        self.generated += 1
+        self._held.append(token_id)
+        if logprobs is not None:
+            self._held_logprobs.append(logprobs)
+        if first or finish is not None or len(self._held) >= self._interval:
+            return self.flush()
+        return None
+
+    def flush(self) -> pb.GenerateResponse | None:
+        """The tokens held back, if any, in one chunk sent now (the sequence ended or failed)."""
+        if not self._held:
+            return None
+        ids, logprobs = self._held, self._held_logprobs
+        self._held, self._held_logprobs = [], []
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             if self._telemetry is not None:
@@ -72,9 +102,14 @@ class ClientStream:
         return pb.GenerateResponse(chunk=chunk)
 
     def tail(self) -> pb.GenerateResponse | None:
-        """The text still held back (an incomplete character), if any."""
+        """The end of the sequence: tokens still held and the text still held back (an
+        incomplete character), if any."""
+        held = self.flush()
         rest = self._text.finish()
-        return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest, index=self.index)) if rest else None
+        if held is None:
+            return pb.GenerateResponse(chunk=pb.TokenChunk(text=rest, index=self.index)) if rest else None
+        held.chunk.text += rest
+        return held
 
 
 def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], k: int, field: str) -> pb.GenerateResponse:
@@ -84,8 +119,9 @@ def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], 
 
 
 def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None, *, index: int = 0) -> ClientStream:
-    """A new `ClientStream` for sequence `index` of `req`, its text decoded by the engine's tokenizer."""
-    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry, index)
+    """A new `ClientStream` for sequence `index` of `req`, its text decoded by the engine's tokenizer,
+    its tokens coalesced as the request's stream interval says."""
+    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry, index, req.stream_interval)
 
 
 def summary(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -61,8 +62,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
+        stream_interval: int = 1,
     ) -> None:
         self.host = host
+        self.stream_interval = stream_interval  # --stream-interval: every request's streams coalesce this many tokens
         self.peers = peers
         self.lifecycle = lifecycle
         self.metrics = metrics or ServiceMetrics("decode")
@@ -119,6 +122,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             self.lifecycle.check_accepting("new requests")
             context = validate(self.host, request, time_remaining)  # the request once, as domain values
+            context = dataclasses.replace(context, stream_interval=self.stream_interval)
             with self.lifecycle.track():
                 async for response in spans.within(span, self.generation.run(context)):
                     if response.HasField("summary"):

@@ -89,6 +89,16 @@ FLAGS: tuple[Flag, ...] = (
         "--engine hf or paged: the dtype the model computes in (default: the checkpoint's); the state dtypes follow it",
     ),
     Flag(
+        "batch-invariant",
+        boolean,
+        "--engine paged: on computes a step's requests (decode) or chunks (prefill) in tiles of a fixed row count, "
+        "so a request's bits are the same whatever shares its step (and disaggregated equals colocated bit for "
+        "bit); off runs one GEMM over the whole batch: faster, but a request's bits depend on the batch it ran "
+        "in. Engines that do not batch (reference, synthetic, hf) ignore it",
+        True,
+        metavar="on|off",
+    ),
+    Flag(
         "boundary",
         choice("n-1", "full"),
         "where prefill stops; both services of a pair must use the same. full: prefill computes all N prompt "
@@ -217,6 +227,17 @@ FLAGS: tuple[Flag, ...] = (
         False,
         roles=("decode",),
         switch=True,
+    ),
+    Flag(
+        "stream-interval",
+        positive_int,
+        "decode: tokens a stream coalesces before it sends them (vLLM's --stream-interval). 1: one gRPC "
+        "TokenChunk and one SSE event per token, the moment its step ends; N > 1: a sequence's first token "
+        "alone, then its tokens in groups of N (fewer messages per token), and whatever is left the moment "
+        "the sequence ends or fails",
+        1,
+        roles=("decode",),
+        metavar="N",
     ),
     Flag(
         "served-model-name",

@@ -72,6 +72,7 @@ class ServiceSettings:
     verify_transfer: bool = True  # digests of the transferred state: prefill sends, decode checks
     http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
+    batch_invariant: bool = True  # --engine paged: batches in fixed tiles (off: one GEMM, bits depend on the batch)
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
@@ -82,6 +83,7 @@ class ServiceSettings:
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
+    stream_interval: int = 1  # decode only: tokens a stream coalesces before it sends (the first goes alone)
     # decode only: blocks the prefix cache may keep (0: off; None: the default share of the cache,
     # decided at start-up from the cache's size and the engine: decode_svc/reuse.py reuse_sizes)
     prefix_cache_blocks: int | None = None
@@ -345,6 +347,8 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
             else 0
         ),
         manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
+        stream_interval=_own(values, "stream_interval", int),
+        batch_invariant=bool(values.get("batch_invariant", True)),
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

@@ -93,17 +93,29 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
 
 def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
     """(log level, line) saying which engine serves and why; a synthetic engine nobody asked for
-    is a WARNING: its tokens are byte patterns, not a model's."""
+    is a WARNING: its tokens are byte patterns, not a model's. --batch-invariant off is said too."""
     why = " (chosen by --model; --engine overrides)" if settings.engine_from_model else ""
+    level = logging.INFO
     if settings.engine == "synthetic":
         text = (
             f"engine synthetic{why}: serves verifiable byte patterns at the real sizes of {model_name}, not model "
             "outputs; --engine hf --model DIR runs a checkpoint"
         )
-        return (logging.WARNING if settings.engine_from_model else logging.INFO), text
-    if settings.engine == "reference":
-        return logging.INFO, f"engine reference{why}: the tiny seeded model {model_name}"
-    return logging.INFO, f"engine {settings.engine}{why}: checkpoint {settings.model}"
+        level = logging.WARNING if settings.engine_from_model else logging.INFO
+    elif settings.engine == "reference":
+        text = f"engine reference{why}: the tiny seeded model {model_name}"
+    else:
+        text = f"engine {settings.engine}{why}: checkpoint {settings.model}"
+    return level, text + _invariance(settings)
+
+
+def _invariance(settings: ServiceSettings) -> str:
+    """What --batch-invariant off changes, said where the engine is named (on is the default: nothing)."""
+    if settings.batch_invariant:
+        return ""
+    if settings.engine == "paged":
+        return "; batch invariance off: one GEMM over each step's batch, a request's bits depend on what shares its step"
+    return f"; --batch-invariant off is ignored: the {settings.engine} engine does not batch"
 
 
 @dataclass
@@ -396,6 +408,7 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
                 device=settings.device,
                 boundary=settings.boundary,
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                batch_invariant=settings.batch_invariant,
             )
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e
