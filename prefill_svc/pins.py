@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.util.types import AttributeValue
 
-from shared import tracing
+from shared import observe
+from shared.observe import Step
 from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
-from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class PinTable:
         pin.outcome = loop.create_future()
         self._expect(pin, readers_per_rank)
         self._ensure_sweeper()
-        tracing.mark(Step.PINNED)
+        observe.mark(Step.PINNED)
         return pin
 
     def _expect(self, pin: Pin, readers_per_rank: list[int]) -> None:
@@ -174,7 +174,7 @@ class PinTable:
             pin.on_end(reason)
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
-        tracing.mark(Step.FREED)
+        observe.mark(Step.FREED)
         if pin.trace is not None:
             self._traced_release(pin, reason, freed)
         return True

@@ -18,6 +18,21 @@ import platform
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from shared.observe import (
+    BATCH_SIZE,
+    TOKENS,
+    TRANSFER_ATTENTION_BYTES,
+    TRANSFER_CONV_BYTES,
+    TRANSFER_DESCRIPTORS,
+    TRANSFER_POST_SECONDS,
+    TRANSFER_READS,
+    TRANSFER_SSM_BYTES,
+    Attributes,
+    Sink,
+    Stage,
+    number,
+    numbers,
+)
 from shared.version import version
 
 # One READ or one post: microseconds to a few seconds (a READ over a slow link up to its deadline).
@@ -65,7 +80,9 @@ FAILURE_REASONS = (
 PREFILL_RETRY_REASONS = ("PEER_UNAVAILABLE", "DRAINING", "NO_CREDIT", "CACHE_FULL", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
-class Telemetry:
+class Telemetry(Sink):
+    """A service's metrics; a sink of the stages its request paths report."""
+
     def __init__(self, role: str) -> None:
         self.role = role
         self.registry = CollectorRegistry()
@@ -256,14 +273,29 @@ class Telemetry:
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
 
-    def observe_prefill_step(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self.prefill_batch_size.observe(batch_size)
-        self.prefill_batch_tokens.observe(tokens)
-        self.prefill_step_seconds.observe(seconds)
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes) -> None:
+        """The histograms and counters a reported stage feeds (shared/observe.py)."""
+        if stage is Stage.DECODE_STEP:
+            self.decode_batch_size.observe(number(attributes, BATCH_SIZE))
+            self.decode_step_seconds.observe(seconds)
+        elif stage is Stage.PREFILL_STEP:
+            self.prefill_batch_size.observe(number(attributes, BATCH_SIZE))
+            self.prefill_batch_tokens.observe(number(attributes, TOKENS))
+            self.prefill_step_seconds.observe(seconds)
+        elif stage is Stage.QUEUE_WAIT:
+            self.queue_wait.observe(seconds)
+        elif stage is Stage.TRANSFER:
+            self._transfer(seconds, attributes)
 
-    def observe_decode_step(self, batch_size: int, seconds: float) -> None:
-        self.decode_batch_size.observe(batch_size)
-        self.decode_step_seconds.observe(seconds)
+    def _transfer(self, seconds: float, attributes: Attributes) -> None:
+        moved = self.transferred_bytes_of
+        moved["fa"].inc(number(attributes, TRANSFER_ATTENTION_BYTES))
+        moved["conv"].inc(number(attributes, TRANSFER_CONV_BYTES))
+        moved["ssm"].inc(number(attributes, TRANSFER_SSM_BYTES))
+        self.transfer_seconds.observe(seconds)
+        for posting in numbers(attributes, TRANSFER_POST_SECONDS):
+            self.post_seconds.observe(posting)
+        self.descriptors_per_read.observe(number(attributes, TRANSFER_DESCRIPTORS) / number(attributes, TRANSFER_READS))
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

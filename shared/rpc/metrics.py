@@ -19,6 +19,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, ProcessCollector, start_http_server
 
+from shared.observe import Observer
 from shared.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class ServiceMetrics:
         t.blocks_in_use.set_function(lambda: host.allocator.num_used)
         t.blocks_capacity.set_function(lambda: host.num_blocks)
         t.requests_queued_for_blocks.set_function(lambda: host.waiting_for_blocks)
-        host.on_queue_wait = t.queue_wait.observe
+        host.observer = Observer(t)
         self.gauge(
             "hybrid_pd_open_read_handles", "NIXL READ handles not released yet (in flight, or a cancel that failed)",
             lambda: sum(agent.live_xfers for agent in host.agents),
