@@ -20,8 +20,8 @@ from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.compat import check_pair
 from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.metrics import ServiceMetrics
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

@@ -157,6 +157,7 @@ def test_the_graph_sees_the_tree(graph: Graph) -> None:
     assert "shared.engine.hf.engine" in graph["shared.engine.factory"]  # inside a function body
     assert layer("shared.errors") == layer("shared.logs.setup") == "library:base"
     assert layer("shared.config") == "library:config" and layer("shared.rpc.status") == "library:rpc"
+    assert layer("shared.runtime.metrics") == layer("shared.runtime.process") == "library:runtime"  # not gRPC
     assert layer("hybridpd_tools.bench.e2e") == BENCH and layer("hybridpd_tools.cli.main") == layer("hybridpd_tools") == CLI
 
 
