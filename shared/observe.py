@@ -25,6 +25,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Protocol
 
+from opentelemetry.context import Context
 from opentelemetry.util.types import AttributeValue
 
 Attributes = Mapping[str, AttributeValue]
@@ -63,6 +64,7 @@ class Stage(StrEnum):
     DECODE_STEP = "decode.step"  # shared/runtime/step_loop.py: one decode step's engine time; BATCH_SIZE
     PREFILL_STEP = "prefill.step"  # shared/runtime/prefill_loop.py: one prefill step's engine time; BATCH_SIZE, TOKENS
     QUEUE_WAIT = "queue_wait"  # shared/runtime/engine_host.py: a request's or job's wait for free blocks
+    RELEASE = "prefill.release"  # prefill_svc/pins.py: a pinned request ended, its blocks free; seconds: pinned; RELEASE_*
 
 
 # Attribute keys (the READ span's attributes are these transfer keys).
@@ -75,6 +77,10 @@ TRANSFER_ATTENTION_BYTES = "hybrid_pd.transfer.attention_bytes"
 TRANSFER_CONV_BYTES = "hybrid_pd.transfer.conv_bytes"
 TRANSFER_SSM_BYTES = "hybrid_pd.transfer.ssm_bytes"
 TRANSFER_POST_SECONDS = "hybrid_pd.transfer.post_seconds"  # one per READ posted
+RELEASE_REASON = "hybrid_pd.release.reason"  # read, released, lease_expired, ...
+
+# A stage whose end is also a step of the breakdown (marked where the stage is reported).
+END_STEPS = {Stage.RELEASE: Step.FREED}
 
 
 class Sink:
@@ -83,8 +89,9 @@ class Sink:
     def mark(self, step: Step) -> None:
         """A request passed `step` (called on the thread that reached it)."""
 
-    def stage(self, stage: Stage, seconds: float, attributes: Attributes) -> None:
-        """`stage` ended after `seconds`."""
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
+        """`stage` ended after `seconds`. `within`: the trace context it belongs to, kept when it
+        began (None: the current one, or tracing was off then)."""
 
 
 _sinks: tuple[Sink, ...] = ()  # replaced whole, never changed in place: any thread may read it
@@ -115,12 +122,12 @@ def mark(step: Step) -> None:
             sink.mark(step)
 
 
-def stage(stage: Stage, seconds: float, attributes: Attributes = NO_ATTRIBUTES) -> None:
+def stage(stage: Stage, seconds: float, attributes: Attributes = NO_ATTRIBUTES, *, within: Context | None = None) -> None:
     """Report to the process-wide sinks that `stage` ended."""
     sinks = _sinks
     if sinks:
         for sink in sinks:
-            sink.stage(stage, seconds, attributes)
+            sink.stage(stage, seconds, attributes, within)
 
 
 class Observer:
@@ -133,11 +140,13 @@ class Observer:
     def listening(self) -> bool:
         return bool(self._own) or bool(_sinks)
 
-    def stage(self, stage: Stage, seconds: float, attributes: Attributes = NO_ATTRIBUTES) -> None:
+    def stage(
+        self, stage: Stage, seconds: float, attributes: Attributes = NO_ATTRIBUTES, *, within: Context | None = None
+    ) -> None:
         for sink in self._own:
-            sink.stage(stage, seconds, attributes)
+            sink.stage(stage, seconds, attributes, within)
         for sink in _sinks:
-            sink.stage(stage, seconds, attributes)
+            sink.stage(stage, seconds, attributes, within)
 
 
 def number(attributes: Attributes, key: str) -> float:
@@ -170,6 +179,11 @@ class _Breakdown(Sink):
 
     def mark(self, step: Step) -> None:
         self.steps.mark(step)
+
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
+        step = END_STEPS.get(stage)
+        if step is not None:
+            self.steps.mark(step)
 
 
 _sink: _Breakdown | None = None  # the installed breakdown, if any

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import platform
 
+from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from shared.observe import (
     BATCH_SIZE,
+    RELEASE_REASON,
     TOKENS,
     TRANSFER_ATTENTION_BYTES,
     TRANSFER_CONV_BYTES,
@@ -114,6 +116,11 @@ class Telemetry(Sink):
         self.unknown_notifications = Counter(
             "hybrid_pd_unknown_notifications", "NIXL notifications for unknown requests (ignored)", registry=both
         )
+        # A series per reason from its first end (a reason never seen has none).
+        self.pins_ended = Counter(
+            "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
+            ["reason"], registry=both,
+        )  # fmt: skip
         # Prefill only.
         self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=prefill)
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
@@ -273,7 +280,7 @@ class Telemetry(Sink):
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
 
-    def stage(self, stage: Stage, seconds: float, attributes: Attributes) -> None:
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         """The histograms and counters a reported stage feeds (shared/observe.py)."""
         if stage is Stage.DECODE_STEP:
             self.decode_batch_size.observe(number(attributes, BATCH_SIZE))
@@ -286,6 +293,11 @@ class Telemetry(Sink):
             self.queue_wait.observe(seconds)
         elif stage is Stage.TRANSFER:
             self._transfer(seconds, attributes)
+        elif stage is Stage.RELEASE:
+            reason = attributes[RELEASE_REASON]
+            self.pins_ended.labels(reason=str(reason)).inc()
+            if reason == "lease_expired":
+                self.lease_expiries.inc()
 
     def _transfer(self, seconds: float, attributes: Attributes) -> None:
         moved = self.transferred_bytes_of

@@ -48,14 +48,20 @@ _tracer: Tracer | None = None
 
 
 class _StageSpans(observe.Sink):
-    """The stages the request paths report (shared/observe.py), on the current span: the READ
-    span's attributes, and an event per rank pair's READ."""
+    """The stages the request paths report (shared/observe.py) as spans: the READ span's
+    attributes, an event per rank pair's READ, the release span."""
 
-    def stage(self, stage: observe.Stage, seconds: float, attributes: Attributes) -> None:
+    def stage(self, stage: observe.Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         if stage is observe.Stage.READ:
             trace.get_current_span().set_attributes(attributes)
         elif stage is observe.Stage.READ_PAIR:
-            trace.get_current_span().add_event(READ_PAIR, {**attributes, "hybrid_pd.post_ms": round(seconds * 1e3, 3)})
+            trace.get_current_span().add_event(READ_PAIR, {**attributes, "hybrid_pd.post_ms": _ms(seconds)})
+        elif stage is observe.Stage.RELEASE:
+            record(RELEASE, within, {**attributes, "hybrid_pd.pinned_ms": _ms(seconds)})
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
 
 
 _STAGE_SPANS = _StageSpans()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import Counter, Gauge, ProcessCollector, start_http_server
+from prometheus_client import Gauge, ProcessCollector, start_http_server
 
 from shared.observe import Observer
 from shared.telemetry import Telemetry
@@ -33,10 +33,6 @@ class ServiceMetrics:
         self.telemetry = Telemetry(role)
         self.registry = self.telemetry.registry
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_open_fds, ...
-        self.pins_ended = Counter(
-            "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

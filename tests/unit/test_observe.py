@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.context import Context
 
 from shared import observe
-from shared.observe import BATCH_SIZE, TOKENS, Attributes, Observer, Sink, Stage, Step
+from shared.observe import BATCH_SIZE, RELEASE_REASON, TOKENS, Attributes, Observer, Sink, Stage, Step
 from shared.telemetry import Telemetry
 
 
@@ -17,7 +18,7 @@ class Recorder(Sink):
         self.stages: list[tuple[Stage, float, dict[str, object]]] = []
         self.marks: list[Step] = []
 
-    def stage(self, stage: Stage, seconds: float, attributes: Attributes) -> None:
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         self.stages.append((stage, seconds, dict(attributes)))
 
     def mark(self, step: Step) -> None:
@@ -67,12 +68,34 @@ def test_metrics_observe_the_steps_stages() -> None:
     assert "hybrid_pd_prefill_batch_size_sum 2.0" in text and "hybrid_pd_prefill_batch_tokens_sum 96.0" in text
     assert "hybrid_pd_prefill_step_seconds_count 1.0" in text
     assert "hybrid_pd_decode_batch_size" not in text
-    sums = [s.value for s in telemetry.decode_batch_size.collect()[0].samples if s.name.endswith("_sum")]
+    [batch_sizes] = telemetry.decode_batch_size.collect()
+    sums = [s.value for s in batch_sizes.samples if s.name.endswith("_sum")]
     assert sums == [4.0]  # counted all the same, unregistered (shared/telemetry.py)
 
 
 def test_a_stage_without_the_attributes_its_metrics_need_names_the_attribute() -> None:
     with pytest.raises(KeyError, match=TOKENS):
-        Telemetry("prefill").stage(Stage.PREFILL_STEP, 0.5, {BATCH_SIZE: 2})
+        Telemetry("prefill").stage(Stage.PREFILL_STEP, 0.5, {BATCH_SIZE: 2}, None)
     with pytest.raises(TypeError, match=BATCH_SIZE):
-        Telemetry("decode").stage(Stage.DECODE_STEP, 0.5, {BATCH_SIZE: "four"})
+        Telemetry("decode").stage(Stage.DECODE_STEP, 0.5, {BATCH_SIZE: "four"}, None)
+
+
+def test_a_release_counts_its_reason_and_is_the_breakdowns_freed_step() -> None:
+    telemetry, steps = Telemetry("prefill"), Steps()
+    with observe.tracing_into(steps):
+        Observer(telemetry).stage(Stage.RELEASE, 0.5, {RELEASE_REASON: "read"})
+        Observer(telemetry).stage(Stage.RELEASE, 0.5, {RELEASE_REASON: "lease_expired"})
+        Observer(telemetry).stage(Stage.READ, 0.5)  # no step of its own
+    text = telemetry.exposition()
+    assert 'hybrid_pd_pins_ended_total{reason="read"} 1.0' in text
+    assert 'hybrid_pd_pins_ended_total{reason="lease_expired"} 1.0' in text
+    assert "hybrid_pd_lease_expiries_total 1.0" in text
+    assert steps.steps == [Step.FREED, Step.FREED]
+
+
+class Steps:
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+
+    def mark(self, step: str) -> None:
+        self.steps.append(step)

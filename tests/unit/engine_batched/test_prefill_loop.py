@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from opentelemetry.context import Context
 
 from shared.engine.paged.engine import PagedEngine, PagedPrefillRun
 from shared.engine.prefill_chunks import chunk_ends
@@ -29,7 +30,7 @@ class Steps(Sink):
         self.seen: list[tuple[int, int]] = []
         self.loop.observer = Observer(self)
 
-    def stage(self, stage: Stage, seconds: float, attributes: Attributes) -> None:
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         assert stage is Stage.PREFILL_STEP
         self.seen.append((int(number(attributes, BATCH_SIZE)), int(number(attributes, TOKENS))))
 
