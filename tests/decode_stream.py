@@ -82,3 +82,10 @@ async def settled(target: Target, request: dpb.GenerateRequest, *, timeout: floa
     except grpc.aio.AioRpcError as e:
         got.failure = describe(e)
     return got
+
+
+async def failure_of(target: Target, request: dpb.GenerateRequest, *, timeout: float) -> RpcFailure:
+    """How the call failed; a call that succeeds fails the test."""
+    got = await settled(target, request, timeout=timeout)
+    assert got.failure is not None, f"the call succeeded: {got}"
+    return got.failure

@@ -12,7 +12,7 @@ import pytest
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from tests.decode_stream import settled
+from tests.decode_stream import failure_of, settled
 from tests.integration.services import stamp_engine as stamp
 from tests.waiting import until
 
@@ -38,9 +38,9 @@ async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_d
     await until(lambda: prefill.host.engine.prefills == 1, timeout=10)
     prefills_before = prefill.host.engine.prefills
     started = time.monotonic()
-    refused = await settled(channel, dpb.GenerateRequest(prompt_token_ids=[2, 3, 4], max_tokens=4), timeout=1.0)
-    assert refused.failure is not None and refused.failure.status == "RESOURCE_EXHAUSTED", refused
-    assert refused.failure.reason == "CACHE_FULL" and "cache full" in refused.failure.message
+    refused = await failure_of(channel, dpb.GenerateRequest(prompt_token_ids=[2, 3, 4], max_tokens=4), timeout=1.0)
+    assert refused.status == "RESOURCE_EXHAUSTED", refused
+    assert refused.reason == "CACHE_FULL" and "cache full" in refused.message
     assert time.monotonic() - started >= 0.5  # it queued, it was not refused at once
     assert prefill.host.engine.prefills == prefills_before  # prefill never saw it
     patient = await settled(channel, dpb.GenerateRequest(prompt_token_ids=[2, 3, 4], max_tokens=4), timeout=30)
@@ -71,9 +71,11 @@ async def test_full_prefill_cache_answers_resource_exhausted(start_prefill: Any,
     while (await holder.read()).WhichOneof("payload") != "manifest":
         pass
     assert prefill.host.allocator.num_free == 0
-    refused = await settled(channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=1.0)
-    assert refused.failure is not None and refused.failure.status == "RESOURCE_EXHAUSTED", refused
-    assert "prefill test-prefill" in refused.failure.message and "cache full" in refused.failure.message
+    refused = await failure_of(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=1.0
+    )
+    assert refused.status == "RESOURCE_EXHAUSTED", refused
+    assert "prefill test-prefill" in refused.message and "cache full" in refused.message
     await until(lambda: decode.host.allocator.num_used == 0, timeout=10)
     await holder.write(pb.SessionRequest(release=pb.ReleaseBlocks(request_id="hog", reason="test")))
     served = await settled(channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=10)
