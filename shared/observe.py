@@ -6,7 +6,9 @@ what it listens to:
 - `mark(Step.X)`: a request passed a named step (a point in time, on whichever thread reaches
   it); `bench control --breakdown` turns the marks into step timings.
 - `stage(Stage.X, seconds, attributes)`: a named stage ended after `seconds`, with what it did
-  in `attributes`; a service's metrics observe it, the tracer annotates the current span.
+  in `attributes`; a service's metrics observe it, the tracer puts it on a span (the current
+  one's attributes or events, or a span of its own), and a stage that ends a step of the
+  breakdown (`END_STEPS`) marks it.
 
 Sinks: process-wide ones (`add` / `remove`: the tracer, from shared/otel/spans.py `install`; a
 benchmark's breakdown, `tracing_into`), and a service's own metrics, which an `Observer` carries
