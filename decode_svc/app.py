@@ -26,9 +26,9 @@ from shared.http.chat_template import template_for
 from shared.http.render import RenderRoutes
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
-from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from shared.runtime.engine_host import EngineFactory, EngineHost
+from shared.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

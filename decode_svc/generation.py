@@ -78,7 +78,7 @@ from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
 from decode_svc.prefill_retry import on_some_prefill
 from decode_svc.prefix_cache import Hit
 from decode_svc.read_checks import StateChecks
-from decode_svc.reader import ReadStats, read_request
+from decode_svc.reader import ReadStats, read_request, transfer_attributes
 from decode_svc.request import RequestContext, check_fits_prefill
 from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_response, summary
 from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
@@ -96,6 +96,7 @@ from shared.errors import (
     ServiceError,
     Unavailable,
 )
+from shared.observe import Observer, Stage
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.logprobs_message import checked_first
@@ -229,8 +230,7 @@ class Generation:
         self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, telemetry)
         self.step_loop = StepLoop(host.engine, host.submit_compute)
         self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, telemetry)
-        if telemetry is not None:
-            self.step_loop.on_step = telemetry.observe_decode_step
+        self.observer = self.step_loop.observer = Observer() if telemetry is None else Observer(telemetry)
 
     @property
     def in_flight(self) -> int:
@@ -775,17 +775,8 @@ class Generation:
             compute.after(member.last_step)  # its blocks stay until a step still running with it ends
 
     def _count_read(self, stats: ReadStats) -> None:
-        if self.telemetry is None or not stats.read_count:
-            return
-        t = self.telemetry
-        moved = t.transferred_bytes_of
-        moved["fa"].inc(stats.attention_bytes)
-        moved["conv"].inc(stats.conv_bytes)
-        moved["ssm"].inc(stats.ssm_bytes)
-        t.transfer_seconds.observe(stats.seconds)
-        for posting in stats.post_seconds:
-            t.post_seconds.observe(posting)
-        t.descriptors_per_read.observe(stats.descriptor_count / stats.read_count)
+        if stats.read_count and self.observer.listening():
+            self.observer.stage(Stage.TRANSFER, stats.seconds, transfer_attributes(stats))
 
 
 @contextlib.asynccontextmanager

@@ -23,16 +23,16 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from decode_svc.peer_link import PairLists, PeerLink
-from shared import tracing
+from shared import observe
 from shared.cache.id_buffers import IdBuffers
 from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DeadlineExceeded, Internal, Unavailable
 from shared.layout.read_lists import IdArray, read_indices
 from shared.layout.spec import LayoutError
+from shared.observe import Stage, Step
 from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
-from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.errors import TransferTimedOut, TransportError
 from shared.transport.poller import ReadResult
@@ -80,14 +80,23 @@ def _pair_bytes(link: PeerLink, pair: PairLists, local_idx: IdArray, manifest: M
 
 
 def read_attributes(link: PeerLink, stats: ReadStats) -> dict[str, AttributeValue]:
+    """What one manifest's READ did (the READ span's attributes)."""
+    return {"hybrid_pd.prefill_engine_id": link.engine_id, **_moved(stats)}
+
+
+def transfer_attributes(stats: ReadStats) -> dict[str, AttributeValue]:
+    """What a request's READs did (`Stage.TRANSFER`)."""
+    return {**_moved(stats), observe.TRANSFER_POST_SECONDS: stats.post_seconds}
+
+
+def _moved(stats: ReadStats) -> dict[str, AttributeValue]:
     return {
-        "hybrid_pd.prefill_engine_id": link.engine_id,
-        "hybrid_pd.transfer.reads": stats.read_count,
-        "hybrid_pd.transfer.descriptors": stats.descriptor_count,
-        "hybrid_pd.transfer.bytes": stats.total_bytes,
-        "hybrid_pd.transfer.attention_bytes": stats.attention_bytes,
-        "hybrid_pd.transfer.conv_bytes": stats.conv_bytes,
-        "hybrid_pd.transfer.ssm_bytes": stats.ssm_bytes,
+        observe.TRANSFER_READS: stats.read_count,
+        observe.TRANSFER_DESCRIPTORS: stats.descriptor_count,
+        observe.TRANSFER_BYTES: stats.total_bytes,
+        observe.TRANSFER_ATTENTION_BYTES: stats.attention_bytes,
+        observe.TRANSFER_CONV_BYTES: stats.conv_bytes,
+        observe.TRANSFER_SSM_BYTES: stats.ssm_bytes,
     }
 
 
@@ -110,9 +119,9 @@ async def _read_one(
         agent, pair.local, lidx, pair.remote, ridx, notif, timeout=timeout, fence=fence, on_posted=ids.release
     )
     stats.post_seconds.append(result.post_seconds)
-    if spans.enabled():
-        pair_attributes = {"hybrid_pd.decode_rank": pair.decode_rank, "hybrid_pd.prefill_rank": pair.prefill_rank}
-        spans.event(spans.READ_PAIR, {**pair_attributes, "hybrid_pd.post_ms": round(result.post_seconds * 1e3, 3)})
+    if observe.listening():
+        ranks = {"hybrid_pd.decode_rank": pair.decode_rank, "hybrid_pd.prefill_rank": pair.prefill_rank}
+        observe.stage(Stage.READ_PAIR, result.post_seconds, ranks)
     return result
 
 
@@ -152,7 +161,7 @@ async def read_request(
                         mamba=mamba,
                         layers=layers,
                     )
-                    tracing.mark(Step.IDS)
+                    observe.mark(Step.IDS)
                 except LayoutError as e:
                     ids.release()
                     raise Internal(
@@ -164,14 +173,14 @@ async def read_request(
                     jobs.append(asyncio.ensure_future(agent.send_notif(pair.remote_agent, notif)))
                     continue
                 stats.add(_pair_bytes(link, pair, lidx, manifest))
-                tracing.mark(Step.BYTES)
+                observe.mark(Step.BYTES)
                 read = _read_one(host, agent, pair, lidx, ridx, notif, timeout, stats, ids, fence)
                 jobs.append(asyncio.ensure_future(read))
             started = time.monotonic()
             await asyncio.gather(*jobs)
             stats.seconds = time.monotonic() - started
-            if spans.enabled():
-                spans.annotate(read_attributes(link, stats))
+            if observe.listening():
+                observe.stage(Stage.READ, stats.seconds, read_attributes(link, stats))
             return stats
         except BaseException:
             # Stop the other READs; the fence releases every handle and then runs what waits

@@ -29,9 +29,9 @@ from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.proto_time import seconds
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 # A cancellation this close to the client's deadline is the deadline (gRPC cancels the handler

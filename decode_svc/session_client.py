@@ -37,11 +37,12 @@ import grpc
 from opentelemetry.util.types import AttributeValue
 
 from decode_svc.prefill_load import LoadReport, report_from_message
-from shared import tracing
+from shared import observe
 from shared.cache.manifest import Manifest
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import ServiceError, Unavailable, error_for_status
+from shared.observe import Step
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
@@ -51,7 +52,6 @@ from shared.rpc.proto_time import duration, seconds
 from shared.rpc.sampling_message import job_sampling_message
 from shared.rpc.status import code_name, describe, from_rpc_status
 from shared.runtime import faults
-from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class SessionClient:
         future: asyncio.Future[Manifest] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
-            tracing.mark(Step.JOB_QUEUED)
+            observe.mark(Step.JOB_QUEUED)
             self._send(msg)
             manifest = await future
         except asyncio.CancelledError:
@@ -335,7 +335,7 @@ class SessionClient:
         faults.manifest_delivered(msg.request_id)
 
     def _resolve(self, request_id: str, *, manifest: Manifest | None = None, error: ServiceError | None = None) -> None:
-        tracing.mark(Step.MANIFEST_RECEIVED)
+        observe.mark(Step.MANIFEST_RECEIVED)
         if manifest is not None and not manifest.last:
             self._part_arrived(request_id, manifest)
             return

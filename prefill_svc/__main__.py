@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from prefill_svc.app import PrefillApp
 from shared.config import ServiceSettings, parse_settings
-from shared.rpc.process import run_service
 from shared.runtime.engine_host import engine_factory_for
+from shared.runtime.process import run_service
 
 
 async def serve(settings: ServiceSettings) -> None:

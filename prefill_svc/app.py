@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import Counter
-
 from prefill_svc.boundary_cache import usable
 from prefill_svc.http_api import PrefillHttp, advertised_address
 from prefill_svc.pins import PinTable
@@ -17,11 +15,12 @@ from shared.engine.reference import tokenizer as byte_tokenizer
 from shared.http.app import ServiceInfo, build_app
 from shared.http.chat_template import template_for
 from shared.http.render import RenderRoutes
+from shared.observe import Observer
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.rpc.metrics import ServiceMetrics
 from shared.rpc.service import ServiceShell
 from shared.runtime.engine_host import EngineFactory, EngineHost
+from shared.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,8 @@ class PrefillApp:
         self.host = host
         self.shell = ServiceShell(SERVICE_NAME, settings, metrics)
         self.metrics = self.shell.metrics
-        self._pins_ended_of: dict[str, Counter] = {}
         self._stopped = False
-        self.pins = PinTable(host, settings.lease_seconds, on_ended=self._pin_ended)
+        self.pins = PinTable(host, settings.lease_seconds, Observer(self.metrics.telemetry))
         self.servicer = PrefillServicer(
             host,
             self.pins,
@@ -141,12 +139,3 @@ class PrefillApp:
         Pins whose session is already gone do not hold the exit: nobody is left to release them."""
         while self.servicer.peers.open_sessions:
             await asyncio.sleep(0.02)
-
-    def _pin_ended(self, reason: str) -> None:
-        # A child per reason, resolved at its first end (not at start: a reason never seen has no series).
-        counted = self._pins_ended_of.get(reason)
-        if counted is None:
-            counted = self._pins_ended_of[reason] = self.metrics.pins_ended.labels(reason=reason)
-        counted.inc()
-        if reason == "lease_expired":
-            self.metrics.telemetry.lease_expiries.inc()

@@ -33,7 +33,7 @@ from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.parted_job import PartedJob
 from prefill_svc.pins import PinTable
 from prefill_svc.resume import Resume
-from shared import tracing
+from shared import observe
 from shared.cache.digest import state_digests
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS
@@ -44,12 +44,12 @@ from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
 from shared.engine.sampling import SamplingParams, leaves_a_token
 from shared.errors import DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.layout.spec import layer_ranges
+from shared.observe import Step
 from shared.rpc.deadlines import wait_deadline
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.prefill_loop import PrefillLoop
 from shared.telemetry import Telemetry
-from shared.tracing import Step
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -201,7 +201,7 @@ class JobRunner:
         boundary, a job that asked for it has its first token given to `on_first_token` as soon
         as it is drawn. The stages: admit, blocks, compute (with the digests), the fault seam's
         before_manifest, pin, manifest; a failure before the pin frees the blocks."""
-        tracing.mark(Step.JOB_STARTED)
+        observe.mark(Step.JOB_STARTED)
         computed = self.admit(job)
         tid = self.next_transfer_id()
         blocks, start, pending = await self.resume_point(job, tid, computed)
@@ -240,7 +240,7 @@ class JobRunner:
             raise
         # Expectations are registered before the manifest leaves: no notification can beat them.
         pin = self.pins.pin(tid, job.request_id, job.owner, job.readers_per_rank, on_end=on_end)
-        tracing.mark(Step.MANIFEST_BUILT)
+        observe.mark(Step.MANIFEST_BUILT)
         return manifest_of(self.host.verify_transfer, job, tid, blocks, computed, pin, started, state, drawn)
 
     def admit(self, job: Job) -> int:
@@ -283,7 +283,7 @@ class JobRunner:
         except BaseException:
             self.host.free(tid)
             raise
-        tracing.mark(Step.COMPUTED)
+        observe.mark(Step.COMPUTED)
         return state
 
     async def _compute_in_steps(

@@ -33,16 +33,16 @@ from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan
 from prefill_svc.pins import Pin, PinTable
 from prefill_svc.resume import Resume
-from shared import tracing
+from shared import observe
 from shared.cache.digest import Section, state_digests
 from shared.cache.manifest import Manifest, ManifestPart
 from shared.engine.first_logprobs import start_scoring
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks
 from shared.errors import Aborted, DeadlineExceeded
+from shared.observe import Step
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
-from shared.tracing import Step
 
 
 class PartedJob:
@@ -125,7 +125,7 @@ class PartedJob:
                 if last and self.feed is not None:
                     await self._send_layer_parts(index, span, compute)
                 state = await asyncio.shield(compute)
-                tracing.mark(Step.COMPUTED)
+                observe.mark(Step.COMPUTED)
                 if last and self.resume.pending is not None:
                     self.resume.cache.insert(self.resume.pending, self.blocks)
                 if self.aside and not last:
@@ -136,7 +136,7 @@ class PartedJob:
                 if self.pin is None:
                     self._pin()
                 if last:
-                    tracing.mark(Step.MANIFEST_BUILT)
+                    observe.mark(Step.MANIFEST_BUILT)
                     layers = None if self.feed is None else self.feed.ranges[-1]
                     return self._part(self.count - 1, span, state.digests, state.first_token, layers)
                 part = self._part(index, span, state.digests, state.first_token, None)

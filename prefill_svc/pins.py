@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.util.types import AttributeValue
 
-from shared import tracing
+from shared import observe
+from shared.observe import RELEASE_REASON, Observer, Stage, Step
 from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
-from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Pin:
     outcome: asyncio.Future[str] | None = None  # resolves with the reason when the pin ends
     on_end: Callable[[str], None] | None = None  # called once with the reason
     trace: Context | None = None  # the job's (or claim's) trace context: the release span's parent
-    pinned_at_ns: int = 0  # wall clock, for the release span (0: tracing off)
+    pinned_at: float = field(default_factory=time.monotonic)
     # A chunked prefill pins before its last chunk: the chunk computing into the blocks now
     # (None: nothing writes them any more). A pin that ends meanwhile frees them once it is done.
     writer: asyncio.Future[object] | None = None
@@ -68,10 +68,10 @@ class LeaseLeft:
 
 
 class PinTable:
-    def __init__(self, host: EngineHost, lease_seconds: float, on_ended: Callable[[str], None] | None = None) -> None:
+    def __init__(self, host: EngineHost, lease_seconds: float, observer: Observer | None = None) -> None:
         self.host = host
         self.lease_seconds = lease_seconds
-        self.on_ended = on_ended  # called with the reason of every pin that ends (metrics)
+        self.observer = observer or Observer()  # every pin that ends (Stage.RELEASE)
         self._pins: dict[str, Pin] = {}
         self._by_request: dict[tuple[str, str], str] = {}
         self.ended: Counter[str] = Counter()  # pins ended, by reason
@@ -104,7 +104,7 @@ class PinTable:
         pin.outcome = loop.create_future()
         self._expect(pin, readers_per_rank)
         self._ensure_sweeper()
-        tracing.mark(Step.PINNED)
+        observe.mark(Step.PINNED)
         return pin
 
     def _expect(self, pin: Pin, readers_per_rank: list[int]) -> None:
@@ -167,33 +167,24 @@ class PinTable:
         else:
             freed = self.host.free(tid)
         self.ended[reason] += 1
-        if self.on_ended is not None:
-            self.on_ended(reason)
         log.debug("request %s (%s) ended: %s, %d blocks freed", pin.request_id, pin.transfer_id, reason, freed)
         if pin.on_end is not None:
             pin.on_end(reason)
         if pin.outcome is not None and not pin.outcome.done():
             pin.outcome.set_result(reason)
-        tracing.mark(Step.FREED)
-        if pin.trace is not None:
-            self._traced_release(pin, reason, freed)
+        if self.observer.listening():
+            attributes: dict[str, AttributeValue] = {
+                "hybrid_pd.request_id": pin.request_id,
+                "hybrid_pd.transfer_id": pin.transfer_id,
+                RELEASE_REASON: reason,
+                "hybrid_pd.blocks": freed,
+            }
+            self.observer.stage(Stage.RELEASE, time.monotonic() - pin.pinned_at, attributes, within=pin.trace)
         return True
 
     def _trace(self, pin: Pin) -> None:
         """Keep the current trace context (the job's or claim's span) for the release span."""
         pin.trace = spans.current_context()
-        if pin.trace is not None:
-            pin.pinned_at_ns = time.time_ns()
-
-    def _traced_release(self, pin: Pin, reason: str, freed: int) -> None:
-        attributes: dict[str, AttributeValue] = {
-            "hybrid_pd.request_id": pin.request_id,
-            "hybrid_pd.transfer_id": pin.transfer_id,
-            "hybrid_pd.release.reason": reason,
-            "hybrid_pd.blocks": freed,
-            "hybrid_pd.pinned_ms": round((time.time_ns() - pin.pinned_at_ns) / 1e6, 3),
-        }
-        spans.record(spans.RELEASE, pin.trace, attributes)
 
     def _on_wait_done(self, pin: Pin, _wait: asyncio.Future[list[str]]) -> None:
         self._wait_done(pin)

@@ -15,12 +15,13 @@ from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
 from prefill_svc.session import PrefillSession, SessionConfig
 from shared.errors import InvalidArgument, ServiceError
+from shared.observe import Observer
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.compat import check_pair
 from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.metrics import ServiceMetrics
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.metrics.telemetry,
         )
         if self.runner.steps is not None:
-            self.runner.steps.on_step = self.metrics.telemetry.observe_prefill_step
+            self.runner.steps.observer = Observer(self.metrics.telemetry)
         self.load = LoadBoard(pins)  # what every session reports to its decode engine
         self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 

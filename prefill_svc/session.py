@@ -41,12 +41,13 @@ from prefill_svc.jobs import JobRunner
 from prefill_svc.load import LoadBoard
 from prefill_svc.peers import DecodePeer, DecodePeers
 from prefill_svc.pins import PinTable
-from shared import tracing
+from shared import observe
 from shared.cache.manifest import Manifest
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS
 from shared.engine.logprobs import TokenLogprobs
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 from shared.logs import context as log_context
+from shared.observe import Step
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
@@ -56,7 +57,6 @@ from shared.rpc.manifest_message import manifest_message
 from shared.rpc.proto_time import duration
 from shared.rpc.status import code_number, to_rpc_status
 from shared.runtime.engine_host import EngineHost
-from shared.tracing import Step
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class PrefillSession:
     # ---- jobs ----
 
     def _start_job(self, job: pb.PrefillJob) -> None:
-        tracing.mark(Step.JOB_RECEIVED)
+        observe.mark(Step.JOB_RECEIVED)
         rid = job.request_id
         if self.lifecycle.draining.is_set():
             self._out.put_nowait(

@@ -15,9 +15,26 @@ from __future__ import annotations
 
 import platform
 
+from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from shared.observe import (
+    BATCH_SIZE,
+    RELEASE_REASON,
+    TOKENS,
+    TRANSFER_ATTENTION_BYTES,
+    TRANSFER_CONV_BYTES,
+    TRANSFER_DESCRIPTORS,
+    TRANSFER_POST_SECONDS,
+    TRANSFER_READS,
+    TRANSFER_SSM_BYTES,
+    Attributes,
+    Sink,
+    Stage,
+    number,
+    numbers,
+)
 from shared.version import version
 
 # One READ or one post: microseconds to a few seconds (a READ over a slow link up to its deadline).
@@ -65,7 +82,9 @@ FAILURE_REASONS = (
 PREFILL_RETRY_REASONS = ("PEER_UNAVAILABLE", "DRAINING", "NO_CREDIT", "CACHE_FULL", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
-class Telemetry:
+class Telemetry(Sink):
+    """A service's metrics; a sink of the stages its request paths report."""
+
     def __init__(self, role: str) -> None:
         self.role = role
         self.registry = CollectorRegistry()
@@ -97,6 +116,11 @@ class Telemetry:
         self.unknown_notifications = Counter(
             "hybrid_pd_unknown_notifications", "NIXL notifications for unknown requests (ignored)", registry=both
         )
+        # A series per reason from its first end (a reason never seen has none).
+        self.pins_ended = Counter(
+            "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
+            ["reason"], registry=both,
+        )  # fmt: skip
         # Prefill only.
         self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=prefill)
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
@@ -256,14 +280,34 @@ class Telemetry:
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
 
-    def observe_prefill_step(self, batch_size: int, tokens: int, seconds: float) -> None:
-        self.prefill_batch_size.observe(batch_size)
-        self.prefill_batch_tokens.observe(tokens)
-        self.prefill_step_seconds.observe(seconds)
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
+        """The histograms and counters a reported stage feeds (shared/observe.py)."""
+        if stage is Stage.DECODE_STEP:
+            self.decode_batch_size.observe(number(attributes, BATCH_SIZE))
+            self.decode_step_seconds.observe(seconds)
+        elif stage is Stage.PREFILL_STEP:
+            self.prefill_batch_size.observe(number(attributes, BATCH_SIZE))
+            self.prefill_batch_tokens.observe(number(attributes, TOKENS))
+            self.prefill_step_seconds.observe(seconds)
+        elif stage is Stage.QUEUE_WAIT:
+            self.queue_wait.observe(seconds)
+        elif stage is Stage.TRANSFER:
+            self._transfer(seconds, attributes)
+        elif stage is Stage.RELEASE:
+            reason = attributes[RELEASE_REASON]
+            self.pins_ended.labels(reason=str(reason)).inc()
+            if reason == "lease_expired":
+                self.lease_expiries.inc()
 
-    def observe_decode_step(self, batch_size: int, seconds: float) -> None:
-        self.decode_batch_size.observe(batch_size)
-        self.decode_step_seconds.observe(seconds)
+    def _transfer(self, seconds: float, attributes: Attributes) -> None:
+        moved = self.transferred_bytes_of
+        moved["fa"].inc(number(attributes, TRANSFER_ATTENTION_BYTES))
+        moved["conv"].inc(number(attributes, TRANSFER_CONV_BYTES))
+        moved["ssm"].inc(number(attributes, TRANSFER_SSM_BYTES))
+        self.transfer_seconds.observe(seconds)
+        for posting in numbers(attributes, TRANSFER_POST_SECONDS):
+            self.post_seconds.observe(posting)
+        self.descriptors_per_read.observe(number(attributes, TRANSFER_DESCRIPTORS) / number(attributes, TRANSFER_READS))
 
     def exposition(self) -> str:
         """The Prometheus text format of every metric (tests, debugging)."""

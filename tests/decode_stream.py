@@ -1,4 +1,5 @@
-"""One Generate call of the decode service read to its end: the tests' one loop over the stream."""
+"""One Generate call of the decode service read to its end: the tests' one loop over the stream,
+and the shapes the tests read it in (tokens and summary, how it ended, or both without raising)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import grpc
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
+from shared.rpc.status import RpcFailure, describe
+
+# A channel, a stub, or an address (a channel of the call's own, closed after it).
+Target = grpc.aio.Channel | dpb_grpc.DecodeServiceStub | str
 
 
 @dataclass
@@ -22,7 +27,7 @@ class Streamed:
 
 
 async def stream(
-    target: grpc.aio.Channel | dpb_grpc.DecodeServiceStub,
+    target: Target,
     request: dpb.GenerateRequest,
     *,
     timeout: float,
@@ -32,6 +37,9 @@ async def stream(
     """Every chunk's tokens and text, and the summary. A failed call raises its AioRpcError;
     what arrived before it stays in `into`, when given."""
     out = into if into is not None else Streamed()
+    if isinstance(target, str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await stream(channel, request, timeout=timeout, metadata=metadata, into=out)
     stub = target if isinstance(target, dpb_grpc.DecodeServiceStub) else dpb_grpc.DecodeServiceStub(target)
     async for reply in stub.Generate(request, timeout=timeout, metadata=tuple(metadata)):
         if reply.HasField("chunk"):
@@ -40,3 +48,44 @@ async def stream(
         else:
             out.summary = reply.summary
     return out
+
+
+async def generated(
+    target: Target, request: dpb.GenerateRequest, *, timeout: float, metadata: Sequence[tuple[str, str]] = ()
+) -> tuple[list[int], dpb.GenerateSummary]:
+    """The tokens and the summary (an empty one when the stream ended without); a failed call raises."""
+    got = await stream(target, request, timeout=timeout, metadata=metadata)
+    return got.tokens, got.summary_or_empty()
+
+
+async def status_of(
+    target: Target, request: dpb.GenerateRequest, *, timeout: float, metadata: Sequence[tuple[str, str]] = ()
+) -> grpc.StatusCode:
+    """How the call ended: OK, or the failed call's code."""
+    try:
+        await stream(target, request, timeout=timeout, metadata=metadata)
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+@dataclass
+class Settled(Streamed):
+    failure: RpcFailure | None = None  # None: the call succeeded
+
+
+async def settled(target: Target, request: dpb.GenerateRequest, *, timeout: float) -> Settled:
+    """What arrived and how the call ended; never raises for a failed call."""
+    got = Settled()
+    try:
+        await stream(target, request, timeout=timeout, into=got)
+    except grpc.aio.AioRpcError as e:
+        got.failure = describe(e)
+    return got
+
+
+async def failure_of(target: Target, request: dpb.GenerateRequest, *, timeout: float) -> RpcFailure:
+    """How the call failed; a call that succeeds fails the test."""
+    got = await settled(target, request, timeout=timeout)
+    assert got.failure is not None, f"the call succeeded: {got}"
+    return got.failure

@@ -69,12 +69,12 @@ from hybridpd_tools.bench.raw_nixl import RawReader, RawTarget
 from hybridpd_tools.bench.sizing import prefill_tokens, request_blocks
 from hybridpd_tools.bench.stats import Summary, json_number, ratio
 from prefill_svc.app import PrefillApp
-from shared import tracing
+from shared import observe
 from shared.config import parse_settings
 from shared.layout.read_lists import read_indices
+from shared.observe import Step
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import layout_for
-from shared.tracing import Step
 from shared.transport.read_fence import ReadFence
 
 SCHEMA = "hybrid-pd.bench.control/v1"
@@ -206,10 +206,10 @@ async def run_control(cfg: ControlConfig, *, command: str, show_progress: bool =
             ca0, a0 = time.thread_time(), time.perf_counter()
             local = host.allocate(rid, len(prompt) + 1)
             t2, c2 = time.perf_counter(), time.thread_time()
-            tracing.mark(Step.READ_START)  # no-ops outside the traced pass
+            observe.mark(Step.READ_START)  # no-ops outside the traced pass
             reads = ReadFence()
             stats = await read_request(host, link, manifest, local, timeout=30.0, fence=reads)
-            tracing.mark(Step.READ_END)
+            observe.mark(Step.READ_END)
             t3, c3 = time.perf_counter(), time.thread_time()
             session.done_reading(rid)
             # Prefill, in its own process, may free the blocks before decode's loop saw DONE.

@@ -29,7 +29,7 @@ from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.errors import InvalidArgument, ServiceError
 from shared.logs.setup import configure_logging
-from shared.rpc.process import event_loop_factory
+from shared.runtime.process import event_loop_factory
 
 
 class PrefillProcess:

@@ -1,6 +1,6 @@
 """`bench control --breakdown`: where one request's control-plane time goes, step by step.
 
-The services mark named steps through `shared.tracing` (a no-op unless a sink is installed);
+The services mark named steps through `shared.observe` (a no-op unless a sink is installed);
 for one extra pass of requests StepTrace is installed as the sink and stamps each mark. Steps
 are the time between two named marks of the same request. The pass is separate from the
 untraced one whose phases `bench control` reports, because each stamp costs a few microseconds.
@@ -35,12 +35,12 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from hybridpd_tools.bench.stats import Summary, json_number, percentile
-from shared import tracing
-from shared.tracing import Step
+from shared import observe
+from shared.observe import Step
 
 NOTIFICATION_WAIT_STEP = "prefill: READ done -> pump fetched the notification"
 
-# (label, from step, to step); the step names say on which thread each mark runs (shared/tracing.py).
+# (label, from step, to step); the step names say on which thread each mark runs (shared/observe.py).
 STEPS: tuple[tuple[str, Step, Step], ...] = (
     ("job over the Session stream (decode -> prefill)", Step.JOB_QUEUED, Step.JOB_RECEIVED),
     ("prefill: job task starts, credit taken", Step.JOB_RECEIVED, Step.JOB_STARTED),
@@ -189,7 +189,7 @@ def call_summary(samples: Sequence[tuple[int, int]]) -> dict[str, Any]:
 @contextmanager
 def traced(trace: StepTrace) -> Iterator[None]:
     """Every mark of both services goes to `trace` until the block exits."""
-    with tracing.tracing_into(trace):
+    with observe.tracing_into(trace):
         yield
 
 

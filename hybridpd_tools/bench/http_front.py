@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-mamba2")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     args = parser.parse_args(argv)
-    from shared.rpc.process import event_loop_factory
+    from shared.runtime.process import event_loop_factory
 
     with asyncio.Runner(loop_factory=event_loop_factory(args.loop)) as runner:
         runner.run(run(args.requests, args.model))

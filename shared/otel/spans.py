@@ -23,8 +23,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, TracerProvider
-from opentelemetry.util.types import AttributeValue
 
+from shared import observe
+from shared.observe import NO_ATTRIBUTES, Attributes
 from shared.version import version
 
 P = ParamSpec("P")
@@ -41,22 +42,42 @@ RELEASE = "prefill.release"  # prefill: a pinned request ends and its blocks are
 MANIFEST = "manifest"  # on GENERATE: the manifest arrived
 READ_PAIR = "read.pair"  # on READ: one (decode rank, prefill rank) READ completed
 
-Attributes = Mapping[str, AttributeValue]
-NO_ATTRIBUTES: Attributes = MappingProxyType({})
 NO_CARRIER: Mapping[str, str] = MappingProxyType({})
 
 _tracer: Tracer | None = None
+
+
+class _StageSpans(observe.Sink):
+    """The stages the request paths report (shared/observe.py) as spans: the READ span's
+    attributes, an event per rank pair's READ, the release span."""
+
+    def stage(self, stage: observe.Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
+        if stage is observe.Stage.READ:
+            trace.get_current_span().set_attributes(attributes)
+        elif stage is observe.Stage.READ_PAIR:
+            trace.get_current_span().add_event(READ_PAIR, {**attributes, "hybrid_pd.post_ms": _ms(seconds)})
+        elif stage is observe.Stage.RELEASE:
+            record(RELEASE, within, {**attributes, "hybrid_pd.pinned_ms": _ms(seconds)})
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+_STAGE_SPANS = _StageSpans()
 
 
 def install(provider: TracerProvider) -> None:
     """Trace with `provider` from now on (set up once per process, or by a test)."""
     global _tracer
     _tracer = provider.get_tracer("hybrid_pd", version())
+    observe.add(_STAGE_SPANS)
 
 
 def uninstall() -> None:
     global _tracer
     _tracer = None
+    observe.remove(_STAGE_SPANS)
 
 
 def enabled() -> bool:
@@ -173,12 +194,6 @@ def event(name: str, attributes: Attributes = NO_ATTRIBUTES) -> None:
     """An event on the current span (nothing when tracing is off or no span is current)."""
     if _tracer is not None:
         trace.get_current_span().add_event(name, attributes)
-
-
-def annotate(attributes: Attributes) -> None:
-    """Attributes on the current span."""
-    if _tracer is not None:
-        trace.get_current_span().set_attributes(attributes)
 
 
 def current_context() -> Context | None:

@@ -12,9 +12,9 @@ from shared.config import ServiceSettings
 from shared.http.server import HttpServer, announce_http_port
 from shared.rpc.health import HealthStatus
 from shared.rpc.lifecycle import Lifecycle
-from shared.rpc.metrics import ServiceMetrics, announce_metrics_port
 from shared.rpc.server import build_server, enable_reflection, listen
 from shared.runtime import faults
+from shared.runtime.metrics import ServiceMetrics, announce_metrics_port
 
 
 def announce_port(port: int) -> None:

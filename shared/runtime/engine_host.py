@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from shared import tracing
+from shared import observe
 from shared.cache.allocator import BlockAllocator, BlocksExhausted
 from shared.cache.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.cache.model_views import RankViews
@@ -32,10 +32,10 @@ from shared.errors import InvalidArgument, ResourceExhausted
 from shared.layout.models import load_model
 from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
+from shared.observe import Observer, Stage, Step
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.runtime.compute_thread import ComputeThread
 from shared.runtime.layout_message import RankMemory, engine_layout_message
-from shared.tracing import Step
 from shared.transport.agent import RankAgent
 from shared.transport.loopback import loopback_read
 from shared.transport.notifications import UnknownHandler
@@ -143,7 +143,7 @@ class EngineHost:
     digest_thread: ComputeThread = field(default_factory=lambda: ComputeThread("digest"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
-    on_queue_wait: Callable[[float], None] | None = None  # seconds each allocate_queued waited (metrics)
+    observer: Observer = field(default_factory=Observer)  # each allocate_queued's wait (Stage.QUEUE_WAIT)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
     # Decode's prefix cache and state checkpoints: free up to n of the blocks they keep (least
@@ -313,14 +313,14 @@ class EngineHost:
     ) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
-        `counted`: the wait goes to `on_queue_wait` (requests and jobs; not start-up probes)."""
+        `counted`: the wait is reported (requests and jobs; not start-up probes)."""
         started = asyncio.get_running_loop().time()
         blocks = await self._when_free(
             lambda: self.allocate(key, num_tokens, leading=leading), num_tokens, deadline, counted=counted
         )
-        tracing.mark(Step.ALLOCATED)
-        if counted and self.on_queue_wait is not None:
-            self.on_queue_wait(asyncio.get_running_loop().time() - started)
+        observe.mark(Step.ALLOCATED)
+        if counted:
+            self.observer.stage(Stage.QUEUE_WAIT, asyncio.get_running_loop().time() - started)
         return blocks
 
     async def grow_queued(self, blocks: RequestBlocks, num_tokens: int, deadline: float) -> RequestBlocks:
@@ -363,11 +363,11 @@ class EngineHost:
         """Run model code on the compute thread and await it from the loop."""
 
         def call() -> T:
-            tracing.mark(Step.COMPUTE)
+            observe.mark(Step.COMPUTE)
             return fn()
 
         result = await self.compute.submit(call)
-        tracing.mark(Step.COMPUTED)
+        observe.mark(Step.COMPUTED)
         return result
 
     def submit_compute(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -375,7 +375,7 @@ class EngineHost:
         awaiting task first runs) and return its future."""
 
         def call() -> T:
-            tracing.mark(Step.COMPUTE)
+            observe.mark(Step.COMPUTE)
             return fn()
 
         return self.compute.submit(call)

@@ -25,11 +25,11 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.protocol import BatchedPrefill, PrefillChunk, PrefillRun
 from shared.engine.timed import timed
+from shared.observe import BATCH_SIZE, TOKENS, Observer, Stage
 from shared.runtime.step_loop import Submit
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class PrefillLoop:
         self._arrivals = itertools.count()
         self.steps = 0  # steps run (metrics, tests)
         self.largest_batch = 0
-        self.on_step: Callable[[int, int, float], None] | None = None  # (chunks, tokens, engine seconds)
+        self.observer = Observer()  # each step's engine time (Stage.PREFILL_STEP)
 
     def arrival(self) -> int:
         """A new job's place in line (its chunks keep it)."""
@@ -133,8 +133,8 @@ class PrefillLoop:
                 continue
             self.steps += 1
             self.largest_batch = max(self.largest_batch, len(batch))
-            if self.on_step is not None:
-                self.on_step(len(batch), tokens, seconds)
+            if self.observer.listening():
+                self.observer.stage(Stage.PREFILL_STEP, seconds, {BATCH_SIZE: len(batch), TOKENS: tokens})
             for waiting, first in zip(batch, firsts):
                 if not waiting.done.done():
                     waiting.done.set_result(ChunkDone(first, seconds, len(batch), tokens))

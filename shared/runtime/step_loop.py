@@ -31,6 +31,7 @@ from shared.engine.logprobs import TokenLogprobs, session_logprobs
 from shared.engine.protocol import BatchedDecode, DecodeSession, Engine
 from shared.engine.stopping import FinishReason, StopRule
 from shared.errors import DeadlineExceeded
+from shared.observe import BATCH_SIZE, Observer, Stage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +119,7 @@ class StepLoop:
         self._task: asyncio.Task[None] | None = None
         self.steps = 0  # steps run (metrics, tests)
         self.largest_batch = 0
-        self.on_step: Callable[[int, float], None] | None = None  # (batch size, engine seconds)
+        self.observer = Observer()  # each step's engine time (Stage.DECODE_STEP)
 
     @property
     def running(self) -> int:
@@ -201,8 +202,8 @@ class StepLoop:
                 continue
             self.steps += 1
             self.largest_batch = max(self.largest_batch, len(ready))
-            if self.on_step is not None:
-                self.on_step(len(ready), seconds)
+            if self.observer.listening():
+                self.observer.stage(Stage.DECODE_STEP, seconds, {BATCH_SIZE: len(ready)})
             for m, result, lp in zip(ready, results, logprobs):
                 if m.done:  # left while the step ran: its token is nobody's
                     continue

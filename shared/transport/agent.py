@@ -39,9 +39,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared import tracing
+from shared import observe
 from shared.cache.memory_place import MemoryPlace
-from shared.tracing import Step
+from shared.observe import Step
 from shared.transport.errors import (
     PeerAlreadyKnown,
     PeerDisconnected,
@@ -384,7 +384,7 @@ class RankAgent:
         if self._sink is not None:
             notifs = self._get_new_notifs()
             if notifs:
-                tracing.mark(Step.NOTIFICATION_FETCHED)
+                observe.mark(Step.NOTIFICATION_FETCHED)
                 self._sink(notifs)
                 found = True
         return found
@@ -451,7 +451,7 @@ class RankAgent:
         inline: bool = False,
         settle: Settle | None = None,
     ) -> Xfer:
-        tracing.mark(Step.POST_START)
+        observe.mark(Step.POST_START)
         if local.peer or not remote.peer:
             raise ValueError("post_read takes a local prepared list, then a remote one")
         if local.released or remote.released:
@@ -509,7 +509,7 @@ class RankAgent:
         elif settle is not None:
             self._tracked[xfer] = settle
             xfer.tracked = True
-        tracing.mark(Step.POST_END)
+        observe.mark(Step.POST_END)
         return xfer
 
     def _poll_one(self, xfer: Xfer) -> XferState | TransportError:

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared import tracing
-from shared.tracing import Step
+from shared import observe
+from shared.observe import Step
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class NotificationRouter:
 
     def dispatch(self, agent_name: str, notifs: dict[str, list[bytes]]) -> None:
         """Feed what one `get_new_notifs()` of that agent returned."""
-        tracing.mark(Step.NOTIFICATION_DISPATCHED)
+        observe.mark(Step.NOTIFICATION_DISPATCHED)
         for sender, messages in notifs.items():
             for msg in messages:
                 self.received += 1

@@ -24,8 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hybridpd_tools.bench.local_pair import DECODE_SERVICE, PREFILL_SERVICE, ServiceProcess, start_service
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
-from shared.rpc.status import describe
-from tests.decode_stream import Streamed, stream
+from tests.decode_stream import settled
 from tests.metric_samples import scrape
 from tests.reuse import REUSE_OFF
 
@@ -196,20 +195,13 @@ async def generate(
     channel: grpc.aio.Channel | None = None,
 ) -> Outcome:
     """One Generate call; never raises for a failed call (the outcome says how it ended)."""
-    own = channel is None
-    chan = channel or grpc.aio.insecure_channel(address)
     started = time.monotonic()
-    got = Streamed()
-    try:
-        request = dpb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens)
-        await stream(chan, request, timeout=timeout, into=got)
-        return Outcome("OK", "", got.tokens, time.monotonic() - started, got.summary)
-    except grpc.aio.AioRpcError as e:
-        failure = describe(e)
-        return Outcome(failure.status, failure.message, got.tokens, time.monotonic() - started)
-    finally:
-        if own:
-            await chan.close()
+    request = dpb.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens)
+    got = await settled(channel or address, request, timeout=timeout)
+    seconds, failure = time.monotonic() - started, got.failure
+    if failure is not None:
+        return Outcome(failure.status, failure.message, got.tokens, seconds)
+    return Outcome("OK", "", got.tokens, seconds, got.summary)
 
 
 async def peer_status(decode: Service) -> Any:

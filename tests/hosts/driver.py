@@ -29,20 +29,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
-from tests.decode_stream import Streamed, stream
+from tests.decode_stream import settled
 from tests.metric_samples import scrape
 
 
 async def generate(req: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
-    got = Streamed()
     request = dpb.GenerateRequest(request_id=req["request_id"], prompt_token_ids=req["prompt"], max_tokens=req["max_tokens"])
-    async with grpc.aio.insecure_channel(req["target"]) as channel:
-        try:
-            await stream(channel, request, timeout=req.get("timeout", 60), into=got)
-            status, message = "OK", ""
-        except grpc.aio.AioRpcError as e:
-            status, message = e.code().name, e.details() or ""
+    got = await settled(req["target"], request, timeout=req.get("timeout", 60))
+    status, message = ("OK", "") if got.failure is None else (got.failure.status, got.failure.message)
     summary = got.summary_or_empty()
     return {
         "status": status,

@@ -2,7 +2,7 @@
 
 Layers, bottom to top: the library (shared/), the services (prefill_svc, decode_svc), the
 benchmarks (hybridpd_tools/bench), the CLI (hybridpd_tools/cli). Inside the library, floors of
-their own, bottom to top: the base (errors, limits, version, token_logprobs, logs, otel, telemetry, tracing),
+their own, bottom to top: the base (errors, limits, version, token_logprobs, logs, observe, otel, telemetry),
 layout, cache, transport, engine, config, runtime, http, rpc (`LIBRARY_FLOORS`). A module may
 import its own layer and the layers below it, never above; the two services never import each
 other; scripts/ uses the library only. Every import counts, also one inside a function body or
@@ -23,7 +23,7 @@ GENERATED = "shared.pb"
 
 SERVICE, BENCH, CLI, SCRIPTS = "service", "bench", "cli", "scripts"
 # The library's floors, bottom to top: a package of shared/ by name, any other module of shared/
-# (errors, limits, version, token_logprobs, telemetry, tracing, logs/, otel/) on the base floor.
+# (errors, limits, version, token_logprobs, observe, telemetry, logs/, otel/) on the base floor.
 LIBRARY_FLOORS = ("base", "layout", "cache", "transport", "engine", "config", "runtime", "http", "rpc")
 LIBRARY = "library:"  # each floor's layer is "library:<floor>"
 RANK = {**{LIBRARY + f: i for i, f in enumerate(LIBRARY_FLOORS)}, SERVICE: 100, BENCH: 101, CLI: 102}
@@ -152,11 +152,12 @@ def test_every_transitional_edge_still_exists(graph: Graph) -> None:
 def test_the_graph_sees_the_tree(graph: Graph) -> None:
     # Known edges, one per kind of import statement: the checks above are not vacuous.
     assert "shared.layout.spec" in graph["shared.layout.presets"]  # from a.b import name
-    assert "shared.tracing" in graph["prefill_svc.pins"]  # from a import module
+    assert "shared.observe" in graph["prefill_svc.pins"]  # from a import module
     assert "decode_svc.reader" in graph["hybridpd_tools.bench.control"]  # from a.b import name (a service)
     assert "shared.engine.hf.engine" in graph["shared.engine.factory"]  # inside a function body
     assert layer("shared.errors") == layer("shared.logs.setup") == "library:base"
     assert layer("shared.config") == "library:config" and layer("shared.rpc.status") == "library:rpc"
+    assert layer("shared.runtime.metrics") == layer("shared.runtime.process") == "library:runtime"  # not gRPC
     assert layer("hybridpd_tools.bench.e2e") == BENCH and layer("hybridpd_tools.cli.main") == layer("hybridpd_tools") == CLI
 
 

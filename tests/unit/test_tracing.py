@@ -1,11 +1,11 @@
-"""shared.tracing: marks reach the installed sink, and only while it is installed."""
+"""shared.observe: marks reach the installed sink, and only while it is installed."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared import tracing
-from shared.tracing import Step
+from shared import observe as tracing
+from shared.observe import Step
 
 
 class Recorder:

@@ -8,14 +8,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import grpc
-
 from decode_svc.app import DecodeApp
 from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.runtime.engine_host import engine_factory_for
+from tests.decode_stream import generated
 from tests.reuse import REUSE_OFF
 
 COMMON = [
@@ -82,15 +80,7 @@ async def hf_pair(
 
 
 async def generate_with(port: int, **fields: Any) -> tuple[list[int], dpb.GenerateSummary]:
-    ids: list[int] = []
-    summary = dpb.GenerateSummary()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        async for reply in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=60):
-            if reply.HasField("chunk"):
-                ids.extend(reply.chunk.token_ids)
-            else:
-                summary = reply.summary
-    return ids, summary
+    return await generated(f"127.0.0.1:{port}", dpb.GenerateRequest(**fields), timeout=60)
 
 
 async def generate_ids(port: int, prompt: list[int], max_tokens: int) -> tuple[list[int], dpb.GenerateSummary]:

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 import pytest
 
 from decode_svc.peer_link import PeerLink
@@ -19,19 +18,12 @@ from shared.errors import InvalidArgument
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
-from shared.rpc.status import RpcFailure, describe
 from shared.transport.agent import RankAgent
 from shared.transport.poller import CompletionPoller
+from tests.decode_stream import failure_of
 from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
-
-
-async def generate_failure(channel: grpc.aio.Channel, **fields: Any) -> RpcFailure:
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in dpb_grpc.DecodeServiceStub(channel).Generate(dpb.GenerateRequest(**fields), timeout=20):
-            pass
-    return describe(err.value)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +41,7 @@ async def test_prompt_longer_than_a_cache_allows(
 ) -> None:
     prefill = await start_prefill("--num-blocks", "4")
     decode = await start_decode(prefill.port, "--num-blocks", "8")
-    failure = await generate_failure(channel_to(decode.port), **fields)
+    failure = await failure_of(channel_to(decode.port), dpb.GenerateRequest(**fields), timeout=20)
     assert failure.status == "INVALID_ARGUMENT" and failure.fields == (field,), failure
     assert failure.message.startswith(field) and needle in failure.message
     assert prefill.host.allocator.num_used == 0 and decode.host.allocator.num_used == 0
@@ -108,7 +100,9 @@ async def test_bad_manifest_is_refused_before_any_read(
     corrupt_manifests(prefill, mutate)
     posted = decode.host.poller.stats.reads_posted  # the loopback and probe READs at start-up
     assert posted > 0  # the count is live: a READ of this request would show
-    failure = await generate_failure(channel_to(decode.port), prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=3)
+    failure = await failure_of(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=3), timeout=20
+    )
     assert failure.status == status and failure.reason == reason, failure
     assert failure.message.startswith(field) and "prefill test-prefill" in failure.message, failure
     assert decode.host.poller.stats.reads_posted == posted  # nothing was read

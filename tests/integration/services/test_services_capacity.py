@@ -7,27 +7,16 @@ import asyncio
 import time
 from typing import Any
 
-import grpc
 import pytest
 
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from shared.rpc.status import RpcFailure, describe
-from tests.decode_stream import stream
+from tests.decode_stream import failure_of, settled
 from tests.integration.services import stamp_engine as stamp
 from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
-
-
-async def generate(channel: grpc.aio.Channel, prompt: list[int], max_tokens: int, timeout: float) -> list[int] | RpcFailure:
-    try:
-        return (
-            await stream(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=timeout)
-        ).tokens
-    except grpc.aio.AioRpcError as e:
-        return describe(e)
 
 
 class SlowerStamp(stamp.SlowStamp):
@@ -43,20 +32,20 @@ async def test_full_decode_cache_queues_then_refuses(start_prefill: Any, start_d
     # prompt, not a long max_tokens, fills the cache at admission).
     decode = await start_decode(prefill.port, "--num-blocks", "6", engine=SlowerStamp)
     channel = channel_to(decode.port)
-    hog = asyncio.ensure_future(generate(channel, [1] * 96, 32, timeout=30))
+    hog = asyncio.ensure_future(settled(channel, dpb.GenerateRequest(prompt_token_ids=[1] * 96, max_tokens=32), timeout=30))
     await until(lambda: decode.host.allocator.num_free == 0, timeout=10)
     # Decode takes the hog's blocks before its job reaches prefill: count only after prefill ran it.
     await until(lambda: prefill.host.engine.prefills == 1, timeout=10)
     prefills_before = prefill.host.engine.prefills
     started = time.monotonic()
-    refused = await generate(channel, [2, 3, 4], 4, timeout=1.0)
-    assert isinstance(refused, RpcFailure) and refused.status == "RESOURCE_EXHAUSTED", refused
+    refused = await failure_of(channel, dpb.GenerateRequest(prompt_token_ids=[2, 3, 4], max_tokens=4), timeout=1.0)
+    assert refused.status == "RESOURCE_EXHAUSTED", refused
     assert refused.reason == "CACHE_FULL" and "cache full" in refused.message
     assert time.monotonic() - started >= 0.5  # it queued, it was not refused at once
     assert prefill.host.engine.prefills == prefills_before  # prefill never saw it
-    patient = await generate(channel, [2, 3, 4], 4, timeout=30)
-    assert patient == stamp.expected_tokens([2, 3, 4], 4, decode.host.spec.vocab_size)
-    assert isinstance(await hog, list)
+    patient = await settled(channel, dpb.GenerateRequest(prompt_token_ids=[2, 3, 4], max_tokens=4), timeout=30)
+    assert patient.failure is None and patient.tokens == stamp.expected_tokens([2, 3, 4], 4, decode.host.spec.vocab_size)
+    assert (await hog).failure is None
     await until(lambda: decode.host.allocator.num_used == 0 and prefill.host.allocator.num_used == 0, timeout=10)
 
 
@@ -82,11 +71,13 @@ async def test_full_prefill_cache_answers_resource_exhausted(start_prefill: Any,
     while (await holder.read()).WhichOneof("payload") != "manifest":
         pass
     assert prefill.host.allocator.num_free == 0
-    refused = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=1.0)
-    assert isinstance(refused, RpcFailure) and refused.status == "RESOURCE_EXHAUSTED", refused
+    refused = await failure_of(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=1.0
+    )
+    assert refused.status == "RESOURCE_EXHAUSTED", refused
     assert "prefill test-prefill" in refused.message and "cache full" in refused.message
     await until(lambda: decode.host.allocator.num_used == 0, timeout=10)
     await holder.write(pb.SessionRequest(release=pb.ReleaseBlocks(request_id="hog", reason="test")))
-    served = await generate(channel_to(decode.port), [5, 6, 7], 2, timeout=10)
-    assert served == stamp.expected_tokens([5, 6, 7], 2, decode.host.spec.vocab_size)
+    served = await settled(channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=10)
+    assert served.failure is None and served.tokens == stamp.expected_tokens([5, 6, 7], 2, decode.host.spec.vocab_size)
     holder.cancel()

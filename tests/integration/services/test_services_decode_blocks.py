@@ -11,20 +11,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-import grpc
 import pytest
 
 from shared.engine.reference.colocated import colocated_generate
 from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
-from shared.rpc.status import RpcFailure, describe
 from shared.runtime.engine_host import EngineHost
-from tests.decode_stream import Streamed, stream
-from tests.integration.exactness.pair import RunningPair, service_pair
+from tests.decode_stream import settled
+from tests.integration.exactness.pair import service_pair
 from tests.integration.metrics.test_metrics import scrape
 from tests.waiting import until
 
@@ -50,25 +47,8 @@ def stopping_at(prompt: list[int], at_least: int) -> tuple[int, list[int]]:
     return tokens[i], list(tokens[: i + 1])
 
 
-@dataclass
-class Outcome:
-    tokens: list[int] = field(default_factory=list)
-    finish: int = 0
-    failure: RpcFailure | None = None
-
-
-async def generate(
-    pair: RunningPair, prompt: list[int], max_tokens: int, *, stop: Sequence[int] = (), timeout: float = 60
-) -> Outcome:
-    out, got = Outcome(), Streamed()
-    request = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, stop_token_ids=list(stop))
-    try:
-        await stream(pair.stub, request, timeout=timeout, into=got)
-    except grpc.aio.AioRpcError as e:
-        out.failure = describe(e)
-    out.tokens = got.tokens
-    out.finish = got.summary_or_empty().finish_reason
-    return out
+def request(prompt: list[int], max_tokens: int, stop: Sequence[int] = ()) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, stop_token_ids=list(stop))
 
 
 def blocks_for(host: EngineHost, num_tokens: int) -> int:
@@ -101,9 +81,9 @@ async def test_large_max_tokens_reserves_what_it_uses() -> None:
         max_tokens = host.max_tokens() - len(prompt)  # the whole cache, if it were reserved up front
         assert blocks_for(host, len(prompt) + max_tokens) == host.num_blocks
         with peak_blocks(host) as peak:
-            got = await generate(pair, prompt, max_tokens, stop=[stop])
+            got = await settled(pair.stub, request(prompt, max_tokens, [stop]), timeout=60)
         assert got.failure is None and got.tokens == expected
-        assert got.finish == pb.FINISH_REASON_STOP
+        assert got.summary_or_empty().finish_reason == pb.FINISH_REASON_STOP
         written = len(prompt) + len(expected) - 1  # the last token is never fed back
         # What the sequence used, plus at most one step taken ahead: a few blocks, not the cache.
         assert blocks_for(host, written) <= peak[0] <= blocks_for(host, written + 1)
@@ -121,7 +101,9 @@ async def test_two_requests_fit_at_their_actual_lengths() -> None:
         max_tokens = [host.max_tokens() - len(p) for p in prompts]
         assert all(blocks_for(host, len(p) + m) == host.num_blocks for p, m in zip(prompts, max_tokens))
         with peak_blocks(host) as peak:
-            got = await asyncio.gather(*(generate(pair, p, m, stop=[s]) for p, m, (s, _) in zip(prompts, max_tokens, stops)))
+            got = await asyncio.gather(
+                *(settled(pair.stub, request(p, m, [s]), timeout=60) for p, m, (s, _) in zip(prompts, max_tokens, stops))
+            )
         for outcome, (_, expected) in zip(got, stops):
             assert outcome.failure is None and outcome.tokens == expected
         # An up-front reservation would have held all 12 for one request and queued the other.
@@ -140,12 +122,16 @@ async def test_a_request_that_cannot_grow_waits_then_fails_while_another_complet
         # Other holders have the rest of the cache (taken from the real allocator, never freed
         # during the test): the two requests share 6 blocks, and `long` needs 9 to finish.
         held = host.allocator.allocate("other-holders", host.num_blocks - admitted)
-        finishing = asyncio.ensure_future(generate(pair, short, 20))
+        finishing = asyncio.ensure_future(settled(pair.stub, request(short, 20), timeout=60))
         await until(lambda: host.allocator.num_used == held.size + blocks_for(host, len(short) + 1), timeout=30)
-        stuck = asyncio.ensure_future(generate(pair, long, 200, timeout=5))
+        stuck = asyncio.ensure_future(settled(pair.stub, request(long, 200), timeout=5))
         # `short` never needs more than its admission blocks: it completes whenever it runs.
         done = await finishing
-        assert done.failure is None and done.tokens == short_expected and done.finish == pb.FINISH_REASON_LENGTH
+        assert (
+            done.failure is None
+            and done.tokens == short_expected
+            and done.summary_or_empty().finish_reason == pb.FINISH_REASON_LENGTH
+        )
         # `long` grows into every block there is, then waits (visible in the metrics) until its deadline.
         await until(lambda: host.waiting_for_blocks == 1, timeout=30)
         assert scrape(pair.decode.shell.metrics_port)["hybrid_pd_requests_queued_for_blocks"] == 1

@@ -16,17 +16,15 @@ from tests.integration.services import stamp_engine as stamp
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
-async def generate(channel: grpc.aio.Channel, **fields: Any) -> tuple[list[int], str, dpb.GenerateSummary | None]:
-    got = await stream(channel, dpb.GenerateRequest(**fields), timeout=20)
-    return got.tokens, got.text, got.summary
-
-
 async def test_generate_moves_state_and_streams_tokens(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port, "--check-state")
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    ids, _, summary = await generate(channel_to(decode.port), prompt_token_ids=prompt, max_tokens=20, request_id="r1")
-    assert ids == stamp.expected_tokens(prompt, 20, decode.host.spec.vocab_size)
+    got = await stream(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=20, request_id="r1"), timeout=20
+    )
+    assert got.tokens == stamp.expected_tokens(prompt, 20, decode.host.spec.vocab_size)
+    summary = got.summary
     assert summary is not None
     assert summary.request_id == "r1"
     assert summary.generated_token_count == 20
@@ -54,9 +52,9 @@ async def test_caches_on_huge_pages_and_on_plain_pages_exchange_state(
     assert big and all(r.data_ptr() % (2 << 20) == 0 for r in big)
     assert any(r.data_ptr() % (2 << 20) for r in prefill.host.caches[0].regions)  # plain pages: 4 KiB aligned
     prompt = list(range(1, 40))
-    ids, _, summary = await generate(channel_to(decode.port), prompt_token_ids=prompt, max_tokens=3)
-    assert ids == stamp.expected_tokens(prompt, 3, decode.host.spec.vocab_size)
-    assert summary is not None and summary.state_verified
+    got = await stream(channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=3), timeout=20)
+    assert got.tokens == stamp.expected_tokens(prompt, 3, decode.host.spec.vocab_size)
+    assert got.summary is not None and got.summary.state_verified
 
 
 async def test_state_check_fails_on_wrong_bytes(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
@@ -71,7 +69,7 @@ async def test_state_check_fails_on_wrong_bytes(start_prefill: Any, start_decode
     prefill = await start_prefill()
     decode = await start_decode(prefill.port, "--check-state", engine=Corrupting)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(channel_to(decode.port), prompt_token_ids=[1, 2, 3], max_tokens=2)
+        await stream(channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2), timeout=20)
     failure = describe(err.value)
     assert failure.status == "DATA_LOSS", failure
     assert "differs" in failure.message
@@ -83,11 +81,13 @@ async def test_concurrent_requests(start_prefill: Any, start_decode: Any, channe
     decode = await start_decode(prefill.port, "--check-state")
     channel = channel_to(decode.port)
     prompts = [[i, i + 1, i + 2, (3 * i) % 200 + 1] * (1 + i % 3) for i in range(16)]
-    results = await asyncio.gather(*(generate(channel, prompt_token_ids=p, max_tokens=5) for p in prompts))
+    results = await asyncio.gather(
+        *(stream(channel, dpb.GenerateRequest(prompt_token_ids=p, max_tokens=5), timeout=20) for p in prompts)
+    )
     vocab = decode.host.spec.vocab_size
-    for prompt, (ids, _, summary) in zip(prompts, results):
-        assert ids == stamp.expected_tokens(prompt, 5, vocab)
-        assert summary is not None and summary.state_verified
+    for prompt, got in zip(prompts, results):
+        assert got.tokens == stamp.expected_tokens(prompt, 5, vocab)
+        assert got.summary is not None and got.summary.state_verified
     await _until(lambda: prefill.host.allocator.num_used == 0)
     assert decode.host.allocator.num_used == 0
     assert prefill.pins.ended["read"] == 16
@@ -96,10 +96,10 @@ async def test_concurrent_requests(start_prefill: Any, start_decode: Any, channe
 async def test_text_prompt_and_text_output(start_prefill: Any, start_decode: Any, channel_to: Any) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
-    ids, text, summary = await generate(channel_to(decode.port), prompt="héllo", max_tokens=8)
-    assert summary is not None and summary.prompt_token_count == len("héllo".encode())
-    assert ids == stamp.expected_tokens(list("héllo".encode()), 8, decode.host.spec.vocab_size)
-    assert text == bytes(ids).decode("utf-8", errors="replace")
+    got = await stream(channel_to(decode.port), dpb.GenerateRequest(prompt="héllo", max_tokens=8), timeout=20)
+    assert got.summary is not None and got.summary.prompt_token_count == len("héllo".encode())
+    assert got.tokens == stamp.expected_tokens(list("héllo".encode()), 8, decode.host.spec.vocab_size)
+    assert got.text == bytes(got.tokens).decode("utf-8", errors="replace")
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ async def test_bad_input_names_the_field(
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(channel_to(decode.port), **fields)
+        await stream(channel_to(decode.port), dpb.GenerateRequest(**fields), timeout=20)
     failure = describe(err.value)
     assert failure.status == "INVALID_ARGUMENT"
     assert failure.fields == (field,)

@@ -34,9 +34,9 @@ from decode_svc.session_client import SessionClient
 from prefill_svc import jobs
 from prefill_svc.app import PrefillApp
 from shared.engine.hf.colocated import colocated_generate
+from shared.observe import Step, tracing_into
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as dpb_grpc
-from shared.tracing import Step, tracing_into
 from shared.transport.agent import RankAgent
 from tests.integration.services.hf_services import generate_with, hf_pair
 from tests.unit.engine_hf.helpers import checkpoint, transformers_generate
@@ -50,7 +50,7 @@ MAX_TOKENS = 8
 
 
 class Marks:
-    """The step marks of the services in this process, in order (shared/tracing.py)."""
+    """The step marks of the services in this process, in order (shared/observe.py)."""
 
     def __init__(self) -> None:
         self.steps: list[str] = []

@@ -14,7 +14,7 @@ import pytest
 
 from hybridpd_tools.bench.local_pair import LocalPair, ServiceProcess, start_pair
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from tests.decode_stream import stream
+from tests.decode_stream import status_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -49,18 +49,9 @@ def wait_for_line(service: ServiceProcess, message: str, timeout: float = 30.0) 
     raise AssertionError(f"no log line {message!r} from {service.role}; last lines: {service.output[-5:]}")
 
 
-async def generate(pair: LocalPair, request: dpb.GenerateRequest) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(pair.decode.address) as channel:
-        try:
-            await stream(channel, request, timeout=30)
-        except grpc.aio.AioRpcError as e:
-            return e.code()
-    return grpc.StatusCode.OK
-
-
 def test_a_finished_request_is_one_json_line_with_its_numbers(pair: LocalPair) -> None:
     request = dpb.GenerateRequest(request_id="json-ok-1", prompt_token_ids=[1, 2, 3, 4], max_tokens=5)
-    assert asyncio.run(generate(pair, request)) == grpc.StatusCode.OK
+    assert asyncio.run(status_of(pair.decode.address, request, timeout=30)) == grpc.StatusCode.OK
     line = wait_for_line(pair.decode, "request json-ok-1 finished: OK")
     assert line["request_id"] == "json-ok-1" and line["level"] == "INFO" and line["status"] == "OK"
     assert line["service"] == "decode-svc" and line["engine_id"] == "json-decode"
@@ -79,7 +70,7 @@ def test_a_finished_request_is_one_json_line_with_its_numbers(pair: LocalPair) -
 
 def test_a_failed_request_logs_its_status_with_its_id(pair: LocalPair) -> None:
     request = dpb.GenerateRequest(request_id="json-bad-1", prompt_token_ids=[1, 2], max_tokens=1_000_000)
-    assert asyncio.run(generate(pair, request)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert asyncio.run(status_of(pair.decode.address, request, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
     line = wait_for_line(pair.decode, "request json-bad-1 finished: INVALID_ARGUMENT")
     assert line["request_id"] == "json-bad-1" and line["status"] == "INVALID_ARGUMENT"
     assert line["error"].startswith("max_tokens")

@@ -18,7 +18,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.status import describe
 from shared.runtime.engine_host import engine_factory_for
-from tests.decode_stream import stream
+from tests.decode_stream import generated
 from tests.integration.exactness.pair import all_freed, service_pair
 from tests.integration.services.checkpoint_checks import count_jobs
 
@@ -38,11 +38,6 @@ def local_prefills(app: DecodeApp, reason: str) -> float:
     return float(line.split()[-1])
 
 
-async def generate(stub: pb_grpc.DecodeServiceStub, prompt: list[int], max_tokens: int) -> tuple[list[int], pb.GenerateSummary]:
-    got = await stream(stub, pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens), timeout=60)
-    return got.tokens, got.summary_or_empty()
-
-
 async def test_a_decode_without_prefill_computes_plain_requests_and_off_refuses_them() -> None:
     settings = parse_settings("decode", [*COMMON, "--engine-id", "alone"], environ={})
     decode = await DecodeApp.start(settings, engine_factory_for("reference"))
@@ -51,7 +46,9 @@ async def test_a_decode_without_prefill_computes_plain_requests_and_off_refuses_
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
             stub = pb_grpc.DecodeServiceStub(channel)
             prompts = [prompt_of(5 + 7 * i, 30 + i) for i in range(4)]
-            got = await asyncio.gather(*(generate(stub, p, 9) for p in prompts))
+            got = await asyncio.gather(
+                *(generated(stub, pb.GenerateRequest(prompt_token_ids=p, max_tokens=9), timeout=60) for p in prompts)
+            )
         for prompt, (tokens, summary) in zip(prompts, got):
             assert tokens == colocated_generate(TINY_PRESETS[MODEL], prompt, 9)
             assert summary.prefilled_locally and summary.prefill_engine_id == "alone" and summary.prefill_target == ""
@@ -66,7 +63,11 @@ async def test_a_decode_without_prefill_computes_plain_requests_and_off_refuses_
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await generate(pb_grpc.DecodeServiceStub(channel), prompt_of(5), 3)
+                await generated(
+                    pb_grpc.DecodeServiceStub(channel),
+                    pb.GenerateRequest(prompt_token_ids=prompt_of(5), max_tokens=3),
+                    timeout=60,
+                )
         failure = describe(err.value)
         assert failure.status == "FAILED_PRECONDITION" and failure.reason == "NO_PREFILL_PEER", failure
         assert local_prefills(decode, "no_prefill_ready") == 0
@@ -76,14 +77,14 @@ async def test_a_decode_without_prefill_computes_plain_requests_and_off_refuses_
 
 async def test_requests_after_every_prefill_stopped_are_computed_on_decode() -> None:
     async with service_pair(MODEL, 1, 1) as pair:
-        before, summary = await generate(pair.stub, prompt_of(30), 6)
+        before, summary = await generated(pair.stub, pb.GenerateRequest(prompt_token_ids=prompt_of(30), max_tokens=6), timeout=60)
         assert not summary.prefilled_locally and summary.transfer.total_bytes > 0
         await pair.prefill.stop()
         peers = pair.decode.servicer.generation.peers
         while peers.any_ready:
             await asyncio.sleep(0.02)
         assert pair.decode.shell.health.ready  # a slowdown, not an outage
-        after, summary = await generate(pair.stub, prompt_of(30), 6)
+        after, summary = await generated(pair.stub, pb.GenerateRequest(prompt_token_ids=prompt_of(30), max_tokens=6), timeout=60)
         assert after == before == colocated_generate(TINY_PRESETS[MODEL], prompt_of(30), 6)
         assert summary.prefilled_locally and summary.transfer.total_bytes == 0
         assert local_prefills(pair.decode, "no_prefill_ready") == 1
@@ -95,7 +96,8 @@ async def test_prompts_below_the_threshold_never_go_to_prefill(monkeypatch: pyte
     async with service_pair(MODEL, 1, 1, extra_decode=["--local-prefill-below", "16"]) as pair:
         short, long = prompt_of(15), prompt_of(16)
         (got_short, s_short), (got_long, s_long) = await asyncio.gather(
-            generate(pair.stub, short, 5), generate(pair.stub, long, 5)
+            generated(pair.stub, pb.GenerateRequest(prompt_token_ids=short, max_tokens=5), timeout=60),
+            generated(pair.stub, pb.GenerateRequest(prompt_token_ids=long, max_tokens=5), timeout=60),
         )
         assert got_short == colocated_generate(TINY_PRESETS[MODEL], short, 5)
         assert got_long == colocated_generate(TINY_PRESETS[MODEL], long, 5)

@@ -15,7 +15,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.pb.hybridpd.v1 import layout_pb2 as lpb
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
-from tests.decode_stream import stream
+from tests.decode_stream import generated
 from tests.integration.services import stamp_engine as stamp
 from tests.waiting import until
 
@@ -50,11 +50,6 @@ async def hold_pins(channel: grpc.aio.Channel, decode_layout: lpb.EngineLayout) 
     return call
 
 
-async def generate(channel: grpc.aio.Channel, prompt: list[int]) -> tuple[list[int], str]:
-    got = await stream(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4), timeout=30)
-    return got.tokens, got.summary_or_empty().prefill_engine_id
-
-
 def reported_pins(decode: Any, port: int) -> int | None:
     peer = next(p for p in decode.peers.peers if p.target.endswith(f":{port}"))
     load = peer.session.load if peer.session is not None else None
@@ -77,9 +72,9 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
     for i in range(6):
         await until(lambda: reported_pins(decode, idle.port) == 0, timeout=10)  # our own last request is read
         prompt = [2 + i, 3, 4, 5]
-        tokens, engine = await generate(channel, prompt)
+        tokens, summary = await generated(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4), timeout=30)
         assert tokens == stamp.expected_tokens(prompt, 4, vocab)
-        served.append(engine)
+        served.append(summary.prefill_engine_id)
     assert served == ["idle-prefill"] * 6, served
 
     # Negative control: the same pair once the pins are gone alternates between the two.
@@ -90,9 +85,9 @@ async def test_requests_avoid_the_prefill_whose_cache_is_pinned(start_prefill: A
     for i in range(6):
         await until(lambda: reported_pins(decode, idle.port) == 0 and reported_pins(decode, busy.port) == 0, timeout=10)
         prompt = [2 + i, 3, 4, 5]
-        tokens, engine = await generate(channel, prompt)
+        tokens, summary = await generated(channel, dpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4), timeout=30)
         assert tokens == stamp.expected_tokens(prompt, 4, vocab)
-        served.append(engine)
+        served.append(summary.prefill_engine_id)
     assert sorted(set(served)) == ["busy-prefill", "idle-prefill"], served
     assert all(a != b for a, b in itertools.pairwise(served)), served  # idle pool: round-robin
     holder.cancel()

@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
-from tests.decode_stream import stream
+from tests.decode_stream import status_of
 from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -38,14 +38,6 @@ def exporter() -> Iterator[InMemorySpanExporter]:
     finally:
         spans.uninstall()
         provider.shutdown()
-
-
-async def generate(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = (), **fields: Any) -> grpc.StatusCode:
-    try:
-        await stream(channel, dpb.GenerateRequest(**fields), timeout=20, metadata=metadata)
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
 
 
 def by_name(finished: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
@@ -83,7 +75,11 @@ async def test_one_request_is_one_trace_across_both_services(
 ) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
-    code = await generate(channel_to(decode.port), prompt_token_ids=[5, 6, 7, 8, 9], max_tokens=4, request_id="traced-1")
+    code = await status_of(
+        channel_to(decode.port),
+        dpb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8, 9], max_tokens=4, request_id="traced-1"),
+        timeout=20,
+    )
     assert code == grpc.StatusCode.OK
     await until(lambda: prefill.pins.ended["read"] == 1)  # the release span ends with the pin
     finished = exporter.get_finished_spans()
@@ -126,7 +122,10 @@ async def test_two_requests_are_two_traces(
     decode = await start_decode(prefill.port)
     channel = channel_to(decode.port)
     for rid in ("a", "b"):
-        assert await generate(channel, prompt_token_ids=[1, 2, 3], max_tokens=2, request_id=rid) == grpc.StatusCode.OK
+        assert (
+            await status_of(channel, dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2, request_id=rid), timeout=20)
+            == grpc.StatusCode.OK
+        )
     finished = exporter.get_finished_spans()
     jobs = by_name(finished, spans.PREFILL_JOB)
     requests = by_name(finished, spans.GENERATE)
@@ -142,7 +141,9 @@ async def test_a_callers_traceparent_is_honoured(
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
     metadata = (("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"),)
-    code = await generate(channel_to(decode.port), metadata, prompt_token_ids=[1, 2, 3], max_tokens=2)
+    code = await status_of(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2), timeout=20, metadata=metadata
+    )
     assert code == grpc.StatusCode.OK
     finished = exporter.get_finished_spans()
     generate_span, job = one(finished, spans.GENERATE), one(finished, spans.PREFILL_JOB)
@@ -156,7 +157,9 @@ async def test_a_failed_request_is_a_failed_span(
 ) -> None:
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
-    code = await generate(channel_to(decode.port), prompt_token_ids=[1, 2, 3], max_tokens=0, request_id="bad")
+    code = await status_of(
+        channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=0, request_id="bad"), timeout=20
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     span = one(exporter.get_finished_spans(), spans.GENERATE)
     assert span.status.status_code == StatusCode.ERROR and "max_tokens" in (span.status.description or "")
@@ -176,7 +179,12 @@ async def test_with_tracing_off_there_are_no_spans(
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
     metadata = (("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"),)
-    assert await generate(channel_to(decode.port), metadata, prompt_token_ids=[1, 2, 3], max_tokens=2) == grpc.StatusCode.OK
+    assert (
+        await status_of(
+            channel_to(decode.port), dpb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2), timeout=20, metadata=metadata
+        )
+        == grpc.StatusCode.OK
+    )
     await until(lambda: prefill.pins.ended["read"] == 1)
     assert memory.get_finished_spans() == ()
     assert job_contexts == [{}]

@@ -8,7 +8,6 @@ import asyncio
 import json
 from typing import Any
 
-import grpc
 import pytest
 
 from hybridpd_tools.bench.local_pair import ServiceProcess, start_pair
@@ -31,18 +30,13 @@ def spans_of(service: ServiceProcess) -> list[dict[str, Any]]:
     return out
 
 
-async def generate(address: str) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
-        request = dpb.GenerateRequest(request_id="across-1", prompt_token_ids=[1, 2, 3, 4], max_tokens=3)
-        await stream(channel, request, timeout=30)
-
-
 def test_one_trace_spans_both_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     pair = asyncio.run(start_pair([*FLAGS, "--engine-id", "otel-prefill"], [*FLAGS, "--engine-id", "otel-decode"]))
     try:
-        asyncio.run(generate(pair.decode.address))
+        generate = dpb.GenerateRequest(request_id="across-1", prompt_token_ids=[1, 2, 3, 4], max_tokens=3)
+        asyncio.run(stream(pair.decode.address, generate, timeout=30))
     finally:
         assert pair.stop() == (0, 0)  # a clean exit exports what is still queued
     decode_spans, prefill_spans = spans_of(pair.decode), spans_of(pair.prefill)

@@ -12,6 +12,8 @@ from hybridpd_tools.bench.descids import SCHEMA as DESCIDS_SCHEMA
 from hybridpd_tools.bench.e2e import parse_levels
 from hybridpd_tools.bench.raw_memory import rank_device, region_buffer
 from hybridpd_tools.cli import bench_cmd
+from hybridpd_tools.cli.bench_cmd import e2e as bench_e2e
+from hybridpd_tools.cli.bench_cmd.running import command_line
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,18 +88,18 @@ def test_e2e_workloads_pick_their_engine_and_model() -> None:
     p = parser()
     default = p.parse_args(["bench", "e2e"])
     assert default.workload == "concurrency" and default.engine is None and default.model is None
-    bench_cmd._engine_and_model(default)
+    bench_e2e._engine_and_model(default)
     assert (default.engine, default.model) == ("reference", "tiny-mamba2")
     long = p.parse_args(["bench", "e2e", "--workload", "long-prompt", "--model", "CKPT"])
     assert long.prompt_lengths == (8192, 16384, 32768) and long.requests_per_length == 2
-    bench_cmd._engine_and_model(long)
+    bench_e2e._engine_and_model(long)
     assert (long.engine, long.model) == ("hf", "CKPT")  # a given model is kept
     chat = p.parse_args(["bench", "e2e", "--workload", "multi-turn", "--engine", "reference", "--prompt-lengths", "64,128"])
     assert (chat.turns, chat.conversations, chat.first_turn_tokens, chat.turn_tokens) == (4, 2, 2048, 256)
     assert chat.prompt_lengths == (64, 128)
-    bench_cmd._engine_and_model(chat)
+    bench_e2e._engine_and_model(chat)
     assert (chat.engine, chat.model) == ("reference", "tiny-mamba2")
-    assert bench_cmd._command("e2e", chat, bench_cmd.MULTI_TURN_FLAGS).startswith(
+    assert command_line("e2e", chat, bench_e2e.MULTI_TURN_FLAGS).startswith(
         "hybrid-pd bench e2e --workload multi-turn --model tiny-mamba2 --engine reference --turns 4"
     )
 

@@ -17,7 +17,7 @@ import pytest
 from hybridpd_tools.bench.control import PHASES, ControlConfig, format_control, run_control
 from hybridpd_tools.bench.control_trace import STEPS
 from hybridpd_tools.bench.transfer import TransferConfig, run_transfer
-from shared import tracing
+from shared import observe as tracing
 from shared.transport.owner_thread import OwnerThread
 
 

@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from opentelemetry.context import Context
 
 from shared.engine.paged.engine import PagedEngine, PagedPrefillRun
 from shared.engine.prefill_chunks import chunk_ends
+from shared.observe import BATCH_SIZE, TOKENS, Attributes, Observer, Sink, Stage, number
 from shared.runtime.compute_thread import ComputeThread
 from shared.runtime.prefill_loop import ChunkDone, PrefillLoop
 from tests.unit.engine_batched.helpers import BlockPool, paged_engine, prompt_of
@@ -19,14 +21,18 @@ from tests.unit.engine_batched.helpers import BlockPool, paged_engine, prompt_of
 FAMILY = "nemotron_h"
 
 
-class Steps:
+class Steps(Sink):
     """The loop under test, with every step's (chunks, tokens) recorded."""
 
     def __init__(self, engine: PagedEngine, budget: int) -> None:
         self.thread = ComputeThread("test-prefill")
         self.loop = PrefillLoop(engine, self.thread.submit, budget)
         self.seen: list[tuple[int, int]] = []
-        self.loop.on_step = lambda chunks, tokens, _: self.seen.append((chunks, tokens))
+        self.loop.observer = Observer(self)
+
+    def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
+        assert stage is Stage.PREFILL_STEP
+        self.seen.append((int(number(attributes, BATCH_SIZE)), int(number(attributes, TOKENS))))
 
     async def close(self) -> None:
         await self.loop.aclose()

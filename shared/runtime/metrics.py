@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import Counter, Gauge, ProcessCollector, start_http_server
+from prometheus_client import Gauge, ProcessCollector, start_http_server
 
+from shared.observe import Observer
 from shared.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -32,10 +33,6 @@ class ServiceMetrics:
         self.telemetry = Telemetry(role)
         self.registry = self.telemetry.registry
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_open_fds, ...
-        self.pins_ended = Counter(
-            "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -50,7 +47,7 @@ class ServiceMetrics:
         t.blocks_in_use.set_function(lambda: host.allocator.num_used)
         t.blocks_capacity.set_function(lambda: host.num_blocks)
         t.requests_queued_for_blocks.set_function(lambda: host.waiting_for_blocks)
-        host.on_queue_wait = t.queue_wait.observe
+        host.observer = Observer(t)
         self.gauge(
             "hybrid_pd_open_read_handles", "NIXL READ handles not released yet (in flight, or a cancel that failed)",
             lambda: sum(agent.live_xfers for agent in host.agents),
