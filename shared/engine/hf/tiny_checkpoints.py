@@ -208,7 +208,8 @@ def _config(family: str, size: str = "tiny", variant: str | None = None) -> Any:
     if variant is not None:
         if variant_family(variant) != family or size != "tiny":
             raise ValueError(f"variant {variant!r} is a tiny {VARIANTS[variant][0]} checkpoint, not a {size} {family} one")
-        return type(_config(family))(**(_config(family).to_dict() | VARIANTS[variant][1]))
+        base = _config(family)
+        return type(base)(**(base.to_dict() | VARIANTS[variant][1]))
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "small":

@@ -134,12 +134,9 @@ def _layer_kind(name: str) -> str:
 
 
 def _nemotron_experts(config: Any, w: Weights, p: str) -> list[Mlp]:
-    """The routed experts, stored one by one (`experts.{e}.up_proj.weight`, as published) or
-    stacked ([E, out, in] `experts.up_proj`, transformers' in-memory layout)."""
+    """The routed experts, stored one by one (`experts.{e}.up_proj.weight`, as published and as
+    transformers saves them)."""
     act = activation(config.mlp_hidden_act)
-    if w.has(p + "experts.up_proj"):
-        up, down = w.get(p + "experts.up_proj"), w.get(p + "experts.down_proj")
-        return [Mlp(up=up[e].contiguous(), down=down[e].contiguous(), act=act) for e in range(up.shape[0])]
     return [
         Mlp(up=w.get(f"{p}experts.{e}.up_proj.weight"), down=w.get(f"{p}experts.{e}.down_proj.weight"), act=act)
         for e in range(int(config.n_routed_experts))

@@ -17,8 +17,6 @@ from shared.engine.paged.tiles import linear
 
 
 class Router(Protocol):
-    top_k: int
-
     def __call__(self, h: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor]:
         """Weights [rows, top_k] (fp32) and expert ids [rows, top_k] of the rows of `h`."""
         ...
