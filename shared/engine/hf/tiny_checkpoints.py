@@ -13,6 +13,9 @@ checkpoint about 60 times heavier per token, for benchmarks: with the tiny one a
 costs so little that the few milliseconds of two extra network hops dominate any ratio.
 `size="bench64"` (nemotron_h only) is the checkpoint measured against vLLM
 (scripts/bench-vs-vllm.sh): attention heads of 64, a size vLLM's CPU attention runs (16 is not).
+
+`VARIANTS` are tiny checkpoints of a family with one config feature on top (Nemotron-H's routed
+experts, a scaled RoPE): `build_checkpoint(family, ..., variant=name)`.
 """
 
 from __future__ import annotations
@@ -89,6 +92,54 @@ def _moe() -> dict[str, Any]:
     return dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
+def _nemotron_moe(latent: int | None) -> dict[str, Any]:
+    """Routed experts in grouped top-k (4 groups of 2, the best 2 groups, 3 experts of them)."""
+    return dict(
+        layers_block_type=["mamba", "attention", "moe", "mamba", "moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        moe_latent_size=latent,
+        norm_topk_prob=latent is None,
+        routed_scaling_factor=2.5,
+    )
+
+
+def _rope(rope_type: str, partial: float, **params: Any) -> dict[str, Any]:
+    return dict(rope_parameters=dict(rope_type=rope_type, rope_theta=10000.0, partial_rotary_factor=partial, **params))
+
+
+# name -> (family, config fields set on top of the family's tiny config). The RoPE ones scale
+# positions well inside the prompts the tests run, so a scaling left out changes the logits.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "moe": ("nemotron_h", _nemotron_moe(None)),
+    "moe-latent": ("nemotron_h", _nemotron_moe(48)),
+    "rope-linear": ("bamba", _rope("linear", 0.5, factor=4.0)),
+    "rope-llama3": (
+        "bamba",
+        _rope("llama3", 0.5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+    ),
+    "rope-yarn": ("qwen3_5_text", _rope("yarn", 0.25, factor=4.0, original_max_position_embeddings=128)),
+    "rope-dynamic": ("bamba", _rope("dynamic", 0.5, factor=4.0)),
+    "rope-longrope": (
+        "qwen3_next",
+        _rope(
+            "longrope", 0.25, factor=4.0, short_factor=[1.0, 1.5], long_factor=[4.0, 8.0], original_max_position_embeddings=128
+        ),
+    ),
+}
+
+
+def variant_family(variant: str) -> str:
+    """The family a variant is a checkpoint of (ValueError naming the variants otherwise)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    return VARIANTS[variant][0]
+
+
 def _transformers() -> Any:
     """transformers, untyped (its signatures do not type-check under --strict); its progress bars
     ("Writing model shards") off and its logs through ours (shared/logs/third_party.py)."""
@@ -153,7 +204,12 @@ def _bench64_config(family: str) -> Any:
     )
 
 
-def _config(family: str, size: str = "tiny") -> Any:
+def _config(family: str, size: str = "tiny", variant: str | None = None) -> Any:
+    if variant is not None:
+        if variant_family(variant) != family or size != "tiny":
+            raise ValueError(f"variant {variant!r} is a tiny {VARIANTS[variant][0]} checkpoint, not a {size} {family} one")
+        base = _config(family)
+        return type(base)(**(base.to_dict() | VARIANTS[variant][1]))
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if size == "small":
@@ -249,6 +305,17 @@ def _long_memory(model: Any) -> None:
                 param.copy_(flat.log().reshape(param.shape))
 
 
+def _correction_bias(model: Any) -> None:
+    """Router correction biases of the size of the sigmoid scores they shift (transformers
+    initialises them to zero), so that routing without them picks other experts."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                n = buffer.numel()
+                spread = ((torch.arange(n) * 5) % n).to(torch.float32) / max(n - 1, 1)
+                buffer.copy_((0.8 * spread - 0.4).reshape(buffer.shape))
+
+
 def build_tokenizer(directory: str) -> None:
     """A small byte-level BPE (every byte is a token, so any text encodes) trained on a few
     sentences, with `CHAT_TEMPLATE`, saved so AutoTokenizer loads it offline."""
@@ -271,10 +338,11 @@ def build_tokenizer(directory: str) -> None:
     fast.save_pretrained(directory)
 
 
-def build_checkpoint(family: str, directory: str, *, seed: int = 0, size: str = "tiny") -> str:
-    """Write a random checkpoint of `family` and `size` into `directory` (created); returns it."""
+def build_checkpoint(family: str, directory: str, *, seed: int = 0, size: str = "tiny", variant: str | None = None) -> str:
+    """Write a random checkpoint of `family` and `size` (or of a tiny `variant` of it) into
+    `directory` (created); returns it."""
     tf = _transformers()
-    config = _config(family, size)
+    config = _config(family, size, variant)
     os.makedirs(directory, exist_ok=True)
     torch.manual_seed(seed)
     # The multimodal wrappers are saved as published (model_type qwen3_5 / qwen3_5_moe, language
@@ -282,6 +350,7 @@ def build_checkpoint(family: str, directory: str, *, seed: int = 0, size: str = 
     auto = tf.AutoModelForImageTextToText if family in ("qwen3_5", "qwen3_5_moe") else tf.AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     _long_memory(model)
+    _correction_bias(model)
     model.save_pretrained(directory)
     build_tokenizer(directory)
     tf.GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
@@ -298,23 +367,25 @@ def cache_root() -> str:
     return os.path.join(xdg, "hybrid-pd")
 
 
-def cached_checkpoint(family: str, *, seed: int = 0, root: str | None = None, size: str = "tiny") -> str:
-    """The checkpoint of `family` and `size`, made on first use and kept (keyed by `CHECKPOINT_FORMAT`
+def cached_checkpoint(
+    family: str, *, seed: int = 0, root: str | None = None, size: str = "tiny", variant: str | None = None
+) -> str:
+    """The checkpoint of `family` and `size` (or `variant`), made on first use and kept (keyed by `CHECKPOINT_FORMAT`
     and by the transformers version, whose save format may change). Built aside and renamed into
     place, so a run that is interrupted never leaves a half-written checkpoint behind."""
     import tempfile
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    _config(family, size)  # refuses a size the family is not made in, before anything is written
+    _config(family, size, variant)  # refuses a size the family is not made in, before anything is written
     base = os.path.join(root or cache_root(), "tiny-checkpoints")
-    sized = "" if size == "tiny" else f"-{size}"
+    sized = ("" if size == "tiny" else f"-{size}") + ("" if variant is None else f"-{variant}")
     directory = os.path.join(base, f"{family}{sized}-seed{seed}-v{CHECKPOINT_FORMAT}-transformers{_transformers().__version__}")
     if os.path.isfile(os.path.join(directory, "config.json")):
         return directory
     os.makedirs(base, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{family}-", dir=base)
-    build_checkpoint(family, staging, seed=seed, size=size)
+    build_checkpoint(family, staging, seed=seed, size=size, variant=variant)
     try:
         os.rename(staging, directory)
     except OSError:  # another run put it there first

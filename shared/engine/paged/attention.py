@@ -17,7 +17,9 @@ from shared.engine.paged.tiles import linear
 
 @dataclass
 class Rope:
-    """Rotary embedding on the first `dim` channels of each head (rotate-half convention)."""
+    """Rotary embedding on the first `dim` channels of each head (rotate-half convention).
+    Scaled RoPE types come in through `inv_freq` and `scaling`, the attention factor that
+    multiplies cos and sin (yarn's), both from transformers' initialisation (families.py)."""
 
     inv_freq: Tensor  # [dim / 2], fp32
     scaling: float = 1.0

@@ -18,7 +18,8 @@ from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import SSM_MIXERS, Layer, Model, Norm, Parallel, Sublayer
-from shared.engine.paged.support import ALL_HYBRID_FAMILIES
+from shared.engine.paged.routers import GroupedSigmoidRouter, SoftmaxRouter
+from shared.engine.paged.support import ALL_HYBRID_FAMILIES, PAGED_ROPE_TYPES, SEQUENCE_DEPENDENT_ROPE_TYPES, rope_type
 from shared.engine.paged.weights import Weights
 
 
@@ -28,14 +29,22 @@ class UnsupportedFamily(ValueError):
 
 def _rope(config: Any, head_dim: int, device: torch.device) -> Rope:
     params = dict(getattr(config, "rope_parameters", None) or {})
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise UnsupportedFamily(f"rope_type {kind!r} is not implemented by the paged engine (use --engine hf)")
-    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
-    dim = int(head_dim * factor)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
-    return Rope(inv_freq.to(device))
+    kind = rope_type(params)
+    if kind == "default":
+        base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        factor = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+        dim = int(head_dim * factor)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+        return Rope(inv_freq.to(device))
+    if kind not in PAGED_ROPE_TYPES:
+        reason = SEQUENCE_DEPENDENT_ROPE_TYPES.get(kind, "not implemented")
+        raise UnsupportedFamily(f"rope_type {kind!r} ({reason}) is not computed by the paged engine (use --engine hf)")
+    # transformers' own initialisation, called as the family's rotary embedding calls it: the
+    # same frequencies and attention factor as the hf engine by construction.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, device)
+    return Rope(inv_freq.to(device=device, dtype=torch.float32), scaling=float(attention_factor))
 
 
 def _attention(config: Any, w: Weights, prefix: str, *, rope: bool, scaling: float | None = None) -> Attention:
@@ -124,13 +133,52 @@ def _layer_kind(name: str) -> str:
     }.get(name, name)
 
 
+def _nemotron_experts(config: Any, w: Weights, p: str) -> list[Mlp]:
+    """The routed experts, stored one by one (`experts.{e}.up_proj.weight`, as published and as
+    transformers saves them)."""
+    act = activation(config.mlp_hidden_act)
+    return [
+        Mlp(up=w.get(f"{p}experts.{e}.up_proj.weight"), down=w.get(f"{p}experts.{e}.down_proj.weight"), act=act)
+        for e in range(int(config.n_routed_experts))
+    ]
+
+
+def _nemotron_moe(config: Any, w: Weights, p: str) -> Moe:
+    """transformers' NemotronHMoE: grouped sigmoid routing, non-gated experts (optionally in a
+    latent width), routed outputs weighed and summed in fp32, plus the shared experts."""
+    router = GroupedSigmoidRouter(
+        weight=w.get(p + "gate.weight", fp32=True),
+        correction_bias=w.get(p + "gate.e_score_correction_bias", fp32=True),
+        top_k=int(config.num_experts_per_tok),
+        num_groups=int(config.n_group),
+        topk_groups=int(config.topk_group),
+        normalize_topk=bool(config.norm_topk_prob),
+        scaling=float(config.routed_scaling_factor),
+    )
+    latent = getattr(config, "moe_latent_size", None) is not None
+    return Moe(
+        router=router,
+        experts=_nemotron_experts(config, w, p),
+        shared=Mlp(
+            up=w.get(p + "shared_experts.up_proj.weight"),
+            down=w.get(p + "shared_experts.down_proj.weight"),
+            act=activation(config.mlp_hidden_act),
+        ),
+        weights_in_fp32=True,
+        latent_in=w.get(p + "fc1_latent_proj.weight") if latent else None,
+        latent_out=w.get(p + "fc2_latent_proj.weight") if latent else None,
+    )
+
+
 def nemotron_h(config: Any, w: Weights) -> Model:
     eps = float(config.layer_norm_epsilon)
     layers = []
     kinds = [_layer_kind(k) for k in config.layers_block_type]
+    if getattr(config, "mlp_bias", False) and any(k in ("mlp", "moe") for k in kinds):
+        raise UnsupportedFamily("nemotron_h with mlp_bias is not implemented by the paged engine (use --engine hf)")
     for i, kind in enumerate(kinds):
         p = f"backbone.layers.{i}.mixer."
-        mixer: Attention | Mamba2 | Mlp
+        mixer: Attention | Mamba2 | Mlp | Moe
         if kind == "mamba":
             mixer = _mamba2(
                 w,
@@ -146,9 +194,9 @@ def nemotron_h(config: Any, w: Weights) -> Model:
         elif kind == "attention":
             mixer = _attention(config, w, p, rope=False)
         elif kind == "mlp":
-            if getattr(config, "mlp_bias", False):
-                raise UnsupportedFamily("nemotron_h with mlp_bias is not implemented by the paged engine (use --engine hf)")
             mixer = Mlp(up=w.get(p + "up_proj.weight"), down=w.get(p + "down_proj.weight"), act=activation(config.mlp_hidden_act))
+        elif kind == "moe":
+            mixer = _nemotron_moe(config, w, p)
         else:
             raise UnsupportedFamily(
                 f"nemotron_h layer kind {kind!r} (layer {i}) is not implemented by the paged engine (use --engine hf)"
@@ -241,13 +289,10 @@ def granitemoehybrid(config: Any, w: Weights) -> Model:
             experts = [
                 Mlp(up=up[e].contiguous(), down=down[e].contiguous(), act=act, fused_gate=True) for e in range(up.shape[0])
             ]
-            ffn = Moe(
-                router=w.get(p + "block_sparse_moe.router.layer.weight"),
-                experts=experts,
-                top_k=int(config.num_experts_per_tok),
-                softmax_after_topk=True,
-                shared=shared,
+            router = SoftmaxRouter(
+                w.get(p + "block_sparse_moe.router.layer.weight"), int(config.num_experts_per_tok), softmax_after_topk=True
             )
+            ffn = Moe(router=router, experts=experts, shared=shared)
         layers.append(
             Layer(
                 [
@@ -387,12 +432,10 @@ def jamba(config: Any, w: Weights) -> Model:
                 q = f"{p}feed_forward.experts.{e}."
                 up = torch.cat([w.get(q + "gate_proj.weight"), w.get(q + "up_proj.weight")])  # transformers fuses [gate | up]
                 experts.append(Mlp(up=up, down=w.get(q + "down_proj.weight"), act=act, fused_gate=True))
-            ffn = Moe(
-                router=w.get(p + "feed_forward.router.weight"),
-                experts=experts,
-                top_k=int(config.num_experts_per_tok),
-                softmax_after_topk=False,
+            router = SoftmaxRouter(
+                w.get(p + "feed_forward.router.weight"), int(config.num_experts_per_tok), softmax_after_topk=False
             )
+            ffn = Moe(router=router, experts=experts)
         else:
             ffn = _gated_mlp(w, p + "feed_forward.", act)
         layers.append(
@@ -451,12 +494,12 @@ def _qwen_moe(config: Any, w: Weights, p: str, act: Any, normalize: bool) -> Moe
         q = f"{p}experts.{e}."
         up = torch.cat([w.get(q + "gate_proj.weight"), w.get(q + "up_proj.weight")])  # transformers fuses [gate | up]
         experts.append(Mlp(up=up, down=w.get(q + "down_proj.weight"), act=act, fused_gate=True))
+    router = SoftmaxRouter(
+        w.get(p + "gate.weight"), int(config.num_experts_per_tok), softmax_after_topk=False, normalize_topk=normalize
+    )
     return Moe(
-        router=w.get(p + "gate.weight"),
+        router=router,
         experts=experts,
-        top_k=int(config.num_experts_per_tok),
-        softmax_after_topk=False,
-        normalize_topk=normalize,
         shared=_gated_mlp(w, p + "shared_expert.", act),
         shared_gate=w.get(p + "shared_expert_gate.weight"),
     )

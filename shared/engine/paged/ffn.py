@@ -1,8 +1,9 @@
 """Feed-forward blocks: plain and gated MLPs, and top-k mixtures of experts.
 
-Experts run on the rows routed to them, gathered per expert; in decode those row counts depend
-on the batch, so every expert matmul goes through `linear`'s tiles (tiles.py), and each token
-sums its experts' outputs in its own top-k order, which no other row changes.
+Experts run on the rows routed to them, gathered per expert (one pass per expert); in decode
+those row counts depend on the batch, so every expert matmul goes through `linear`'s tiles
+(tiles.py), and each token sums its experts' outputs in its own top-k order, which no other row
+changes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.routers import Router
 from shared.engine.paged.tiles import linear
 
 Activation = Callable[[Tensor], Tensor]
@@ -62,39 +64,38 @@ class Mlp:
 
 @dataclass
 class Moe:
-    """Top-k routed experts (softmax over the router logits, then top-k, or top-k then softmax)
-    plus optional shared experts (with an optional sigmoid gate, Qwen3-Next)."""
+    """Top-k routed experts (the `router` picks them, routers.py) plus optional shared experts
+    (with an optional sigmoid gate, Qwen3-Next). Nemotron-H weighs and sums the routed outputs in
+    fp32 and may run its experts in a smaller latent width (`latent_in`, `latent_out`)."""
 
-    router: Tensor  # [E, hidden]
+    router: Router
     experts: list[Mlp]
-    top_k: int
-    softmax_after_topk: bool  # Granite: softmax of the top-k logits; Jamba / Qwen: top-k of the softmax
-    normalize_topk: bool = False  # Qwen: renormalise the top-k probabilities
     shared: Mlp | None = None
     shared_gate: Tensor | None = None  # [1, hidden]
+    weights_in_fp32: bool = False
+    latent_in: Tensor | None = None  # [latent, hidden]
+    latent_out: Tensor | None = None  # [hidden, latent]
 
     def __call__(self, h: Tensor, *, invariant: bool) -> Tensor:
-        rows, dtype = h.shape[0], h.dtype
-        logits = linear(h, self.router, invariant=invariant).float()
-        if self.softmax_after_topk:
-            top, index = logits.topk(self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
-        else:
-            probs = torch.softmax(logits, dim=-1)
-            weights, index = probs.topk(self.top_k, dim=-1)
-            if self.normalize_topk:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, index = self.router(h, invariant=invariant)
+        x = h if self.latent_in is None else linear(h, self.latent_in, invariant=invariant)
         # Experts in id order per token, summed from zero, as transformers' index_add_ does.
         index, order = index.sort(dim=-1)
-        weights = weights.gather(-1, order).to(dtype)
-        outs = h.new_zeros((rows, self.top_k, h.shape[1]))
+        weights = weights.gather(-1, order)
+        if not self.weights_in_fp32:
+            weights = weights.to(h.dtype)
+        top_k = index.shape[1]
+        outs = x.new_zeros((x.shape[0], top_k, x.shape[1]), dtype=weights.dtype)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(index == e)
             if token.numel():
-                outs[token, slot] = expert(h[token], invariant=invariant) * weights[token, slot, None]
+                outs[token, slot] = expert(x[token], invariant=invariant) * weights[token, slot, None]
         out = outs[:, 0]
-        for k in range(1, self.top_k):
+        for k in range(1, top_k):
             out = out + outs[:, k]
+        out = out.to(h.dtype)
+        if self.latent_out is not None:
+            out = linear(out, self.latent_out, invariant=invariant)
         if self.shared is not None:
             s = self.shared(h, invariant=invariant)
             if self.shared_gate is not None:

@@ -39,19 +39,37 @@ def checkpoint_family(directory: str) -> str | None:
     return family if isinstance(family, str) else None
 
 
+# RoPE types whose frequencies the config fixes: the paged engine computes them with
+# transformers' own initialisation (families.py `_rope`).
+PAGED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+# RoPE types whose frequencies transformers changes with the running sequence length (the
+# longest position of the current forward, and for dynamic NTK the longest one it has seen in
+# any request): no per-request computation gives its bits, so these stay on the hf engine.
+SEQUENCE_DEPENDENT_ROPE_TYPES: dict[str, str] = {
+    "dynamic": "dynamic NTK scaling, whose frequencies follow the longest sequence length the model has run",
+    "longrope": "LongRoPE, whose short or long factors are chosen by the sequence length each forward reaches",
+}
+
+
+def rope_type(rope: dict[str, Any]) -> str:
+    """The rope_type of a config's rope_parameters / rope_scaling ("type" in older configs)."""
+    return str(rope.get("rope_type", rope.get("type")) or "default")
+
+
 def unsupported_feature(config: dict[str, Any]) -> str | None:
     """What in a config.json of a paged family the engine does not compute (None: nothing):
-    Nemotron-H's routed-expert layers, RoPE other than the default."""
+    RoPE whose frequencies depend on the running sequence length, or a rope type it lacks."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     assert isinstance(text, dict)
-    kinds = text.get("layers_block_type") or []
-    pattern = text.get("hybrid_override_pattern") or ""
-    if "moe" in kinds or "E" in str(pattern):
-        return "Nemotron-H mixture-of-experts layers"
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            return f"rope_type {rope.get('rope_type', rope.get('type'))!r}"
+        if not isinstance(rope, dict):
+            continue
+        kind = rope_type(rope)
+        if kind in SEQUENCE_DEPENDENT_ROPE_TYPES:
+            return f"{key} rope_type {kind!r} ({SEQUENCE_DEPENDENT_ROPE_TYPES[kind]})"
+        if kind not in PAGED_ROPE_TYPES:
+            return f"{key} rope_type {kind!r} (the paged engine computes {', '.join(PAGED_ROPE_TYPES)})"
     return None
 
 

@@ -1,7 +1,9 @@
 """Batch invariance of the paged engine's decode: a request's logits are the same bits alone
 and beside 1..63 other requests of other prompt lengths, at any place in the batch, step after
-step; and the negative control: with `batch_invariant=False` the same comparison finds a
-difference (one GEMM over the batch rounds differently with its row count)."""
+step, for every family and for the checkpoint variants it serves (Nemotron-H's routed experts,
+scaled RoPE); and the negative controls: with `batch_invariant=False`, or with only the routed
+experts' GEMMs untiled, the same comparison finds a difference (one GEMM rounds differently
+with its row count)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged import ffn
 from shared.engine.paged.families import SUPPORTED_FAMILIES
+from shared.engine.paged.tiles import TILE_ROWS
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
+from tests.unit.engine_batched.variants import PAGED_VARIANTS, ROUTED_VARIANTS
 
 BATCH_SIZES = (1, 2, 3, 7, 16, 33, 64)
 STEPS = 3
@@ -35,15 +41,45 @@ def _target_logits(directory: str, dtype: str, batch: int, invariant: bool) -> l
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
-def test_logits_do_not_depend_on_the_batch(family: str, dtype: str, hf_checkpoint: Callable[[str], str]) -> None:
-    directory = hf_checkpoint(family)
+def _assert_invariant(directory: str, dtype: str) -> None:
     alone = _target_logits(directory, dtype, 1, True)
     for batch in BATCH_SIZES[1:]:
         beside = _target_logits(directory, dtype, batch, True)
         for step, (a, b) in enumerate(zip(alone, beside)):
-            assert torch.equal(a, b), (family, dtype, batch, step)
+            assert torch.equal(a, b), (directory, dtype, batch, step)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_logits_do_not_depend_on_the_batch(family: str, dtype: str, hf_checkpoint: Callable[[str], str]) -> None:
+    _assert_invariant(hf_checkpoint(family), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", PAGED_VARIANTS)
+def test_routed_experts_and_scaled_rope_do_not_depend_on_the_batch(
+    variant: str, dtype: str, variant_checkpoint: Callable[[str], str]
+) -> None:
+    _assert_invariant(variant_checkpoint(variant), dtype)
+
+
+@pytest.mark.parametrize("variant", ROUTED_VARIANTS)
+def test_negative_control_experts_in_one_gemm_depend_on_their_other_rows(
+    variant: str, variant_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The feed-forward GEMMs untiled (ffn.linear: one GEMM over the rows each call gets): the
+    target's logits then depend on which requests share its step. A step of at most TILE_ROWS
+    requests is padded to TILE_ROWS rows, so the shared experts and latent projections see one
+    shape whatever the batch: only the routed experts, whose row counts follow the batch, can
+    make the difference (these variants have no dense MLP layer)."""
+    directory = variant_checkpoint(variant)
+    monkeypatch.setattr(ffn, "linear", lambda x, w, b=None, *, invariant=False: F.linear(x, w, b))
+    alone = _target_logits(directory, "fp32", 1, True)
+    differs = []
+    for batch in (2, 7, TILE_ROWS):
+        beside = _target_logits(directory, "fp32", batch, True)
+        differs.append(any(not torch.equal(a, b) for a, b in zip(alone, beside)))
+    assert any(differs), "untiled expert GEMMs gave every batch the same bits: the invariance test could not fail"
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)

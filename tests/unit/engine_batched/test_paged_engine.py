@@ -166,15 +166,45 @@ def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callabl
     assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
 
 
-def test_checkpoints_with_features_it_lacks_default_to_hf(tmp_path: Path) -> None:
+def test_routed_experts_and_fixed_rope_types_are_served(tmp_path: Path) -> None:
     from shared.engine.paged.support import paged_serves, unsupported_feature
 
-    assert unsupported_feature({"model_type": "nemotron_h", "layers_block_type": ["mamba", "moe"]}) is not None
-    assert unsupported_feature({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}) is not None
-    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "yarn"}}) == "rope_type 'yarn'"
-    assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "default"}}) is None
+    assert unsupported_feature({"model_type": "nemotron_h", "layers_block_type": ["mamba", "moe"]}) is None
+    assert unsupported_feature({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}) is None
+    for kind in ("default", "linear", "llama3", "yarn"):
+        assert unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": kind}}) is None
+        assert unsupported_feature({"model_type": "bamba", "rope_scaling": {"type": kind}}) is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*"}))
-    assert not paged_serves(str(tmp_path))
+    assert paged_serves(str(tmp_path))
+
+
+def test_rope_that_follows_the_sequence_length_defaults_to_hf(variant_checkpoint: Callable[[str], str]) -> None:
+    """Dynamic NTK and LongRoPE change their frequencies with the running sequence length: named
+    precisely, left to the hf engine by default, refused by the paged one; the hf engine runs them."""
+    from shared.config.settings import default_engine
+    from shared.engine.hf.tiny_checkpoints import VARIANTS
+    from shared.engine.paged.support import paged_serves, unsupported_feature
+    from tests.unit.engine_batched.variants import HF_ONLY_VARIANTS, PAGED_VARIANTS
+    from tests.unit.engine_hf.helpers import blocks_for
+    from tests.unit.engine_hf.helpers import engine as hf_engine
+
+    assert sorted(PAGED_VARIANTS + HF_ONLY_VARIANTS) == sorted(VARIANTS)
+    dynamic = unsupported_feature({"model_type": "bamba", "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    assert dynamic is not None and dynamic.startswith("rope_scaling rope_type 'dynamic' (dynamic NTK")
+    longrope = unsupported_feature({"model_type": "qwen3_next", "rope_parameters": {"rope_type": "longrope"}})
+    assert longrope is not None and longrope.startswith("rope_parameters rope_type 'longrope' (LongRoPE")
+    other = unsupported_feature({"model_type": "bamba", "rope_parameters": {"rope_type": "proportional"}})
+    assert other == "rope_parameters rope_type 'proportional' (the paged engine computes default, linear, llama3, yarn)"
+    for variant in HF_ONLY_VARIANTS:
+        directory = variant_checkpoint(variant)
+        assert not paged_serves(directory) and default_engine(directory) == "hf"
+        kind = variant.removeprefix("rope-")
+        with pytest.raises(UnsupportedFamily, match=rf"rope_type '{kind}' \(.*sequence.*\).*--engine hf"):
+            PagedCheckpoint(directory, dtype="fp32")
+        engine = hf_engine(directory, 1)
+        prompt = prompt_of(9)
+        first = engine.prefill(prompt, blocks_for(engine.layout, len(prompt)))
+        assert first is not None and 0 <= first < engine.checkpoint.vocab_size
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "jamba", "qwen3_5"])

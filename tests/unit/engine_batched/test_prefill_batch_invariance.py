@@ -1,6 +1,7 @@
 """Batch invariance of the paged engine's prefill: a prompt's state in its blocks, its last
 logits and its first token are the same bits computed alone and beside other prompts' chunks in
-one forward (`prefill_batch`), at any place in the step, chunk after chunk; and the negative
+one forward (`prefill_batch`), at any place in the step, chunk after chunk, for every family and
+the checkpoint variants it serves; and the negative
 control: with `batch_invariant=False` (the chunks packed, one GEMM over them) the same
 comparison finds a difference."""
 
@@ -20,6 +21,7 @@ from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import PrefillChunk, RequestBlocks
 from tests.unit.engine_batched.helpers import BlockPool, paged_engine, prompt_of
+from tests.unit.engine_batched.variants import PAGED_VARIANTS
 
 CHUNK = 16  # --prefill-chunk-tokens: the target's 41 tokens take three steps
 TARGET = prompt_of(41, salt=99)
@@ -57,18 +59,29 @@ def _target(directory: str, dtype: str, others: int, invariant: bool) -> tuple[l
     return _state(engine, blocks[at], n), target.last_logits.clone(), firsts[at]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
-def test_prefill_does_not_depend_on_the_batch(family: str, dtype: str, hf_checkpoint: Callable[[str], str]) -> None:
-    directory = hf_checkpoint(family)
+def _assert_invariant(directory: str, dtype: str) -> None:
     state, logits, first = _target(directory, dtype, 0, True)
     for others in (1, 2, 6, 17):
         b_state, b_logits, b_first = _target(directory, dtype, others, True)
-        assert b_first == first, (family, dtype, others)
-        assert torch.equal(b_logits, logits), (family, dtype, others)
+        assert b_first == first, (directory, dtype, others)
+        assert torch.equal(b_logits, logits), (directory, dtype, others)
         assert len(b_state) == len(state)
         for i, (a, b) in enumerate(zip(state, b_state)):
-            assert torch.equal(a, b), (family, dtype, others, i)
+            assert torch.equal(a, b), (directory, dtype, others, i)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_prefill_does_not_depend_on_the_batch(family: str, dtype: str, hf_checkpoint: Callable[[str], str]) -> None:
+    _assert_invariant(hf_checkpoint(family), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", PAGED_VARIANTS)
+def test_prefill_with_routed_experts_and_scaled_rope_does_not_depend_on_the_batch(
+    variant: str, dtype: str, variant_checkpoint: Callable[[str], str]
+) -> None:
+    _assert_invariant(variant_checkpoint(variant), dtype)
 
 
 def test_alone_equals_the_engines_own_prefill(hf_checkpoint: Callable[[str], str]) -> None:
