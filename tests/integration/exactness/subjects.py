@@ -33,10 +33,11 @@ class Subject:
     engine: str  # "reference" or "paged"
     name: str  # a tiny preset (reference) or a checkpoint family (paged)
     prefill_chunk_tokens: int = 0  # prefill's --prefill-chunk-tokens (0: one forward)
+    at_boundary: Boundary | None = None  # --boundary on both sides (None: the engine's default)
 
     @property
     def id(self) -> str:
-        return f"{self.engine}-{self.name}"
+        return f"{self.engine}-{self.name}" + (f"-{self.at_boundary}" if self.at_boundary else "")
 
     @property
     def model(self) -> str:
@@ -49,12 +50,18 @@ class Subject:
 
     @property
     def boundary(self) -> Boundary:
-        """The engine's default boundary, which the suites run at."""
-        return "n-1" if self.engine == "reference" else "full"
+        """The boundary both services run at: as set, else the engine's default."""
+        return self.at_boundary or ("n-1" if self.engine == "reference" else "full")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Both services' flags."""
+        return ("--boundary", self.at_boundary) if self.at_boundary else ()
 
     @property
     def prefill_flags(self) -> tuple[str, ...]:
-        return ("--prefill-chunk-tokens", str(self.prefill_chunk_tokens)) if self.prefill_chunk_tokens else ()
+        chunks = ("--prefill-chunk-tokens", str(self.prefill_chunk_tokens)) if self.prefill_chunk_tokens else ()
+        return (*self.flags, *chunks)
 
     def computed(self, prompt_len: int) -> int:
         """Prompt tokens prefill computes (and decode READs) for a prompt of `prompt_len`."""
@@ -88,7 +95,14 @@ async def _expected(subject: Subject, prompt: tuple[int, ...], max_tokens: int) 
     key = (subject, prompt, max_tokens)
     if key not in _PAGED_RUNS:
         _PAGED_RUNS[key] = tuple(
-            await colocated_tokens("paged", subject.model, prompt, max_tokens, prefill_chunk_tokens=subject.prefill_chunk_tokens)
+            await colocated_tokens(
+                "paged",
+                subject.model,
+                prompt,
+                max_tokens,
+                prefill_chunk_tokens=subject.prefill_chunk_tokens,
+                boundary=subject.boundary,
+            )
         )
     return _PAGED_RUNS[key]
 
@@ -116,7 +130,7 @@ async def subject_pair(
         decode_tp,
         engine=subject.engine,
         extra_prefill=[*subject.prefill_flags, *extra_prefill],
-        extra_decode=extra_decode,
+        extra_decode=[*subject.flags, *extra_decode],
         **kwargs,
     ) as pair:
         yield pair
