@@ -639,7 +639,7 @@ class Generation:
             await self.reuse.verify(compute.run, req, reused, local)
             digest_check_seconds = time.monotonic() - checking
         if self.check_state:
-            await self.checks.recompute(compute.run, req.prompt, num_computed, local)
+            await self.checks.recompute(compute.run, req.prompt, num_computed, local, link)
         await self.reuse.keep_state(compute.run, req, transfer, local, reused, first_token)
         forks = (manifest.fork_first_tokens, manifest.fork_first_logprobs)
         async for chunk in self._steps(req, num_computed, local, compute, out, first_token, forks):

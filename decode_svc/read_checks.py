@@ -56,9 +56,11 @@ class StateChecks:
             reason="DIGEST_MISMATCH",
         )
 
-    async def recompute(self, run: Compute, prompt: list[int], num_computed: int, local: RequestBlocks) -> None:
-        """--check-state: the state in `local` against decode's own computation of the prompt."""
-        mismatches = await run(lambda: self.host.engine.check_state(prompt, num_computed, local))
+    async def recompute(self, run: Compute, prompt: list[int], num_computed: int, local: RequestBlocks, link: PeerLink) -> None:
+        """--check-state: the state in `local` against decode's own computation of the prompt, in
+        the chunks `link`'s prefill engine computed it in (they decide the bits of some engines)."""
+        chunk = link.remote.prefill_chunk_tokens
+        mismatches = await run(lambda: self.host.engine.check_state(prompt, num_computed, local, chunk_tokens=chunk))
         if mismatches:
             shown = "; ".join(mismatches[:5])
             raise DataLoss(f"transferred state differs from prefill's in {len(mismatches)} places: {shown}")

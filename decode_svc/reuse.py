@@ -290,7 +290,7 @@ class DecodeReuse:
         if self.host.verify_transfer:
             await self.verify(run, req, reused, local)
         if self.checks.check_state:
-            await self.checks.recompute(run, req.prompt, state.computed, local)
+            await self.checks.recompute(run, req.prompt, state.computed, local, link)
         digest_check_seconds = time.monotonic() - checking
         if self.telemetry is not None:
             self.telemetry.prefix_state_saved_bytes.inc(state.saved_bytes)

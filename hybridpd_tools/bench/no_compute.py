@@ -52,5 +52,7 @@ class NoComputeEngine:
     ) -> DecodeSession:
         return _NoComputeSession()
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
         return []

@@ -101,9 +101,14 @@ class Engine(Protocol):
         boundary `first_token` is the token prefill sampled: the first step feeds it."""
         ...
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
         """Describe every mismatch between the state in `blocks` and what prefill must have written
-        (the synthetic engine compares every byte; the reference engine recomputes). Empty = exact."""
+        (the synthetic engine compares every byte; the reference engine recomputes). Empty = exact.
+        `chunk_tokens`: the chunks prefill computed the prompt in (its handshake's
+        prefill_chunk_tokens, 0: one forward; None: this engine's own): an engine whose bits depend
+        on the chunking (hf, paged) recomputes in the same chunks."""
         ...
 
 

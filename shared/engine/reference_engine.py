@@ -147,8 +147,11 @@ class ReferenceEngine:
             raise ValueError("first_token: this engine runs the n-1 boundary only (decode computes the last prompt token)")
         return ReferenceDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling)
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
-        """Recompute the prefix on a dense store and compare the unsharded state byte for byte."""
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
+        """Recompute the prefix on a dense store and compare the unsharded state byte for byte
+        (a per-token step loop: any chunking, the same bits)."""
         store = self._store(blocks)
         dense = self.model.new_store()
         self.model.prefill(list(prompt[:num_computed]), dense)

@@ -145,7 +145,9 @@ class SyntheticEngine:
             raise ValueError("temperature: the synthetic engine decodes greedily only (it has no logits)")
         return SyntheticDecodeSession(self, prompt, num_computed, blocks, ensure_capacity)
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
         store = PagedStateStore(self.layout, self.ranks, blocks)
         problems = store.replica_mismatches(num_computed)
         for layer in self.spec.attention_layers:

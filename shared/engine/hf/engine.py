@@ -125,12 +125,15 @@ class HfEngine:
         return PagedStateStore(self.layout, self.ranks, blocks)
 
     # --- prefill ------------------------------------------------------------------------
-    def compute_prefix(self, prompt: Sequence[int], length: int) -> tuple[HfState, Tensor | None]:
-        """One forward over prompt[:length] on a fresh cache: its state and last logits."""
+    def compute_prefix(self, prompt: Sequence[int], length: int, *, chunk_tokens: int = 0) -> tuple[HfState, Tensor | None]:
+        """prompt[:length] on a fresh cache, in one forward (or one per chunk of `chunk_tokens`,
+        as a chunked prefill runs): its state and last logits."""
         cache = self.checkpoint.new_cache()
         if length == 0:
             return HfState(0, {}, {}), None
-        logits = self.checkpoint.forward(prompt[:length], 0, cache)
+        logits, start = None, 0
+        for end in chunk_ends(0, length, chunk_tokens):
+            logits, start = self.checkpoint.forward(prompt[start:end], start, cache), end
         return extract_state(cache, self.spec, length), logits
 
     def prefill(self, prompt: Sequence[int], blocks: RequestBlocks, sampling: SamplingParams = GREEDY) -> int | None:
@@ -174,10 +177,14 @@ class HfEngine:
     ) -> HfDecodeSession:
         return HfDecodeSession(self, prompt, num_computed, self._store(blocks), ensure_capacity, sampling, first_token)
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
-        """Recompute the prefix and compare it with the state in `blocks`, at the blocks' precision."""
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
+        """Recompute the prefix in prefill's chunks and compare it with the state in `blocks`, at
+        the blocks' precision."""
         store = self._store(blocks)
-        expected, _ = self.compute_prefix(prompt, num_computed)
+        chunk = self.exact_chunk_tokens if chunk_tokens is None else chunk_tokens
+        expected, _ = self.compute_prefix(prompt, num_computed, chunk_tokens=chunk or 0)
         dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
         got = read_state(store, self.spec, num_computed, dtypes)
         problems = store.replica_mismatches(num_computed)

@@ -262,13 +262,17 @@ class PagedEngine:
         return out
 
     @torch.no_grad()
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
-        """Recompute the prefix and compare it with the state in `blocks`, at the blocks' precision."""
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
+        """Recompute the prefix in prefill's chunks and compare it with the state in `blocks`, at
+        the blocks' precision."""
         pin_intra_op_threads(1)
         store = self._store(blocks)
         expected = _CapturingStore(self.layout, self.ranks, blocks)
         carried: SsmStates = {}
-        ends = chunk_ends(0, num_computed, self.exact_chunk_tokens or 0)
+        tokens_per_chunk = self.exact_chunk_tokens if chunk_tokens is None else chunk_tokens
+        ends = chunk_ends(0, num_computed, tokens_per_chunk or 0)
         for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
             chunk = ChunkInput(prompt[begin:end], begin, expected, carried, end == num_computed)
             carried = self.model.forward_chunks([chunk], invariant=self.batch_invariant)[0].states

@@ -72,7 +72,7 @@ async def service_pair(
         "WARNING",
     ]
     prefill_settings = parse_settings("prefill", [*common, "--tp", str(prefill_tp), *extra_prefill], environ={})
-    prefill = await PrefillApp.start(prefill_settings, engine_factory_for(engine))
+    prefill = await PrefillApp.start(prefill_settings, engine_factory_for(engine, prefill_settings))
     try:
         decode_settings = parse_settings(
             "decode",
@@ -84,7 +84,7 @@ async def service_pair(
             ],
             environ={},
         )
-        decode = await DecodeApp.start(decode_settings, decode_factory or engine_factory_for(engine))
+        decode = await DecodeApp.start(decode_settings, decode_factory or engine_factory_for(engine, decode_settings))
         try:
             await decode.wait_ready(30)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:

@@ -7,6 +7,10 @@ lengths 1, 2, 3, bs-1, bs, bs+1 and 2bs+5 (bs: the prefill block size) concurren
 past a decode block boundary; the tokens must equal a colocated run of the same model, and the
 decode service checks that the state it read equals the state prefill computed. Negative controls
 corrupt the state the decode engine reads after the transfer and must change the tokens.
+
+The paged engine (the batched one) runs the same check on a tiny nemotron_h checkpoint at both
+boundaries, at one TP pair each whose block sizes differ (32 tokens at TP 1 and 2, 16 at TP 4),
+against the paged colocated runner; its negative control zeroes the SSM state decode received.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import grpc
 import pytest
 
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
+from shared.engine.paged.engine import PagedEngine
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.protocol import DecodeSession, EnsureCapacity, RequestBlocks
 from shared.engine.reference.colocated import colocated_generate
@@ -33,6 +39,7 @@ from shared.layout.plan import ByteRead, TransferPlan, build_plan
 from shared.layout.presets import TINY_PRESETS
 from shared.rpc import compat
 from tests.integration.exactness.pair import service_pair
+from tests.integration.exactness.subjects import Subject, subject_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -49,8 +56,8 @@ def expected(model: str, length: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(colocated_generate(TINY_PRESETS[model], prompt_of(length), max_tokens))
 
 
-def matrix_lengths(model: str, prefill_tp: int) -> list[int]:
-    bs = build_engine_layout(TINY_PRESETS[model], prefill_tp).block_size
+def matrix_lengths(subject: Subject, prefill_tp: int) -> list[int]:
+    bs = build_engine_layout(subject.spec, prefill_tp).block_size
     return [1, 2, 3, bs - 1, bs, bs + 1, 2 * bs + 5]
 
 
@@ -58,7 +65,18 @@ def matrix_lengths(model: str, prefill_tp: int) -> list[int]:
 @pytest.mark.parametrize("prefill_tp,decode_tp", TP_PAIRS, ids=[f"P{p}-D{d}" for p, d in TP_PAIRS])
 @pytest.mark.parametrize("model", sorted(TINY_PRESETS))
 async def test_disaggregated_tokens_equal_colocated(model: str, prefill_tp: int, decode_tp: int) -> None:
-    await assert_tokens_equal_colocated(model, prefill_tp, decode_tp)
+    await assert_tokens_equal_colocated(Subject("reference", model), prefill_tp, decode_tp)
+
+
+PAGED_CASES = [(Subject("paged", "nemotron_h"), 2, 4), (Subject("paged", "nemotron_h", at_boundary="n-1"), 4, 1)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "subject,prefill_tp,decode_tp", PAGED_CASES, ids=[f"{s.engine}-{s.name}-{s.boundary}-P{p}-D{d}" for s, p, d in PAGED_CASES]
+)
+async def test_paged_disaggregated_tokens_equal_colocated(subject: Subject, prefill_tp: int, decode_tp: int) -> None:
+    await assert_tokens_equal_colocated(subject, prefill_tp, decode_tp)
 
 
 # Two SSM groups at TP 8: each group's B/C on 4 decode (or prefill) ranks; the matrix above
@@ -69,18 +87,18 @@ GROUP_PAIRS = [(4, 8), (8, 2)]
 @pytest.mark.asyncio
 @pytest.mark.parametrize("prefill_tp,decode_tp", GROUP_PAIRS, ids=[f"P{p}-D{d}" for p, d in GROUP_PAIRS])
 async def test_groups_replicated_at_tp8_equal_colocated(prefill_tp: int, decode_tp: int) -> None:
-    await assert_tokens_equal_colocated("tiny-mamba2-g2", prefill_tp, decode_tp)
+    await assert_tokens_equal_colocated(Subject("reference", "tiny-mamba2-g2"), prefill_tp, decode_tp)
 
 
-async def assert_tokens_equal_colocated(model: str, prefill_tp: int, decode_tp: int) -> None:
-    max_tokens = build_engine_layout(TINY_PRESETS[model], decode_tp).block_size + 2
-    lengths = matrix_lengths(model, prefill_tp)
-    async with service_pair(model, prefill_tp, decode_tp, extra_decode=["--check-state"]) as pair:
+async def assert_tokens_equal_colocated(subject: Subject, prefill_tp: int, decode_tp: int) -> None:
+    max_tokens = build_engine_layout(subject.spec, decode_tp).block_size + 2
+    lengths = matrix_lengths(subject, prefill_tp)
+    async with subject_pair(subject, prefill_tp, decode_tp, extra_decode=["--check-state"]) as pair:
         results = await asyncio.gather(*(pair.generate(prompt_of(n), max_tokens) for n in lengths))
     for n, got in zip(lengths, results):
         assert got.summary.state_verified, f"prompt of {n}: decode did not verify the transferred state"
-        assert got.summary.num_transferred_tokens == n - 1
-        assert tuple(got.token_ids) == expected(model, n, max_tokens), f"prompt of {n} tokens"
+        assert got.summary.num_transferred_tokens == subject.computed(n)
+        assert got.token_ids == await subject.expected(prompt_of(n), max_tokens), f"prompt of {n} tokens"
 
 
 class CorruptingEngine(ReferenceEngine):
@@ -117,6 +135,26 @@ async def test_negative_controls_change_disaggregated_tokens(control: str) -> No
     async with service_pair(model, 2, 4, decode_factory=factory) as pair:
         got = await pair.generate(prompt_of(length), max_tokens)
     assert tuple(got.token_ids) != expected(model, length, max_tokens), f"{control} did not change the tokens"
+
+
+@pytest.mark.asyncio
+async def test_paged_zeroed_ssm_state_changes_disaggregated_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paged negative control: decode's engine starts from a zeroed SSM state instead of the
+    one it READ (TEST-ONLY, as a broken transfer would); the tokens must change."""
+    subject, length, max_tokens = PAGED_CASES[0][0], 20, 12
+    start_decode = PagedEngine.start_decode
+
+    def zeroing(self: PagedEngine, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *a: Any, **kw: Any) -> Any:
+        PagedStateStore(self.layout, self.ranks, blocks).reset_ssm()
+        return start_decode(self, prompt, num_computed, blocks, *a, **kw)
+
+    want = await subject.expected(prompt_of(length), max_tokens)
+    async with subject_pair(subject, 2, 4) as pair:
+        healthy = await pair.generate(prompt_of(length), max_tokens)
+        monkeypatch.setattr(PagedEngine, "start_decode", zeroing)
+        zeroed = await pair.generate(prompt_of(length), max_tokens)
+    assert healthy.token_ids == want
+    assert zeroed.token_ids != want, "a zeroed SSM state did not change the tokens"
 
 
 def other_group_plan(plan: TransferPlan) -> TransferPlan:

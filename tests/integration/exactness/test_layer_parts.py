@@ -36,6 +36,7 @@ from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.multi_turn import random_tokens, run_turns
 from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
+from tests.integration.exactness.subjects import Subject
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -303,7 +304,7 @@ async def test_multi_turn_with_the_prefix_cache_in_layer_parts_equals_colocated(
     moved: dict[int, list[tuple[int, int, int, int]]] = {}
     for layer_parts in (0, 3):
         async with service_pair(model, 1, 1, extra_prefill=flags(layer_parts), extra_decode=cache) as pair:
-            results = await run_turns(pair, model, random_tokens(11, 70), 100, 4, seed=11)
+            results = await run_turns(pair, Subject("reference", model), random_tokens(11, 70), 100, 4, seed=11)
         moved[layer_parts] = [
             (
                 r.summary.prefix_cached_tokens,

@@ -3,8 +3,9 @@ together: multi-turn conversations whose turns come in manifest parts that cover
 tokens after the cached prefix (the first part starts at `skipped_prompt_tokens`), each part's
 READ moving just its own K/V.
 
-Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), reference
-engine. Every turn's tokens equal the colocated run bit for bit, with digests and the recompute
+Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), the reference
+engine, and the paged engine (nemotron_h in chunks of 16, a size whose prefix K/V is stable in
+whole chunks: `subjects.PAGED`). Every turn's tokens equal the colocated run bit for bit, with digests and the recompute
 check on; every turn's READ count is its parts times the rank pairs, its attention bytes only
 those after the cached prefix; at the end prefill holds no block or pin and decode only the
 cache's blocks (none once the cache gives them up). A prefill that ignores the cached count
@@ -32,14 +33,18 @@ from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as prefill_pb
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens, run_turns
-from tests.integration.exactness.pair import RunningPair, service_pair
+from tests.integration.exactness.pair import RunningPair
+from tests.integration.exactness.subjects import PAGED, REFERENCE, Subject, subject_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 CHUNK = 20  # smaller than every tiny block: some chunks complete no block
 # The prefix cache alone: state checkpoints (on by default with it) off, so every turn READs.
 CACHE = ["--prefix-cache-blocks", "64", "--prefix-cache-states", "0", "--check-state"]
-CHUNKS = ["--prefill-chunk-tokens", str(CHUNK)]
+# Every subject prefills in chunks smaller than a block: the reference engine in CHUNK (any size
+# keeps its prefix stable), the paged one in its own (whole chunks only are stable).
+SUBJECTS = [REFERENCE.in_chunks_of(CHUNK), PAGED]
+IDS = [s.id for s in SUBJECTS]
 
 
 def _pairs_read(pair: RunningPair) -> int:
@@ -49,41 +54,49 @@ def _pairs_read(pair: RunningPair) -> int:
 
 
 async def _only_the_cache_holds_blocks(pair: RunningPair) -> bool:
-    """Prefill holds no block or pin, decode only its prefix cache's blocks (polled: the last
-    notifications and decode's cleanup may land just after the last response)."""
+    """Prefill holds no pin and no block but its kept chunk boundaries' (the paged engine's
+    prefix reuse on prefill; none on the reference engine), decode only its prefix cache's blocks
+    (polled: the last notifications and decode's cleanup may land just after the last response)."""
     cache = pair.decode.servicer.generation.reuse.prefix
+    boundaries = pair.prefill.servicer.runner.boundaries
     for _ in range(1000):
-        prefill_idle = not (pair.prefill.host.allocator.num_used or len(pair.prefill.pins))
+        prefill_idle = not len(pair.prefill.pins) and pair.prefill.host.allocator.num_used == boundaries.num_blocks
         if prefill_idle and pair.decode.host.allocator.num_used == cache.num_blocks:
             return True
         await asyncio.sleep(0.01)
     return False
 
 
+# decode blocks of 32 tokens, prefill's of 64: the cached prefix may end inside a prefill block
+BLOCKS = ["--block-size", "64", "--kernel-block-size", "32"]
 CASES = [
-    ("tiny-mamba2", 1, 1, []),
-    ("tiny-gdn", 1, 2, []),
-    ("tiny-mamba2", 2, 1, []),
-    # decode blocks of 32 tokens, prefill's of 64: the cached prefix may end inside a prefill block
-    ("tiny-mamba2-blocks", 2, 1, ["--block-size", "64", "--kernel-block-size", "32"]),
+    (REFERENCE.in_chunks_of(CHUNK), 1, 1, []),
+    (Subject("reference", "tiny-gdn", CHUNK), 1, 2, []),
+    (REFERENCE.in_chunks_of(CHUNK), 2, 1, []),
+    (REFERENCE.in_chunks_of(CHUNK), 2, 1, BLOCKS),
+    (PAGED, 1, 2, []),
+    (PAGED, 2, 1, BLOCKS),
 ]
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("case,prefill_tp,decode_tp,prefill_layout", CASES, ids=[c[0] + f"-P{c[1]}-D{c[2]}" for c in CASES])
+@pytest.mark.parametrize(
+    "subject,prefill_tp,decode_tp,prefill_layout",
+    CASES,
+    ids=[c[0].id + ("-blocks" if c[3] else "") + f"-P{c[1]}-D{c[2]}" for c in CASES],
+)
 async def test_multi_turn_parts_after_the_cached_prefix_equal_colocated(
-    case: str, prefill_tp: int, decode_tp: int, prefill_layout: list[str]
+    subject: Subject, prefill_tp: int, decode_tp: int, prefill_layout: list[str]
 ) -> None:
-    model = case.removesuffix("-blocks")
     decode_layout = ["--block-size", "32", "--kernel-block-size", "16"] if prefill_layout else []
-    async with service_pair(
-        model,
+    async with subject_pair(
+        subject,
         prefill_tp,
         decode_tp,
-        extra_prefill=[*CHUNKS, *prefill_layout],
+        extra_prefill=prefill_layout,
         extra_decode=[*CACHE, *decode_layout],
     ) as pair:
-        results = await run_turns(pair, model, random_tokens(11, 70), 100, 4, seed=11)
+        results = await run_turns(pair, subject, random_tokens(11, 70), 100, 4, seed=11)
         assert await _only_the_cache_holds_blocks(pair)
         cache = pair.decode.servicer.generation.reuse.prefix
         held = cache.num_blocks
@@ -98,7 +111,7 @@ async def test_multi_turn_parts_after_the_cached_prefix_equal_colocated(
     for t, (prev, cur) in enumerate(itertools.pairwise(results), start=1):
         s, n = cur.summary, cur.summary.num_transferred_tokens
         cached = prev.summary.num_transferred_tokens // d_block * d_block
-        parts = len(part_spans(n, CHUNK, p_block, tokens_from=cached))
+        parts = len(part_spans(n, subject.prefill_chunk_tokens, p_block, tokens_from=cached))
         parted += parts > 1
         assert s.prefix_cached_tokens == cached > 0, t
         assert s.transfer.read_count == parts * pairs, t
@@ -117,8 +130,9 @@ def test_parts_start_after_the_cached_prefix() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
 async def test_a_prefill_that_ignores_the_cached_count_sends_parts_read_into_fresh_blocks(
-    monkeypatch: pytest.MonkeyPatch,
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An old prefill echoes 0 in every part: decode must READ all of them into blocks of its
     own (the first part decides, before its READ), never the cache's."""
@@ -140,7 +154,7 @@ async def test_a_prefill_that_ignores_the_cached_count_sends_parts_read_into_fre
 
     monkeypatch.setattr(generation_module, "read_request", recording)
     prompt = random_tokens(12, 130)
-    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=CACHE) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
         cache = pair.decode.servicer.generation.reuse.prefix
         cached_ids = {b for e in cache._entries.values() for b in e.blocks}
@@ -154,11 +168,13 @@ async def test_a_prefill_that_ignores_the_cached_count_sends_parts_read_into_fre
     assert len(read_into) > 1 and not any(blocks & cached_ids for blocks in read_into)  # every part: fresh blocks
     assert again.summary.prefix_cached_tokens == 0
     assert again.summary.transfer.attention_bytes == first.summary.transfer.attention_bytes
-    assert again.summary.transfer.read_count == len(part_spans(len(prompt) - 1, CHUNK, p_block)) * pairs > pairs
+    computed = subject.computed(len(prompt))
+    assert again.summary.transfer.read_count == len(part_spans(computed, subject.prefill_chunk_tokens, p_block)) * pairs > pairs
 
 
 @pytest.mark.asyncio
-async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_part_inside_the_skipped_prefix_is_refused(subject: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     """TEST-ONLY: prefill plans its parts from token 0 although it echoes the cached count: the
     first part would READ over the cache's blocks, so decode refuses it (INTERNAL) and frees all."""
     real = jobs_module.part_spans
@@ -169,7 +185,7 @@ async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.M
         return real(computed, chunk_tokens, block_tokens, part_tokens=part_tokens)
 
     prompt = random_tokens(13, 130)
-    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=CHUNKS, extra_decode=CACHE) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=CACHE) as pair:
         healthy = await pair.generate(prompt, ANSWER, request_id="warm")
         monkeypatch.setattr(jobs_module, "part_spans", from_zero)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -183,15 +199,16 @@ async def test_a_part_inside_the_skipped_prefix_is_refused(monkeypatch: pytest.M
 
 
 @pytest.mark.asyncio
-async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_tokens() -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_tokens(subject: Subject) -> None:
     """Negative control of the exactness above: the cached bytes are really used with parts."""
     prompt = random_tokens(14, 130)
     off = ["--verify-transfer", "off"]
-    async with service_pair(
-        "tiny-mamba2",
+    async with subject_pair(
+        subject,
         1,
         1,
-        extra_prefill=[*CHUNKS, *off],
+        extra_prefill=off,
         extra_decode=[*off, "--prefix-cache-blocks", "64", "--prefix-cache-states", "0"],
     ) as pair:
         first = await pair.generate(prompt, ANSWER, request_id="warm")
@@ -207,6 +224,7 @@ async def test_without_digests_a_corrupt_cached_block_changes_the_pipelined_toke
         pairs = _pairs_read(pair)
     cached = healthy.summary.prefix_cached_tokens
     assert cached > 0 and changed.summary.prefix_cached_tokens >= cached
-    assert healthy.summary.transfer.read_count == len(part_spans(len(turn) - 1, CHUNK, p_block, tokens_from=cached)) * pairs
+    spans = part_spans(subject.computed(len(turn)), subject.prefill_chunk_tokens, p_block, tokens_from=cached)
+    assert healthy.summary.transfer.read_count == len(spans) * pairs
     assert healthy.summary.transfer.read_count > pairs
     assert changed.token_ids != healthy.token_ids

@@ -1,21 +1,23 @@
 """Decode's prefix reuse with DEFAULT flags (no --prefix-cache-blocks / --prefix-cache-states):
 on for the reference engine, sized from the cache (a quarter of its blocks; checkpoints sized
 from those). A second turn that extends the first moves fewer bytes than the same prompt sent
-cold, and its tokens equal the colocated run's; `--prefix-cache-blocks 0` turns it off."""
+cold, and its tokens equal the colocated run's; `--prefix-cache-blocks 0` turns it off. On the
+reference engine (tiny-mamba2) and the paged engine (nemotron_h, its prefill in chunks of 16,
+without which no prefix of its K/V is stable: `subjects.PAGED`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from decode_svc.app import DecodeApp
-from shared.engine.reference.colocated import colocated_generate
-from shared.layout.presets import TINY_PRESETS
 from tests.integration.exactness.multi_turn import ANSWER, random_tokens
 from tests.integration.exactness.pair import Generated, service_pair
+from tests.integration.exactness.subjects import PAGED, REFERENCE, Subject, subject_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(180)]
 
-MODEL = "tiny-mamba2"
+MODEL = REFERENCE.name
+SUBJECTS = [REFERENCE, PAGED]
 NUM_BLOCKS = 96
 
 
@@ -29,19 +31,20 @@ def reuse_of(decode: DecodeApp) -> tuple[int, int]:
     return reuse.prefix.capacity_blocks, reuse.states.capacity
 
 
-async def test_a_second_turn_moves_less_than_cold_with_default_flags() -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=[s.id for s in SUBJECTS])
+async def test_a_second_turn_moves_less_than_cold_with_default_flags(subject: Subject) -> None:
     first = random_tokens(7, 70)
-    async with service_pair(MODEL, 1, 2, num_blocks=NUM_BLOCKS, default_reuse=True) as pair:
+    async with subject_pair(subject, 1, 2, num_blocks=NUM_BLOCKS, default_reuse=True) as pair:
         groups = len(pair.decode.host.layout.groups)
         assert reuse_of(pair.decode) == (NUM_BLOCKS // 4, NUM_BLOCKS // 4 // groups)
         turn1 = await pair.generate(first, ANSWER, request_id="default-t1")
         second = [*first, *turn1.token_ids, *random_tokens(8, 40)]
         warm = await pair.generate(second, ANSWER, request_id="default-t2")
-    async with service_pair(MODEL, 1, 2, num_blocks=NUM_BLOCKS, default_reuse=True) as fresh:
+    async with subject_pair(subject, 1, 2, num_blocks=NUM_BLOCKS, default_reuse=True) as fresh:
         cold = await fresh.generate(second, ANSWER, request_id="default-cold")
-    expected = colocated_generate(TINY_PRESETS[MODEL], second, ANSWER)
+    expected = await subject.expected(second, ANSWER)
     assert warm.token_ids == cold.token_ids == expected
-    assert turn1.token_ids == colocated_generate(TINY_PRESETS[MODEL], first, ANSWER)
+    assert turn1.token_ids == await subject.expected(first, ANSWER)
     assert warm.summary.prefix_cached_tokens > 0 and cold.summary.prefix_cached_tokens == 0
     assert warm.summary.digests_verified and cold.summary.digests_verified
     assert moved(warm) < moved(cold)

@@ -11,6 +11,11 @@ a cached one finds no checkpoint.
 A checkpoint needs no ready prefill engine: with the prefill service stopped (its session lost,
 its link closed), a cached prompt still decodes from it, exactly; any other prompt, and one whose
 checkpoint fails its digests, fails UNAVAILABLE as every request does without a prefill engine.
+
+Each test runs on the reference engine (tiny-mamba2; the first also tiny-gdn) and on the paged
+engine (nemotron_h at its default, the full-N boundary, its prefill in chunks of 16:
+`subjects.PAGED`), but the one of several seeds: at full-N the first token's draw keys a
+checkpoint, so other seeds miss it by design (test_services_hf_full_n_states.py).
 """
 
 from __future__ import annotations
@@ -24,14 +29,13 @@ import torch
 
 from hybridpd_tools.bench.colocated_server import colocated_servicer
 from shared.config import parse_settings
-from shared.engine.reference.colocated import colocated_generate
-from shared.layout.presets import TINY_PRESETS
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.rpc.status import describe
 from shared.runtime.faults import Injector
 from tests.integration.exactness.multi_turn import ANSWER, fa_unit_tokens, random_tokens
 from tests.integration.exactness.pair import Generated, RunningPair, service_pair
+from tests.integration.exactness.subjects import PAGED, REFERENCE, Subject, subject_pair
 from tests.integration.services.checkpoint_checks import (
     checkpoint_pages,
     count_jobs,
@@ -75,34 +79,41 @@ def _assert_read(g: Generated) -> None:
     assert not s.prefix_state_reused and s.transfer.ssm_bytes > 0 and s.transfer.read_count > 0
 
 
-def _exact(model: str, prompt: Sequence[int], got: Generated) -> None:
-    assert got.token_ids == colocated_generate(TINY_PRESETS[model], prompt, ANSWER)
+async def _exact(subject: Subject, prompt: Sequence[int], got: Generated) -> None:
+    assert got.token_ids == await subject.expected(prompt, ANSWER)
+
+
+SUBJECTS = [REFERENCE, PAGED]
+IDS = [s.id for s in SUBJECTS]
+FIRST = [REFERENCE, Subject("reference", "tiny-gdn"), PAGED]
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("model", ["tiny-mamba2", "tiny-gdn"])
-async def test_a_repeated_prompt_needs_no_prefill_and_no_read(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", FIRST, ids=[s.id for s in FIRST])
+async def test_a_repeated_prompt_needs_no_prefill_and_no_read(subject: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs = count_jobs(monkeypatch)
-    async with service_pair(model, 1, 1, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states()) as pair:
         block = pair.decode.host.layout.block_size
-        # 70: the computed tokens end inside a block (its copy is the checkpoint's); block + 1:
-        # they end on a block boundary (every attention block comes from the prefix cache).
-        unit, saved = fa_unit_tokens(pair), 0
-        for n, seed in ((70, 1), (block + 1, 2)):
+        # 69 computed tokens end inside a block (its copy is the checkpoint's); `block` computed
+        # tokens end on a block boundary (every attention block comes from the prefix cache).
+        unit, saved, lengths = fa_unit_tokens(pair), 0, []
+        for c, seed in ((69, 1), (block, 2)):
+            n = subject.prompt_len(c)
+            lengths.append(n)
             prompt = random_tokens(seed, n)
             first = await pair.generate(prompt, ANSWER, request_id=f"first-{n}")
-            _exact(model, prompt, first)
+            await _exact(subject, prompt, first)
             _assert_read(first)
             # A hit saves what a READ after the prefix cache's full blocks would move: the K/V
             # units from the last full block on, and the conv and SSM state.
             t = first.summary.transfer
-            unit_bytes = t.attention_bytes // -(-(n - 1) // unit)
-            saved += 2 * (unit_bytes * (-(-(n - 1) // unit) - (n - 1) // block * block // unit) + t.conv_bytes + t.ssm_bytes)
+            unit_bytes = t.attention_bytes // -(-c // unit)
+            saved += 2 * (unit_bytes * (-(-c // unit) - c // block * block // unit) + t.conv_bytes + t.ssm_bytes)
             for again in range(2):
                 got = await pair.generate(prompt, ANSWER, request_id=f"again-{n}-{again}")
                 assert got.token_ids == first.token_ids
-                _assert_restored(got, n - 1)
-        assert jobs == ["first-70", f"first-{block + 1}"]
+                _assert_restored(got, c)
+        assert jobs == [f"first-{n}" for n in lengths]
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 4
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 2
         assert _metric(pair, "hybrid_pd_prefix_state_saved_bytes_total") == saved
@@ -151,33 +162,41 @@ async def test_samples_with_different_seeds_reuse_one_checkpoint_and_equal_coloc
     assert len({tuple(w.token_ids) for w in want}) == 3  # the seeds really decide the tokens
 
 
+TP_CASES = [(REFERENCE, 2, 1), (REFERENCE, 1, 2), (PAGED, 2, 1)]
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
-async def test_other_tp_and_block_sizes_on_the_two_sides(p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject,p_tp,d_tp", TP_CASES, ids=[f"{s.id}-P{p}-D{d}" for s, p, d in TP_CASES])
+async def test_other_tp_and_block_sizes_on_the_two_sides(
+    subject: Subject, p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     jobs = count_jobs(monkeypatch)
     prompt = random_tokens(4, 90)
     prefill = ["--block-size", "64", "--kernel-block-size", "32"]
     decode = [*_states(), "--block-size", "32", "--kernel-block-size", "16"]
-    async with service_pair("tiny-mamba2", p_tp, d_tp, extra_prefill=prefill, extra_decode=decode) as pair:
+    async with subject_pair(subject, p_tp, d_tp, extra_prefill=prefill, extra_decode=decode) as pair:
         assert pair.decode.host.layout.block_size != pair.prefill.host.layout.block_size
         first = await pair.generate(prompt, ANSWER, request_id="first")
         again = await pair.generate(prompt, ANSWER, request_id="again")
-    _exact("tiny-mamba2", prompt, first)
+    await _exact(subject, prompt, first)
     _assert_read(first)
     assert again.token_ids == first.token_ids
-    _assert_restored(again, len(prompt) - 1)
+    _assert_restored(again, subject.computed(len(prompt)))
     assert jobs == ["first"]
 
 
 @pytest.mark.asyncio
-async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
+) -> None:
     jobs = count_jobs(monkeypatch)
     prompt = random_tokens(5, 70)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states()) as pair:
         await pair.generate(prompt, ANSWER, request_id="cached")
         for name, other in (("shorter", prompt[:-1]), ("longer", [*prompt, 17])):
             got = await pair.generate(other, ANSWER, request_id=name)
-            _exact("tiny-mamba2", other, got)
+            await _exact(subject, other, got)
             _assert_read(got)
             assert got.summary.prefix_cached_tokens > 0  # the attention prefix was still reused
         assert jobs == ["cached", "shorter", "longer"]
@@ -185,10 +204,13 @@ async def test_a_prompt_one_token_shorter_or_longer_finds_no_checkpoint(monkeypa
 
 
 @pytest.mark.asyncio
-async def test_a_corrupt_checkpoint_is_refused_and_the_request_prefills(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_corrupt_checkpoint_is_refused_and_the_request_prefills(
+    subject: Subject, monkeypatch: pytest.MonkeyPatch
+) -> None:
     jobs = count_jobs(monkeypatch)
     prompt = random_tokens(6, 70)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states()) as pair:
         healthy = await pair.generate(prompt, ANSWER, request_id="healthy")
         shift_checkpoint_ssm(pair.decode)
         fallback = await pair.generate(prompt, ANSWER, request_id="fallback")
@@ -197,16 +219,17 @@ async def test_a_corrupt_checkpoint_is_refused_and_the_request_prefills(monkeypa
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
         again = await pair.generate(prompt, ANSWER, request_id="again")  # the fallback's own checkpoint
         assert again.token_ids == healthy.token_ids
-        _assert_restored(again, len(prompt) - 1)
+        _assert_restored(again, subject.computed(len(prompt)))
     assert jobs == ["healthy", "fallback"]
 
 
 @pytest.mark.asyncio
-async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens() -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens(subject: Subject) -> None:
     """The negative control of the exactness above: the restored bytes are really used."""
     prompt = random_tokens(7, 70)
     off = ["--verify-transfer", "off"]
-    async with service_pair("tiny-mamba2", 1, 1, extra_prefill=off, extra_decode=[*off, *_states(check=False)]) as pair:
+    async with subject_pair(subject, 1, 1, extra_prefill=off, extra_decode=[*off, *_states(check=False)]) as pair:
         healthy = await pair.generate(prompt, 8)
         shift_checkpoint_ssm(pair.decode)
         changed = await pair.generate(prompt, 8)
@@ -215,13 +238,14 @@ async def test_without_digests_a_corrupt_checkpoint_changes_the_tokens() -> None
 
 
 @pytest.mark.asyncio
-async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_one_checkpoint_two_alternating_prompts_evict_each_other(subject: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs = count_jobs(monkeypatch)
     a, b = random_tokens(8, 70), random_tokens(9, 70)
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states(1)) as pair:
         for i, prompt in enumerate((a, b, a, b)):
             got = await pair.generate(prompt, ANSWER, request_id=f"r{i}")
-            _exact("tiny-mamba2", prompt, got)
+            await _exact(subject, prompt, got)
             _assert_read(got)
         assert _metric(pair, "hybrid_pd_prefix_state_misses_total") == 4
         assert _metric(pair, "hybrid_pd_prefix_state_hits_total") == 0
@@ -231,13 +255,16 @@ async def test_one_checkpoint_two_alternating_prompts_evict_each_other(monkeypat
 
 
 @pytest.mark.asyncio
-async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(inject_faults: Callable[[Injector], None]) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(
+    subject: Subject, inject_faults: Callable[[Injector], None]
+) -> None:
     """A request holds the only checkpoint (paused after its restore) while another request's
     checkpoint wants its place: the held one stays, byte for byte, and the newcomer is not kept."""
     a, b = random_tokens(10, 70), random_tokens(11, 70)
     go = asyncio.Event()
     inject_faults(HoldAfterRead("holder", go))
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states(1)) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states(1)) as pair:
         states = pair.decode.servicer.generation.reuse.states
         first = await pair.generate(a, ANSWER, request_id="first")
         held = oldest_checkpoint(pair.decode)
@@ -246,7 +273,7 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(inject_faults
         while held.users == 0:
             await asyncio.sleep(0.01)
         other = await pair.generate(b, ANSWER, request_id="other")  # its checkpoint finds no room
-        _exact("tiny-mamba2", b, other)
+        await _exact(subject, b, other)
         assert list(states._entries.values()) == [held]
         now = checkpoint_pages(pair.decode, held)
         assert all(torch.equal(x, y) for rank, was in zip(now, before) for x, y in zip(rank, was))
@@ -254,7 +281,7 @@ async def test_a_checkpoint_in_use_is_never_evicted_or_overwritten(inject_faults
         go.set()
         reused = await holder
         assert reused.token_ids == first.token_ids
-        _assert_restored(reused, len(a) - 1)
+        _assert_restored(reused, subject.computed(len(a)))
         await pair.generate(b, ANSWER, request_id="other-again")  # now it evicts the unused one
         assert _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
 
@@ -269,7 +296,8 @@ async def _unavailable(pair: RunningPair, prompt: list[int], request_id: str) ->
 
 
 @pytest.mark.asyncio
-async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(subject: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     """The only prefill service is stopped after two checkpoints were taken (the older one's SSM
     bytes then shifted): the intact one is restored and decoded, bit for bit as before; a prompt
     with no checkpoint, and the corrupt one (it would need the job after all), fail UNAVAILABLE
@@ -277,7 +305,7 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
     jobs = count_jobs(monkeypatch)
     corrupt, prompt, other = random_tokens(19, 75), random_tokens(20, 70), random_tokens(21, 70)
     # No fallback: decode would compute `other` itself (test_services_local_prefill.py).
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=[*_states(), "--local-prefill", "off"]) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=[*_states(), "--local-prefill", "off"]) as pair:
         await pair.generate(corrupt, ANSWER, request_id="corrupt")
         first = await pair.generate(prompt, ANSWER, request_id="first")
         shift_checkpoint_ssm(pair.decode)  # the oldest: `corrupt`'s
@@ -291,7 +319,7 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
         for again in range(2):
             got = await pair.generate(prompt, ANSWER, request_id=f"again-{again}")
             assert got.token_ids == first.token_ids
-            _assert_restored(got, len(prompt) - 1)
+            _assert_restored(got, subject.computed(len(prompt)))
             assert got.summary.prefill_engine_id == first.summary.prefill_engine_id
         await _unavailable(pair, other, "other")
         await _unavailable(pair, corrupt, "corrupt-again")  # its restore fails the digests: it would need a job
@@ -305,7 +333,7 @@ async def test_a_checkpointed_prompt_decodes_with_its_prefill_stopped(monkeypatc
         assert host.allocator.num_used == reuse.prefix.num_blocks + reuse.states.num_blocks
         assert host.reclaim is not None and host.reclaim(host.num_blocks) > 0
         assert host.allocator.num_used == 0  # cleared: nothing leaks
-    _exact("tiny-mamba2", prompt, first)
+    await _exact(subject, prompt, first)
 
 
 def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -316,10 +344,11 @@ def test_states_without_the_prefix_cache_are_refused(capsys: pytest.CaptureFixtu
     # The prefix cache is on by default: states alone are fine (its size is decided at start-up).
     alone = parse_settings("decode", [*base, "--prefix-cache-states", "2"], environ={})
     assert (alone.prefix_cache_blocks, alone.prefix_cache_states) == (None, 2)
-    for boundary in ("n-1", "full"):  # full: the key also names the first token's draw
-        flags = ["--engine", "hf", "--boundary", boundary, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"]
-        ok = parse_settings("decode", [*base, *flags], environ={})
-        assert (ok.prefix_cache_states, ok.boundary) == (2, boundary)
+    for engine in ("hf", "paged"):
+        for boundary in ("n-1", "full"):  # full: the key also names the first token's draw
+            flags = ["--engine", engine, "--boundary", boundary, "--prefix-cache-blocks", "8", "--prefix-cache-states", "2"]
+            ok = parse_settings("decode", [*base, *flags], environ={})
+            assert (ok.prefix_cache_states, ok.boundary) == (2, boundary)
 
 
 # The pool tests: a checkpoint's copies live in the engine's own blocks. With 16 blocks a 20-token
@@ -342,20 +371,21 @@ async def _generate_within(pair: RunningPair, prompt: list[int], request_id: str
 
 
 @pytest.mark.asyncio
-async def test_a_request_short_of_blocks_reclaims_an_unused_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_request_short_of_blocks_reclaims_an_unused_checkpoint(subject: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checkpoint's blocks count in the pool; a request that needs them gets them at once
     (it would otherwise wait for frees that never come and fail RESOURCE_EXHAUSTED), and its
     own checkpoint, finding no free blocks, is simply not taken."""
     jobs = count_jobs(monkeypatch)
     small, long = random_tokens(12, SMALL), random_tokens(13, LONG)
-    async with service_pair("tiny-mamba2", 1, 1, num_blocks=16, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, num_blocks=16, extra_decode=_states()) as pair:
         host, reuse = pair.decode.host, pair.decode.servicer.generation.reuse
         first = await pair.generate(small, ANSWER, request_id="small")
-        _exact("tiny-mamba2", small, first)
+        await _exact(subject, small, first)
         assert (len(reuse.states), reuse.states.num_blocks, reuse.prefix.num_blocks) == (1, 3, 0)
         assert host.allocator.num_used == 3 and _metric(pair, "hybrid_pd_blocks_in_use") == 3
         got = await _generate_within(pair, long, "long", timeout=10)
-        _exact("tiny-mamba2", long, got)
+        await _exact(subject, long, got)
         assert len(reuse.states) == 0 and _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
         again = await pair.generate(small, ANSWER, request_id="small-again")  # evicted: prefills again
         assert again.token_ids == first.token_ids
@@ -367,14 +397,17 @@ async def test_a_request_short_of_blocks_reclaims_an_unused_checkpoint(monkeypat
 
 
 @pytest.mark.asyncio
-async def test_a_checkpoint_being_restored_is_never_reclaimed(inject_faults: Callable[[Injector], None]) -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_a_checkpoint_being_restored_is_never_reclaimed(
+    subject: Subject, inject_faults: Callable[[Injector], None]
+) -> None:
     """While a request holds the checkpoint (paused after its restore), a request short of blocks
     waits rather than take it, and a checkpoint of another request is not taken meanwhile (the
     waiting request gets the next free blocks); once the holder ends, the waiting one reclaims it."""
     small, other, long = random_tokens(14, SMALL), random_tokens(15, SMALL), random_tokens(16, LONG)
     go = asyncio.Event()
     inject_faults(HoldAfterRead("holder", go))
-    async with service_pair("tiny-mamba2", 1, 1, num_blocks=16, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, num_blocks=16, extra_decode=_states()) as pair:
         host, states = pair.decode.host, pair.decode.servicer.generation.reuse.states
         first = await pair.generate(small, ANSWER, request_id="first")
         held = oldest_checkpoint(pair.decode)
@@ -386,7 +419,7 @@ async def test_a_checkpoint_being_restored_is_never_reclaimed(inject_faults: Cal
         while host.waiting_for_blocks == 0:
             await asyncio.sleep(0.01)
         meanwhile = await pair.generate(other, ANSWER, request_id="meanwhile")  # fits the free blocks
-        _exact("tiny-mamba2", other, meanwhile)
+        await _exact(subject, other, meanwhile)
         assert list(states._entries.values()) == [held]  # not reclaimed, and no checkpoint taken
         now = checkpoint_pages(pair.decode, held)
         assert all(torch.equal(x, y) for rank, was in zip(now, before) for x, y in zip(rank, was))
@@ -394,8 +427,8 @@ async def test_a_checkpoint_being_restored_is_never_reclaimed(inject_faults: Cal
         go.set()
         reused = await holder
         assert reused.token_ids == first.token_ids
-        _assert_restored(reused, SMALL - 1)
-        _exact("tiny-mamba2", long, await waiting)
+        _assert_restored(reused, subject.computed(SMALL))
+        await _exact(subject, long, await waiting)
         assert len(states) == 0 and _metric(pair, "hybrid_pd_prefix_state_evictions_total") == 1
         assert host.reclaim is not None
         host.reclaim(host.num_blocks)
@@ -403,9 +436,10 @@ async def test_a_checkpoint_being_restored_is_never_reclaimed(inject_faults: Cal
 
 
 @pytest.mark.asyncio
-async def test_reclaim_takes_least_recently_used_checkpoints_then_prefix_blocks() -> None:
+@pytest.mark.parametrize("subject", SUBJECTS, ids=IDS)
+async def test_reclaim_takes_least_recently_used_checkpoints_then_prefix_blocks(subject: Subject) -> None:
     a, b = random_tokens(17, 70), random_tokens(18, SMALL)  # a: 2 prefix cache blocks and a 3-block checkpoint
-    async with service_pair("tiny-mamba2", 1, 1, extra_decode=_states()) as pair:
+    async with subject_pair(subject, 1, 1, extra_decode=_states()) as pair:
         host, reuse = pair.decode.host, pair.decode.servicer.generation.reuse
         for rid, prompt in (("a", a), ("b", b), ("a-again", a)):  # a used last: b's checkpoint is the oldest
             await pair.generate(prompt, ANSWER, request_id=rid)
@@ -413,11 +447,11 @@ async def test_reclaim_takes_least_recently_used_checkpoints_then_prefix_blocks(
         assert (len(reuse.states), reuse.prefix.num_blocks) == (2, 2)
         assert host.reclaim is not None
         assert host.reclaim(1) == 3  # a whole checkpoint goes: b's
-        assert list(reuse.states._entries.values()) == [newest] and newest.computed == len(a) - 1
+        assert list(reuse.states._entries.values()) == [newest] and newest.computed == subject.computed(len(a))
         assert host.reclaim(4) == 3 + 1  # then a's, then one prefix block (a chain's tail first)
         assert len(reuse.states) == 0 and reuse.prefix.num_blocks == 1
         got = await pair.generate(a, ANSWER, request_id="a-head")
-        _exact("tiny-mamba2", a, got)
+        await _exact(subject, a, got)
         assert got.summary.prefix_cached_tokens == pair.decode.host.layout.block_size  # the head stayed
         host.reclaim(host.num_blocks)
         assert host.allocator.num_used == 0

@@ -86,7 +86,9 @@ class StampEngine:
     ) -> DecodeSession:
         return _Session(prompt, self.spec.vocab_size, ensure_capacity)
 
-    def check_state(self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks) -> list[str]:
+    def check_state(
+        self, prompt: Sequence[int], num_computed: int, blocks: RequestBlocks, *, chunk_tokens: int | None = None
+    ) -> list[str]:
         return [
             f"layer {layer}: {int((page != self._pattern(prompt, layer)).sum())} bytes differ"
             for layer, page in self._mamba_pages(blocks)

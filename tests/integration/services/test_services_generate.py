@@ -61,7 +61,7 @@ async def test_state_check_fails_on_wrong_bytes(start_prefill: Any, start_decode
     """Negative control: decode's check must see it when the bytes are not prefill's."""
 
     class Corrupting(stamp.StampEngine):  # type: ignore[misc, name-defined]
-        def check_state(self, prompt: Any, num_computed: int, blocks: Any) -> list[str]:
+        def check_state(self, prompt: Any, num_computed: int, blocks: Any, *, chunk_tokens: int | None = None) -> list[str]:
             for _, page in self._mamba_pages(blocks):
                 page[0] ^= 0xFF
             return super().check_state(prompt, num_computed, blocks)  # type: ignore[no-any-return]
