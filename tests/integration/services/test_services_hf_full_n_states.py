@@ -7,8 +7,8 @@ min_tokens masking other ids, misses and runs a job.
 
 Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), tiny seeded
 checkpoints. Every response equals the colocated run with the same chunks, sampling and
-min_tokens bit for bit (greedy: also transformers' own generate), digests on (--check-state
-recomputes unchunked, so it stays off with chunks, as in the n-1 hf test).
+min_tokens bit for bit (greedy: also transformers' own generate), digests on, and decode's
+--check-state recomputes in prefill's chunks.
 Negative controls: the seeds give different tokens; a stored first token replaced, or SSM bytes
 shifted with digests off, change the tokens.
 
@@ -82,7 +82,7 @@ async def test_greedy_and_seeded_repeats_restore_the_first_token_and_equal_coloc
     prompt = _prompt(30)
     jobs = count_jobs(monkeypatch)
     runs: dict[str, tuple[list[int], dpb.GenerateSummary]] = {}
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=PREFILL, decode_flags=DECODE, check_state=False) as (
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=PREFILL, decode_flags=DECODE) as (
         prefill,
         decode,
     ):
@@ -143,7 +143,7 @@ async def test_a_restored_first_token_that_is_eos_ends_the_request_and_min_token
     assert eos not in masked[:3] and masked[0] != eos
     jobs = count_jobs(monkeypatch)
     runs: dict[str, tuple[list[int], dpb.GenerateSummary]] = {}
-    async with hf_pair(original, eos_dir, 1, 1, prefill_flags=PREFILL, decode_flags=DECODE, check_state=False) as (
+    async with hf_pair(original, eos_dir, 1, 1, prefill_flags=PREFILL, decode_flags=DECODE) as (
         prefill,
         decode,
     ):
@@ -177,6 +177,7 @@ async def test_a_changed_first_token_or_ssm_state_changes_the_tokens(
     prompt = _prompt(32)
     off = ("--verify-transfer", "off")
     jobs = count_jobs(monkeypatch)
+    # --check-state off too: it would catch the shifted bytes (DATA_LOSS) before they are decoded.
     async with hf_pair(
         directory, directory, 1, 1, prefill_flags=(*PREFILL, *off), decode_flags=(*DECODE, *off), check_state=False
     ) as (_, decode):
@@ -206,7 +207,7 @@ async def test_restores_need_no_ready_prefill(hf_checkpoint: Callable[[str], str
     jobs = count_jobs(monkeypatch)
     runs: dict[str, tuple[list[int], dpb.GenerateSummary]] = {}
     no_fallback = (*DECODE, "--local-prefill", "off")  # else decode computes `other` itself
-    async with hf_pair(directory, directory, 1, 1, prefill_flags=PREFILL, decode_flags=no_fallback, check_state=False) as (
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=PREFILL, decode_flags=no_fallback) as (
         prefill,
         decode,
     ):

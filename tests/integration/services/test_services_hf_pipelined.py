@@ -2,7 +2,7 @@
 chunk on one transformers cache and sends a manifest part after each chunk that made blocks
 final. A continued forward rounds differently from one forward over the whole prompt, so the
 baseline is a colocated run with the same chunks: tokens equal bit for bit, every part's
-digests checked (--check-state, which recomputes with one forward, does not apply)."""
+digests checked, and decode's --check-state recomputes in the same chunks."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
     flags = ("--prefill-chunk-tokens", str(CHUNK))
     spans: list[list[float]] = []
     got = []
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False, engine=engine) as (_, decode):
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, engine=engine) as (_, decode):
         for p in prompts:  # one at a time: each request's spans apart
             span_seconds.clear()
             got.append(await generate_ids(decode.port, p, 6))
@@ -81,7 +81,7 @@ async def test_a_first_token_that_ends_the_request_stops_the_reads_of_its_parts(
     directory = hf_checkpoint("nemotron_h")
     prompt = [(7 * i) % 300 + 4 for i in range(233)]
     flags = ("--prefill-chunk-tokens", str(CHUNK))
-    async with hf_pair(directory, directory, 1, 1, prefill_flags=flags, check_state=False) as (prefill, decode):
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=flags) as (prefill, decode):
         ids, summary = await generate_ids(decode.port, prompt, 1)
         pending = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__name__", "") == "held" and not t.done()]
         for _ in range(1000):  # the release travels on the session stream (polled, never timed)
@@ -104,7 +104,7 @@ async def test_hf_layer_parts_tokens_equal_colocated_with_the_same_chunks(
     directory = hf_checkpoint(family)
     prompt = [(7 * i) % 300 + 4 for i in range(233)]
     flags = ("--prefill-chunk-tokens", str(CHUNK), "--layer-parts", str(layer_parts))
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, check_state=False, engine=engine) as (
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=flags, engine=engine) as (
         prefill,
         decode,
     ):

@@ -75,7 +75,7 @@ async def test_hf_multi_turn_with_chunks_reuses_whole_chunks_and_equals_colocate
     prompt = _tokens(20, 100)
     got: list[tuple[list[int], dpb.GenerateSummary]] = []
     prompts: list[list[int]] = []
-    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=CHUNKS, decode_flags=CACHE, check_state=False) as (
+    async with hf_pair(directory, directory, p_tp, d_tp, prefill_flags=CHUNKS, decode_flags=CACHE) as (
         _,
         decode,
     ):
@@ -160,7 +160,7 @@ async def test_a_partial_chunk_differs_and_stays_out_of_the_cache(
     ckpt = HfCheckpoint(directory, dtype="fp32")
     prompt = _tokens(24, 66)
     longer = [*prompt, *_tokens(25, 70)]
-    async with hf_pair(directory, directory, 1, 1, prefill_flags=CHUNKS, decode_flags=CACHE, check_state=False) as (
+    async with hf_pair(directory, directory, 1, 1, prefill_flags=CHUNKS, decode_flags=CACHE) as (
         _,
         decode,
     ):
