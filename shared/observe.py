@@ -47,7 +47,7 @@ class Step(StrEnum):
     JOB_QUEUED = "d.job_queued"  # decode_svc/session_client.py: the job is queued for the Session stream
     JOB_RECEIVED = "p.job_received"  # prefill_svc/session.py: a job message arrived, before its task starts
     JOB_STARTED = "p.job_started"  # prefill_svc/jobs.py: the job task runs (credit taken)
-    ALLOCATED = "p.allocated"  # shared/runtime/engine_host.py: queued block allocation returned
+    ALLOCATED = "p.allocated"  # shared/runtime/engine_host.py: queued block allocation returned (Stage.QUEUE_WAIT ends)
     COMPUTE = "c.compute"  # shared/runtime/engine_host.py: the compute function starts on the compute thread
     COMPUTED = "p.computed"  # shared/runtime/engine_host.py: back on the event loop after the compute
     PINNED = "p.pinned"  # prefill_svc/pins.py: the pin exists, notification waits armed
@@ -118,7 +118,7 @@ FAILURE_REASON = "hybrid_pd.failure.reason"  # only a failure whose reason has i
 ERROR_MESSAGE = "hybrid_pd.error"  # the failure's message (a span's status says it, not an attribute)
 
 # A stage whose end is also a step of the breakdown (marked where the stage is reported).
-END_STEPS = {Stage.RELEASE: Step.FREED}
+END_STEPS = {Stage.RELEASE: Step.FREED, Stage.QUEUE_WAIT: Step.ALLOCATED}
 
 
 class Sink:

@@ -4,7 +4,7 @@ Each service owns a `Telemetry` with its own registry (two services in one test 
 not share counters) and serves it over HTTP on `--metrics-port`. Labels stay low-cardinality:
 sections, reasons, results and statuses; never request ids or ranks (block counts are per engine).
 
-Conventions (tests/unit/rpc/test_metric_names.py checks every exported name): counters end in
+Conventions (tests/integration/metrics/test_metrics.py checks every exported name): counters end in
 `_total` (prometheus_client adds it), gauges and histograms never do, durations end in `_seconds`
 and sizes in `_bytes`. Per role: a series only the other role can move is not exported (the
 metric object still exists, unregistered, so shared code counts into it without checks). Label

@@ -119,6 +119,15 @@ def test_a_release_counts_its_reason_and_is_the_breakdowns_freed_step() -> None:
     assert steps.steps == [Step.FREED, Step.FREED]
 
 
+def test_a_wait_for_blocks_is_the_breakdowns_allocated_step() -> None:
+    telemetry, steps = Telemetry("prefill"), Steps()
+    with observe.tracing_into(steps):
+        Observer(telemetry).stage(Stage.QUEUE_WAIT, 0.5)
+        Observer(telemetry).stage(Stage.PREFILL_STEP, 0.5, {BATCH_SIZE: 1, TOKENS: 16})  # no step of its own
+    assert steps.steps == [Step.ALLOCATED]
+    assert "hybrid_pd_queue_wait_seconds_count 1.0" in telemetry.exposition()
+
+
 def test_a_requests_end_counts_its_status_its_duration_when_ok_and_its_failure_reason() -> None:
     telemetry = Telemetry("decode")
     observer = Observer(telemetry)
