@@ -96,7 +96,7 @@ from shared.errors import (
     ServiceError,
     Unavailable,
 )
-from shared.observe import Observer, Stage
+from shared.observe import Count, Observer, Stage
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.deadlines import wait_deadline
 from shared.rpc.logprobs_message import checked_first
@@ -226,11 +226,12 @@ class Generation:
         self.manifest_parts = manifest_parts  # --manifest-parts: jobs accept manifest parts
         self.telemetry = telemetry
         self._active: set[str] = set()
-        self.checks = StateChecks(host, check_state, telemetry)
-        self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, telemetry)
+        self.observer = observer = Observer() if telemetry is None else Observer(telemetry)
+        self.checks = StateChecks(host, check_state, observer)
+        self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, observer)
         self.step_loop = StepLoop(host.engine, host.submit_compute)
-        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, telemetry)
-        self.observer = self.step_loop.observer = Observer() if telemetry is None else Observer(telemetry)
+        self.step_loop.observer = observer
+        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, observer)
 
     @property
     def in_flight(self) -> int:
@@ -371,7 +372,7 @@ class Generation:
         key, reused = req.request_id, adm.reused
         compute, reads, parts, target = io.compute, io.reads, io.parts, io.target
         job_sent = time.monotonic()
-        out = client_stream(self.host, req, self.telemetry)
+        out = client_stream(self.host, req, self.observer)
         moved.out = out
         # The first token early, unless the prompt's logprobs must go out before it (they come
         # with the manifest), or other sequences' first tokens come with it (in the manifest).
@@ -593,12 +594,11 @@ class Generation:
 
     def _count_without_prefill(self, peer: PrefillPeer | None) -> None:
         """A state checkpoint serves the request and no prefill engine was ready to (`_source`)."""
-        if peer is None and self.telemetry is not None:
-            self.telemetry.prefix_state_without_prefill.inc()
+        if peer is None:
+            self.observer.count(Count.PREFIX_STATE_WITHOUT_PREFILL)
 
     def _count_retry(self, reason: str) -> None:
-        if self.telemetry is not None:
-            self.telemetry.prefill_retries.labels(reason=reason).inc()
+        self.observer.count(Count.PREFILL_RETRY, kind=reason)
 
     async def _read(
         self, link: PeerLink, manifest: Manifest, local: RequestBlocks, deadline: float, reads: ReadFence

@@ -27,9 +27,9 @@ from decode_svc.state_checkpoints import Compute
 from shared.engine.first_logprobs import prefill_with_logprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
+from shared.observe import Count, Observer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 LocalPrefillMode = Literal["fallback", "off"]
 LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "off")
@@ -37,14 +37,12 @@ Reason = Literal["no_prefill_ready", "short_prompt"]
 
 
 class LocalPrefill:
-    def __init__(
-        self, host: EngineHost, checks: StateChecks, mode: LocalPrefillMode, below: int, telemetry: Telemetry | None
-    ) -> None:
+    def __init__(self, host: EngineHost, checks: StateChecks, mode: LocalPrefillMode, below: int, observer: Observer) -> None:
         self.host = host
         self.checks = checks
         self.mode = mode
         self.below = below  # prompts of fewer tokens are always computed here (0: none)
-        self.telemetry = telemetry
+        self.observer = observer
 
     @property
     def falls_back(self) -> bool:
@@ -58,10 +56,9 @@ class LocalPrefill:
         self, req: RequestContext, local: RequestBlocks, compute: Compute, steps: Steps, reason: Reason
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The prompt computed into the request's own blocks, then decoded; the summary last."""
-        if self.telemetry is not None:
-            self.telemetry.local_prefills.labels(reason=reason).inc()
+        self.observer.count(Count.LOCAL_PREFILL, kind=reason)
         engine = self.host.engine
-        out = client_stream(self.host, req, self.telemetry)
+        out = client_stream(self.host, req, self.observer)
         started = time.monotonic()
         done, engine_seconds = await compute(
             lambda: timed(

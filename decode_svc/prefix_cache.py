@@ -41,8 +41,8 @@ import numpy as np
 from decode_svc.peer_link import PeerLink
 from shared.cache.digest import SectionDigest, block_digests, compare_digests
 from shared.engine.protocol import RequestBlocks
+from shared.observe import Count, Observer
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 IntArray = np.ndarray
 
@@ -149,10 +149,10 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, host: EngineHost, capacity_blocks: int, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, host: EngineHost, capacity_blocks: int, observer: Observer | None = None) -> None:
         self.host = host
         self.capacity_blocks = capacity_blocks
-        self.telemetry = telemetry
+        self.observer = observer or Observer()
         self.kinds = [g.kind for g in host.layout.groups]
         self._attention = [g for g, kind in enumerate(self.kinds) if kind == "attention"]
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -174,8 +174,7 @@ class PrefixCache:
         for entry in reversed(hit.entries):  # the head most recent: tails are evicted first
             entry.users += 1
             self._entries.move_to_end(entry.key)
-        if self.telemetry is not None:
-            (self.telemetry.prefix_cache_hits if hit.entries else self.telemetry.prefix_cache_misses).inc()
+        self.observer.count(Count.PREFIX_CACHE_HIT if hit.entries else Count.PREFIX_CACHE_MISS)
         return hit
 
     def cached_blocks(self, chain: Chain | None, prompt: Sequence[int], computed: int) -> int:
@@ -219,8 +218,7 @@ class PrefixCache:
 
     def _free(self, entry: _Entry) -> int:
         freed = self.host.free(entry.holder)
-        if self.telemetry is not None:
-            self.telemetry.prefix_cache_evictions.inc(freed)
+        self.observer.count(Count.PREFIX_CACHE_EVICTED, freed)
         return freed
 
     def _room_for(self, blocks: int) -> bool:

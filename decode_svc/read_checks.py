@@ -4,7 +4,7 @@ with --check-state decode recomputes the prompt's state itself and compares."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_svc.peer_link import PeerLink
 from decode_svc.state_checkpoints import Compute
@@ -12,16 +12,16 @@ from shared.cache.digest import SECTIONS, Section, compare_digests, state_digest
 from shared.cache.manifest import Manifest
 from shared.engine.protocol import RequestBlocks
 from shared.errors import DataLoss
+from shared.observe import Count, Observer
 from shared.otel import spans
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
 class StateChecks:
     host: EngineHost
     check_state: bool  # --check-state: recompute the prompt and compare
-    telemetry: Telemetry | None = None
+    observer: Observer = field(default_factory=Observer)
 
     @spans.traced(spans.DIGEST_CHECK)
     async def digests(self, run: Compute, request_id: str, manifest: Manifest, link: PeerLink, local: RequestBlocks) -> None:
@@ -41,9 +41,8 @@ class StateChecks:
         bad = compare_digests(layout, expected, got, layers=layers)
         if not bad:
             return
-        if self.telemetry is not None:
-            for m in bad:
-                self.telemetry.digest_mismatches.labels(section=m.section).inc()
+        for m in bad:
+            self.observer.count(Count.DIGEST_MISMATCH, kind=m.section)
         readers = {
             p: [r.decode_rank for r in link.plan.ranks if any(x.prefill_rank == p for x in r.reads)] for p in range(source.tp)
         }

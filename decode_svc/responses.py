@@ -17,11 +17,11 @@ from shared.cache.manifest import Manifest
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.stopping import FinishReason
 from shared.engine.text import TextStream
+from shared.observe import Observer, Stage
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.rpc.logprobs_message import checked_prompt, logprobs_message
 from shared.rpc.proto_time import duration, nanoseconds
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,12 @@ class ClientStream:
     step's token (`step`) goes out at once when it is the sequence's first or its last, else it
     waits until N are held; a first token drawn elsewhere (`chunk`) goes out at once."""
 
-    def __init__(self, text: TextStream, started: float, telemetry: Telemetry | None, index: int = 0, interval: int = 1) -> None:
+    def __init__(self, text: TextStream, started: float, observer: Observer | None, index: int = 0, interval: int = 1) -> None:
         self._text = text
         self.index = index  # which of the request's sequences (0 unless it has several)
         self.forks: list[ClientStream] = []  # sequence 0's: the other sequences' streams
         self._started = started
-        self._telemetry = telemetry
+        self._observer = observer  # None: the first token is not reported (a fork's: sequence 0's is)
         self._interval = interval  # tokens a chunk carries before it is sent (the first token: alone)
         self._held: list[int] = []  # step tokens not sent yet
         self._held_logprobs: list[TokenLogprobs] = []
@@ -94,8 +94,8 @@ class ClientStream:
         self._held, self._held_logprobs = [], []
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-            if self._telemetry is not None:
-                self._telemetry.time_to_first_token.observe(self.first_token_at - self._started)
+            if self._observer is not None:
+                self._observer.stage(Stage.FIRST_TOKEN, self.first_token_at - self._started)
         chunk = pb.TokenChunk(token_ids=ids, text=self._text.feed(ids), index=self.index)
         if logprobs:
             chunk.logprobs.extend(logprobs_message(lp) for lp in logprobs)
@@ -118,10 +118,10 @@ def prompt_response(lps: Sequence[TokenLogprobs] | None, prompt: Sequence[int], 
     return pb.GenerateResponse(prompt_logprobs=pb.PromptLogprobs(tokens=tokens))
 
 
-def client_stream(host: EngineHost, req: RequestContext, telemetry: Telemetry | None, *, index: int = 0) -> ClientStream:
+def client_stream(host: EngineHost, req: RequestContext, observer: Observer | None, *, index: int = 0) -> ClientStream:
     """A new `ClientStream` for sequence `index` of `req`, its text decoded by the engine's tokenizer,
-    its tokens coalesced as the request's stream interval says."""
-    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, telemetry, index, req.stream_interval)
+    its tokens coalesced as the request's stream interval says; its first token reported to `observer`."""
+    return ClientStream(tokenizer.for_engine(host.engine).stream(), req.started, observer, index, req.stream_interval)
 
 
 def summary(

@@ -48,10 +48,10 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.stopping import FinishReason
 from shared.errors import DataLoss, Internal
+from shared.observe import Count, Observer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 # Generation's decode steps of the request: (computed prompt tokens in its blocks, the stream
 # they go to, the first token already sent at full-N) -> the token chunks.
@@ -118,13 +118,13 @@ class DecodeReuse:
         checks: StateChecks,
         prefix_cache_blocks: int,
         prefix_cache_states: int,
-        telemetry: Telemetry | None,
+        observer: Observer,
     ) -> None:
         self.host = host
         self.checks = checks
-        self.telemetry = telemetry
-        self.prefix = PrefixCache(host, prefix_cache_blocks, telemetry)
-        self.states = StateCheckpoints(host, prefix_cache_states, telemetry)
+        self.observer = observer
+        self.prefix = PrefixCache(host, prefix_cache_blocks, observer)
+        self.states = StateCheckpoints(host, prefix_cache_states, observer)
         if self.prefix.enabled or self.states.enabled:
             host.reclaim = self.reclaim
 
@@ -245,8 +245,8 @@ class DecodeReuse:
     ) -> None:
         """A finished request's full prompt blocks READ from prefill go to the prefix cache."""
         hit = reused.hit
-        if self.telemetry is not None and skipped:
-            self.telemetry.prefix_cache_saved_bytes.inc(skipped_bytes(link, skipped))
+        if skipped:
+            self.observer.count(Count.PREFIX_CACHE_SAVED_BYTES, skipped_bytes(link, skipped))
         new = self.prefix.candidates(hit.chain or chain_of(link, self.host), req.prompt, num_computed, hit)
         if not new:
             return
@@ -259,7 +259,7 @@ class DecodeReuse:
         job would not have READ either)."""
         state, link = reused.state, reused.link
         assert state is not None and state.first_token is not None and link is not None
-        out = client_stream(self.host, req, self.telemetry)
+        out = client_stream(self.host, req, self.observer)
         responses = [out.chunk([state.first_token])]
         tail = out.tail()
         if tail is not None:
@@ -281,7 +281,7 @@ class DecodeReuse:
         At full-N its first token goes out first, then decoding continues by feeding it."""
         state, link = reused.state, reused.link
         assert state is not None and link is not None
-        out = client_stream(self.host, req, self.telemetry)
+        out = client_stream(self.host, req, self.observer)
         first = state.first_token
         if first is not None:
             yield out.chunk([first])  # before the checks and any decode step, as after a manifest
@@ -292,8 +292,7 @@ class DecodeReuse:
         if self.checks.check_state:
             await self.checks.recompute(run, req.prompt, state.computed, local, link)
         digest_check_seconds = time.monotonic() - checking
-        if self.telemetry is not None:
-            self.telemetry.prefix_state_saved_bytes.inc(state.saved_bytes)
+        self.observer.count(Count.PREFIX_STATE_SAVED_BYTES, state.saved_bytes)
         async for chunk in steps(state.computed, out, first, NO_FORKS):
             yield chunk
         await self.keep_prefix(run, req, reused, local, link, state.computed, reused.hit.tokens)

@@ -1,5 +1,6 @@
-"""DecodeService handlers: thin proto <-> domain adapters, the request counter by status, and
-the one log line per finished request."""
+"""DecodeService handlers: thin proto <-> domain adapters, the request's end reported once
+(`Stage.REQUEST`: its metrics count it, the tracer ends its span), and the one log line per
+finished request."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
@@ -25,6 +27,7 @@ from decode_svc.request import validate
 from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.logs import context as log_context
+from shared.observe import ERROR_MESSAGE, FAILURE_REASON, STATUS, TOKENS, TRANSFER_BYTES, TRANSFER_READS, Observer, Stage
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
@@ -69,6 +72,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.peers = peers
         self.lifecycle = lifecycle
         self.metrics = metrics or ServiceMetrics("decode")
+        self.observer = Observer(self.metrics.telemetry)
         self.generation = Generation(
             host,
             peers,
@@ -112,11 +116,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             request.request_id = uuid.uuid4().hex  # named here, so every log line of the request carries it
         log_context.bind_request(request.request_id, peer)
         span = _start_span(request, trace_parent, from_grpc)
+        within = None if span is None else trace.set_span_in_context(span)  # where the request's end is reported
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
-        status, message = "INTERNAL", ""
+        status, message, reason = "INTERNAL", "", ""
         summary: pb.GenerateSummary | None = None
-        t = self.metrics.telemetry
+        observer = self.observer
         started = last_token = loop.time()
         tokens_seen = False
         try:
@@ -130,34 +135,29 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     elif n := len(response.chunk.token_ids):
                         now = loop.time()
                         if tokens_seen:  # the first chunk's wait is the TTFT, not a gap
-                            for _ in range(n):
-                                t.inter_token_latency.observe((now - last_token) / n)
+                            observer.stage(Stage.TOKENS, now - last_token, {TOKENS: n})
                         tokens_seen, last_token = True, now
                     yield response
             status = "OK"
-            t.request_duration.observe(loop.time() - started)
         except GeneratorExit:
             status = "OK" if early_stop is not None and early_stop.stopped else self._cut_status(deadline)
             raise
         except ServiceError as e:
             status, message = e.status, e.message
             if e.reason != e.default_reason:
-                t.failures.labels(reason=e.reason).inc()
+                reason = e.reason
             raise
         except asyncio.CancelledError:
             if self.lifecycle.past_grace:  # cut by the end of the drain: say so, not "Cancelling all calls"
                 error = self.lifecycle.grace_ended_error()
-                status, message = error.status, error.message
-                t.failures.labels(reason=error.reason).inc()
+                status, message, reason = error.status, error.message, error.reason
                 raise error from None
             status = self._cut_status(deadline)  # the client went away, or its deadline passed
             raise
         finally:
-            counted = t.requests_of.get(status)
-            (counted if counted is not None else t.requests.labels(status=status)).inc()
             _log_finished(request, status, message, summary)
-            if span is not None:  # (the attributes are built only for a span)
-                spans.finish(span, status, _span_attributes(summary), message)
+            ended = _end_attributes(status, reason, message, summary)
+            observer.stage(Stage.REQUEST, loop.time() - started, ended, within=within)
 
     def _cut_status(self, deadline: float | None) -> str:
         if deadline is not None and asyncio.get_running_loop().time() >= deadline - DEADLINE_SLACK_SECONDS:
@@ -186,16 +186,22 @@ def _start_span(request: pb.GenerateRequest, parent: Context | None, from_grpc: 
     return spans.start(spans.GENERATE, kind=kind, parent=parent, attributes=attributes)
 
 
-def _span_attributes(summary: pb.GenerateSummary | None) -> dict[str, AttributeValue]:
-    if summary is None:
-        return {}
-    return {
-        "hybrid_pd.prompt_tokens": summary.prompt_token_count,
-        "hybrid_pd.generated_tokens": summary.generated_token_count,
-        "hybrid_pd.prefill_engine_id": summary.prefill_engine_id,
-        "hybrid_pd.transfer.bytes": summary.transfer.total_bytes,
-        "hybrid_pd.transfer.reads": summary.transfer.read_count,
-    }
+def _end_attributes(status: str, reason: str, message: str, summary: pb.GenerateSummary | None) -> dict[str, AttributeValue]:
+    """What the request's end reports: how it ended, and what its summary said (for its span)."""
+    attributes: dict[str, AttributeValue] = {STATUS: status}
+    if reason:
+        attributes[FAILURE_REASON] = reason
+    if message:
+        attributes[ERROR_MESSAGE] = message
+    if summary is not None:
+        attributes.update({
+            "hybrid_pd.prompt_tokens": summary.prompt_token_count,
+            "hybrid_pd.generated_tokens": summary.generated_token_count,
+            "hybrid_pd.prefill_engine_id": summary.prefill_engine_id,
+            TRANSFER_BYTES: summary.transfer.total_bytes,
+            TRANSFER_READS: summary.transfer.read_count,
+        })  # fmt: skip
+    return attributes
 
 
 def _log_finished(request: pb.GenerateRequest, status: str, message: str, summary: pb.GenerateSummary | None) -> None:

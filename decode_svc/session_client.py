@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -42,7 +43,7 @@ from shared.cache.manifest import Manifest
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import GREEDY, SamplingParams
 from shared.errors import ServiceError, Unavailable, error_for_status
-from shared.observe import Step
+from shared.observe import Stage, Step
 from shared.otel import spans
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
@@ -184,6 +185,7 @@ class SessionClient:
             raise ServiceError(f"request id {request_id!r} is already in flight to {self.peer_name}")
         future: asyncio.Future[Manifest] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
+        queued = time.monotonic()
         try:
             observe.mark(Step.JOB_QUEUED)
             self._send(msg)
@@ -200,8 +202,8 @@ class SessionClient:
             raise
         finally:
             self._waiting.pop(request_id, None)
-        if spans.enabled():
-            spans.event(spans.MANIFEST, manifest_attributes(manifest, self.peer_name))
+        if observe.listening():  # in the request's task: its span is current
+            observe.stage(Stage.MANIFEST, time.monotonic() - queued, manifest_attributes(manifest, self.peer_name))
         return manifest
 
     def fail_waiting(self, request_id: str, error: BaseException) -> None:

@@ -57,8 +57,8 @@ from decode_svc.prefix_cache import Chain, Hit, cacheable_blocks, skipped_bytes
 from shared.cache.digest import SectionDigest, compare_digests, state_digests
 from shared.engine.protocol import RequestBlocks
 from shared.engine.sampling import SamplingParams, first_draw
+from shared.observe import Count, Observer
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,10 +101,10 @@ class Checkpoint:
 
 
 class StateCheckpoints:
-    def __init__(self, host: EngineHost, capacity: int, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, host: EngineHost, capacity: int, observer: Observer | None = None) -> None:
         self.host = host
         self.capacity = capacity
-        self.telemetry = telemetry
+        self.observer = observer or Observer()
         self.enabled = capacity > 0
         self.full = host.engine.boundary == "full"  # keys name the first token's draw too
         self._entries: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
@@ -146,8 +146,7 @@ class StateCheckpoints:
         if found is not None:
             found.users += 1
             self._entries.move_to_end(found.key)
-        if self.telemetry is not None:
-            (self.telemetry.prefix_state_hits if found is not None else self.telemetry.prefix_state_misses).inc()
+        self.observer.count(Count.PREFIX_STATE_HIT if found is not None else Count.PREFIX_STATE_MISS)
         return found
 
     def holds(self, chain: Chain | None, prompt: Sequence[int], computed: int, lead: int, sampling: SamplingParams) -> bool:
@@ -303,8 +302,7 @@ class StateCheckpoints:
         return True
 
     def _count_eviction(self) -> None:
-        if self.telemetry is not None:
-            self.telemetry.prefix_state_evictions.inc()
+        self.observer.count(Count.PREFIX_STATE_EVICTED)
 
 
 def _free_after(host: EngineHost, holder: str, done: asyncio.Future[Any]) -> None:

@@ -41,8 +41,8 @@ import numpy as np
 
 from shared.cache.block_copy import copy_blocks
 from shared.engine.protocol import ChunkedPrefill, PrefillRun, RequestBlocks, ResumablePrefill
+from shared.observe import Count, Observer
 from shared.runtime.engine_host import EngineHost
-from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,11 @@ class Hit:
 
 
 class BoundaryCache:
-    def __init__(self, host: EngineHost, capacity_blocks: int, chunk_tokens: int, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, host: EngineHost, capacity_blocks: int, chunk_tokens: int, observer: Observer | None = None) -> None:
         self.host = host
         self.capacity_blocks = capacity_blocks
         self.chunk_tokens = chunk_tokens
-        self.telemetry = telemetry
+        self.observer = observer or Observer()
         engine = host.engine
         self.enabled = capacity_blocks > 0 and chunk_tokens > 0 and usable(engine, chunk_tokens)
         layout = host.layout
@@ -141,8 +141,7 @@ class BoundaryCache:
             found = self._entries.get(key)
             if found is not None:
                 break
-        if self.telemetry is not None:
-            (self.telemetry.prefill_boundary_hits if found is not None else self.telemetry.prefill_boundary_misses).inc()
+        self.observer.count(Count.BOUNDARY_HIT if found is not None else Count.BOUNDARY_MISS)
         if found is None:
             return None
         found.users += 1
@@ -150,8 +149,7 @@ class BoundaryCache:
         while chain is not None:  # the head most recent: leaves are evicted first
             self._entries.move_to_end(chain.key)
             chain = chain.parent
-        if self.telemetry is not None:
-            self.telemetry.prefill_boundary_skipped_tokens.inc(found.tokens)
+        self.observer.count(Count.BOUNDARY_SKIPPED_TOKENS, found.tokens)
         return Hit(found)
 
     def release(self, hit: Hit) -> None:
@@ -283,8 +281,7 @@ class BoundaryCache:
         del self._entries[boundary.key]
         if boundary.parent is not None:
             boundary.parent.children -= 1
-        if self.telemetry is not None:
-            self.telemetry.prefill_boundary_evictions.inc()
+        self.observer.count(Count.BOUNDARY_EVICTED)
         return self.host.free(boundary.holder)
 
     def _room_for(self, blocks: int, fresh: int) -> bool:

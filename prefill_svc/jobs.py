@@ -44,12 +44,11 @@ from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
 from shared.engine.sampling import SamplingParams, leaves_a_token
 from shared.errors import DeadlineExceeded, FieldIssue, InvalidArgument
 from shared.layout.spec import layer_ranges
-from shared.observe import Step
+from shared.observe import Observer, Step
 from shared.rpc.deadlines import wait_deadline
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.prefill_loop import PrefillLoop
-from shared.telemetry import Telemetry
 
 
 def validate_prompt(host: EngineHost, request_id: str, prompt: Sequence[int]) -> None:
@@ -101,7 +100,7 @@ class JobRunner:
         layer_parts: int = 0,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
         boundary_blocks: int = 0,
-        telemetry: Telemetry | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.host = host
         self.pins = pins
@@ -115,7 +114,7 @@ class JobRunner:
         if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
             self.steps = PrefillLoop(engine, host.submit_compute, max_batched_tokens)
         # Prefix reuse on prefill (--prefix-cache-blocks): only where jobs compute in steps.
-        self.boundaries = BoundaryCache(host, boundary_blocks if self.steps is not None else 0, chunk_tokens, telemetry)
+        self.boundaries = BoundaryCache(host, boundary_blocks if self.steps is not None else 0, chunk_tokens, observer)
         if self.boundaries.enabled:
             host.reclaim = self.boundaries.reclaim  # a job short of blocks takes unused boundaries back
 

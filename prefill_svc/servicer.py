@@ -15,7 +15,7 @@ from prefill_svc.peers import DecodePeers
 from prefill_svc.pins import PinTable
 from prefill_svc.session import PrefillSession, SessionConfig
 from shared.errors import InvalidArgument, ServiceError
-from shared.observe import Observer
+from shared.observe import Count, Observer
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.pb.hybridpd.v1 import prefill_service_pb2_grpc as pb_grpc
 from shared.rpc.compat import check_pair
@@ -40,6 +40,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.lifecycle = lifecycle
         self.config = config
         self.metrics = metrics or ServiceMetrics("prefill")
+        self.observer = Observer(self.metrics.telemetry)
         self.peers = DecodePeers()
         self.runner = JobRunner(
             host,
@@ -49,16 +50,15 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             config.layer_parts,
             config.max_batched_tokens,
             config.prefix_cache_blocks,
-            self.metrics.telemetry,
+            self.observer,
         )
         if self.runner.steps is not None:
-            self.runner.steps.observer = Observer(self.metrics.telemetry)
+            self.runner.steps.observer = self.observer
         self.load = LoadBoard(pins)  # what every session reports to its decode engine
         self.handoffs = Handoffs(self.runner, pins)  # requests the HTTP prefill leg pinned for a decode engine to claim
 
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.HandshakeResponse:
         self.lifecycle.check_accepting("new handshakes")
-        handshakes = self.metrics.telemetry.handshakes
         try:
             if not request.HasField("layout"):
                 raise InvalidArgument("the decode engine's layout is required", field="layout")
@@ -66,9 +66,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 self.host.message, request.layout, local_role="prefill", local_layout=self.host.layout, spec=self.host.spec
             )
         except ServiceError as e:
-            handshakes.labels(result=e.status.lower()).inc()
+            self.observer.count(Count.HANDSHAKE, kind=e.status.lower())
             raise
-        handshakes.labels(result="ok").inc()
+        self.observer.count(Count.HANDSHAKE, kind="ok")
         peer = self.peers.add(request.layout)
         for agent in self.host.agents:  # its probe READ follows: answer its wire-up at once
             agent.wake()

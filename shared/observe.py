@@ -1,14 +1,21 @@
 """One instrumentation path for the request paths: metrics, spans and benchmark breakdowns.
 
-A request path says what happened once, in one of two shapes, and every installed sink takes
+A request path says what happened once, in one of three shapes, and every installed sink takes
 what it listens to:
 
 - `mark(Step.X)`: a request passed a named step (a point in time, on whichever thread reaches
   it); `bench control --breakdown` turns the marks into step timings.
 - `stage(Stage.X, seconds, attributes)`: a named stage ended after `seconds`, with what it did
   in `attributes`; a service's metrics observe it, the tracer puts it on a span (the current
-  one's attributes or events, or a span of its own), and a stage that ends a step of the
-  breakdown (`END_STEPS`) marks it.
+  one's attributes or events, a span of its own, or the end of the span `within` holds), and a
+  stage that ends a step of the breakdown (`END_STEPS`) marks it.
+- `count(Count.X, n, kind)`: `n` more of something happened (a cache hit, evicted blocks, a
+  retry for a reason); a service's metrics add it to a counter.
+
+Counts go through here too, though only metrics read them today: a request path then knows one
+thing, its `Observer`, never the metrics registry (no `Telemetry | None` to check at each call),
+a test reads what it counted with a sink of its own, and a span or breakdown that wants a count
+later needs no change at the call site.
 
 Sinks: process-wide ones (`add` / `remove`: the tracer, from shared/otel/spans.py `install`; a
 benchmark's breakdown, `tracing_into`), and a service's own metrics, which an `Observer` carries
@@ -40,7 +47,7 @@ class Step(StrEnum):
     JOB_QUEUED = "d.job_queued"  # decode_svc/session_client.py: the job is queued for the Session stream
     JOB_RECEIVED = "p.job_received"  # prefill_svc/session.py: a job message arrived, before its task starts
     JOB_STARTED = "p.job_started"  # prefill_svc/jobs.py: the job task runs (credit taken)
-    ALLOCATED = "p.allocated"  # shared/runtime/engine_host.py: queued block allocation returned
+    ALLOCATED = "p.allocated"  # shared/runtime/engine_host.py: queued block allocation returned (Stage.QUEUE_WAIT ends)
     COMPUTE = "c.compute"  # shared/runtime/engine_host.py: the compute function starts on the compute thread
     COMPUTED = "p.computed"  # shared/runtime/engine_host.py: back on the event loop after the compute
     PINNED = "p.pinned"  # prefill_svc/pins.py: the pin exists, notification waits armed
@@ -67,6 +74,32 @@ class Stage(StrEnum):
     PREFILL_STEP = "prefill.step"  # shared/runtime/prefill_loop.py: one prefill step's engine time; BATCH_SIZE, TOKENS
     QUEUE_WAIT = "queue_wait"  # shared/runtime/engine_host.py: a request's or job's wait for free blocks
     RELEASE = "prefill.release"  # prefill_svc/pins.py: a pinned request ended, its blocks free; seconds: pinned; RELEASE_*
+    MANIFEST = "decode.manifest"  # decode_svc/session_client.py: a job's manifest reached its request; seconds: since queued
+    FIRST_TOKEN = "decode.first_token"  # decode_svc/responses.py: a request's first token sent; seconds: since it arrived
+    TOKENS = "decode.tokens"  # decode_svc/servicer.py: a later chunk sent; seconds: since the one before; TOKENS
+    REQUEST = "decode.request"  # decode_svc/servicer.py: a Generate request ended; seconds: its duration; STATUS, ...
+
+
+class Count(StrEnum):
+    """Everything a service counts. The comment is where, and what its `kind` is (if it has one)."""
+
+    PREFIX_CACHE_HIT = "decode.prefix_cache.hit"  # decode_svc/prefix_cache.py: a prompt found leading blocks
+    PREFIX_CACHE_MISS = "decode.prefix_cache.miss"  # decode_svc/prefix_cache.py: it found none
+    PREFIX_CACHE_EVICTED = "decode.prefix_cache.evicted"  # decode_svc/prefix_cache.py: blocks given up
+    PREFIX_CACHE_SAVED_BYTES = "decode.prefix_cache.saved_bytes"  # decode_svc/reuse.py: K/V bytes not READ
+    PREFIX_STATE_HIT = "decode.prefix_state.hit"  # decode_svc/state_checkpoints.py: a checkpoint of the prompt
+    PREFIX_STATE_MISS = "decode.prefix_state.miss"  # decode_svc/state_checkpoints.py: none to use
+    PREFIX_STATE_EVICTED = "decode.prefix_state.evicted"  # decode_svc/state_checkpoints.py: a checkpoint given up
+    PREFIX_STATE_SAVED_BYTES = "decode.prefix_state.saved_bytes"  # decode_svc/reuse.py: bytes not READ
+    PREFIX_STATE_WITHOUT_PREFILL = "decode.prefix_state.without_prefill"  # decode_svc/generation.py: no prefill was ready
+    PREFILL_RETRY = "decode.prefill_retry"  # decode_svc/generation.py: a job sent elsewhere; kind: the reason
+    LOCAL_PREFILL = "decode.local_prefill"  # decode_svc/local_prefill.py: a prompt computed on decode; kind: why
+    DIGEST_MISMATCH = "decode.digest_mismatch"  # decode_svc/read_checks.py: a digest differs; kind: its section
+    BOUNDARY_HIT = "prefill.boundary.hit"  # prefill_svc/boundary_cache.py: a job starts at a cached boundary
+    BOUNDARY_MISS = "prefill.boundary.miss"  # prefill_svc/boundary_cache.py: it found none
+    BOUNDARY_SKIPPED_TOKENS = "prefill.boundary.skipped_tokens"  # prefill_svc/boundary_cache.py: tokens not computed
+    BOUNDARY_EVICTED = "prefill.boundary.evicted"  # prefill_svc/boundary_cache.py: a boundary given up
+    HANDSHAKE = "prefill.handshake"  # prefill_svc/servicer.py: a decode engine's handshake; kind: its result
 
 
 # Attribute keys (the READ span's attributes are these transfer keys).
@@ -80,9 +113,12 @@ TRANSFER_CONV_BYTES = "hybrid_pd.transfer.conv_bytes"
 TRANSFER_SSM_BYTES = "hybrid_pd.transfer.ssm_bytes"
 TRANSFER_POST_SECONDS = "hybrid_pd.transfer.post_seconds"  # one per READ posted
 RELEASE_REASON = "hybrid_pd.release.reason"  # read, released, lease_expired, ...
+STATUS = "hybrid_pd.status"  # the gRPC status name a request or job ended with ("OK": it succeeded)
+FAILURE_REASON = "hybrid_pd.failure.reason"  # only a failure whose reason has its own count
+ERROR_MESSAGE = "hybrid_pd.error"  # the failure's message (a span's status says it, not an attribute)
 
 # A stage whose end is also a step of the breakdown (marked where the stage is reported).
-END_STEPS = {Stage.RELEASE: Step.FREED}
+END_STEPS = {Stage.RELEASE: Step.FREED, Stage.QUEUE_WAIT: Step.ALLOCATED}
 
 
 class Sink:
@@ -94,6 +130,9 @@ class Sink:
     def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         """`stage` ended after `seconds`. `within`: the trace context it belongs to, kept when it
         began (None: the current one, or tracing was off then)."""
+
+    def count(self, count: Count, n: float, kind: str) -> None:
+        """`n` more of `count` (`kind`: which of its kinds, "" where it has none)."""
 
 
 _sinks: tuple[Sink, ...] = ()  # replaced whole, never changed in place: any thread may read it
@@ -149,6 +188,12 @@ class Observer:
             sink.stage(stage, seconds, attributes, within)
         for sink in _sinks:
             sink.stage(stage, seconds, attributes, within)
+
+    def count(self, count: Count, n: float = 1, kind: str = "") -> None:
+        for sink in self._own:
+            sink.count(count, n, kind)
+        for sink in _sinks:
+            sink.count(count, n, kind)
 
 
 def number(attributes: Attributes, key: str) -> float:

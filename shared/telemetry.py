@@ -4,7 +4,7 @@ Each service owns a `Telemetry` with its own registry (two services in one test 
 not share counters) and serves it over HTTP on `--metrics-port`. Labels stay low-cardinality:
 sections, reasons, results and statuses; never request ids or ranks (block counts are per engine).
 
-Conventions (tests/unit/rpc/test_metric_names.py checks every exported name): counters end in
+Conventions (tests/integration/metrics/test_metrics.py checks every exported name): counters end in
 `_total` (prometheus_client adds it), gauges and histograms never do, durations end in `_seconds`
 and sizes in `_bytes`. Per role: a series only the other role can move is not exported (the
 metric object still exists, unregistered, so shared code counts into it without checks). Label
@@ -21,7 +21,9 @@ from prometheus_client.exposition import generate_latest
 
 from shared.observe import (
     BATCH_SIZE,
+    FAILURE_REASON,
     RELEASE_REASON,
+    STATUS,
     TOKENS,
     TRANSFER_ATTENTION_BYTES,
     TRANSFER_CONV_BYTES,
@@ -30,6 +32,7 @@ from shared.observe import (
     TRANSFER_READS,
     TRANSFER_SSM_BYTES,
     Attributes,
+    Count,
     Sink,
     Stage,
     number,
@@ -279,6 +282,28 @@ class Telemetry(Sink):
             self.failures.labels(reason=reason)
         for reason in PREFILL_RETRY_REASONS:
             self.prefill_retries.labels(reason=reason)
+        # What each count adds to: a counter, or one with a label its kind names.
+        self._counters: dict[Count, Counter] = {
+            Count.PREFIX_CACHE_HIT: self.prefix_cache_hits,
+            Count.PREFIX_CACHE_MISS: self.prefix_cache_misses,
+            Count.PREFIX_CACHE_EVICTED: self.prefix_cache_evictions,
+            Count.PREFIX_CACHE_SAVED_BYTES: self.prefix_cache_saved_bytes,
+            Count.PREFIX_STATE_HIT: self.prefix_state_hits,
+            Count.PREFIX_STATE_MISS: self.prefix_state_misses,
+            Count.PREFIX_STATE_EVICTED: self.prefix_state_evictions,
+            Count.PREFIX_STATE_SAVED_BYTES: self.prefix_state_saved_bytes,
+            Count.PREFIX_STATE_WITHOUT_PREFILL: self.prefix_state_without_prefill,
+            Count.BOUNDARY_HIT: self.prefill_boundary_hits,
+            Count.BOUNDARY_MISS: self.prefill_boundary_misses,
+            Count.BOUNDARY_SKIPPED_TOKENS: self.prefill_boundary_skipped_tokens,
+            Count.BOUNDARY_EVICTED: self.prefill_boundary_evictions,
+        }
+        self._counters_by_kind: dict[Count, Counter] = {
+            Count.PREFILL_RETRY: self.prefill_retries,
+            Count.LOCAL_PREFILL: self.local_prefills,
+            Count.DIGEST_MISMATCH: self.digest_mismatches,
+            Count.HANDSHAKE: self.handshakes,
+        }
 
     def stage(self, stage: Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         """The histograms and counters a reported stage feeds (shared/observe.py)."""
@@ -298,6 +323,34 @@ class Telemetry(Sink):
             self.pins_ended.labels(reason=str(reason)).inc()
             if reason == "lease_expired":
                 self.lease_expiries.inc()
+        elif stage is Stage.TOKENS:
+            n = number(attributes, TOKENS)
+            for _ in range(int(n)):  # n gaps of 1/n the chunk's time each
+                self.inter_token_latency.observe(seconds / n)
+        elif stage is Stage.FIRST_TOKEN:
+            self.time_to_first_token.observe(seconds)
+        elif stage is Stage.REQUEST:
+            self._request(seconds, attributes)
+
+    def count(self, count: Count, n: float, kind: str) -> None:
+        """The counter a count adds to (shared/observe.py)."""
+        counter = self._counters.get(count)
+        if counter is not None:
+            counter.inc(n)
+            return
+        if not kind:
+            raise ValueError(f"count {count} needs its kind (a reason, section or result)")
+        self._counters_by_kind[count].labels(kind).inc(n)
+
+    def _request(self, seconds: float, attributes: Attributes) -> None:
+        status = str(attributes[STATUS])
+        counted = self.requests_of.get(status)
+        (counted if counted is not None else self.requests.labels(status=status)).inc()
+        if status == "OK":
+            self.request_duration.observe(seconds)
+        reason = attributes.get(FAILURE_REASON)
+        if reason is not None:
+            self.failures.labels(reason=str(reason)).inc()
 
     def _transfer(self, seconds: float, attributes: Attributes) -> None:
         moved = self.transferred_bytes_of

@@ -49,7 +49,8 @@ _tracer: Tracer | None = None
 
 class _StageSpans(observe.Sink):
     """The stages the request paths report (shared/observe.py) as spans: the READ span's
-    attributes, an event per rank pair's READ, the release span."""
+    attributes, an event per rank pair's READ, the release span, the manifest event and the end
+    of the request's span (the one `within` holds, started when the request arrived)."""
 
     def stage(self, stage: observe.Stage, seconds: float, attributes: Attributes, within: Context | None) -> None:
         if stage is observe.Stage.READ:
@@ -58,6 +59,16 @@ class _StageSpans(observe.Sink):
             trace.get_current_span().add_event(READ_PAIR, {**attributes, "hybrid_pd.post_ms": _ms(seconds)})
         elif stage is observe.Stage.RELEASE:
             record(RELEASE, within, {**attributes, "hybrid_pd.pinned_ms": _ms(seconds)})
+        elif stage is observe.Stage.MANIFEST:
+            trace.get_current_span().add_event(MANIFEST, attributes)
+        elif stage is observe.Stage.REQUEST and within is not None:  # None: tracing was off when it arrived
+            _end_request(trace.get_current_span(within), attributes)
+
+
+def _end_request(span: Span, attributes: Attributes) -> None:
+    message = str(attributes.get(observe.ERROR_MESSAGE, ""))
+    kept = {k: v for k, v in attributes.items() if k != observe.ERROR_MESSAGE}
+    finish(span, str(attributes[observe.STATUS]), kept, message)
 
 
 def _ms(seconds: float) -> float:
@@ -111,7 +122,7 @@ def start(
 def settle(span: Span, status: str, attributes: Attributes = NO_ATTRIBUTES, message: str = "") -> None:
     """Give `span` the work's final status (a gRPC status name, "OK" when it succeeded)."""
     span.set_attributes(attributes)
-    span.set_attribute("hybrid_pd.status", status)
+    span.set_attribute(observe.STATUS, status)
     if status != "OK":
         span.set_status(Status(StatusCode.ERROR, f"{status}: {message}" if message else status))
 

@@ -318,8 +318,7 @@ class EngineHost:
         blocks = await self._when_free(
             lambda: self.allocate(key, num_tokens, leading=leading), num_tokens, deadline, counted=counted
         )
-        observe.mark(Step.ALLOCATED)
-        if counted:
+        if counted:  # also the breakdown's p.allocated step (END_STEPS)
             self.observer.stage(Stage.QUEUE_WAIT, asyncio.get_running_loop().time() - started)
         return blocks
 
