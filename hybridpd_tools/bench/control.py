@@ -358,7 +358,9 @@ def _breakdown(trace: StepTrace, phases: dict[str, Any], hop_ms: float) -> dict[
     steps = trace.summaries_ms()
     # Prefill pumps its agent every busy interval while notifications are awaited: the READ's
     # notification waits for the next pump (by design: a shorter interval costs CPU per rank).
-    wait = next(s["median"] for s in steps if s["step"] == NOTIFICATION_WAIT_STEP) or 0.0
+    # Its two marks lie on two services' threads with no order between them (the pump may fetch
+    # the notification before decode's post returns), so a median below 0 is a wait of 0.
+    wait = max(0.0, next(s["median"] for s in steps if s["step"] == NOTIFICATION_WAIT_STEP) or 0.0)
     floors = {
         "echo_ms": echo,  # the job and its manifest cross the Session stream once each way
         # Paid once: the compute thread. A READ this small is posted on the event loop itself
