@@ -1,7 +1,8 @@
 """The prefill job path: admit (validate), blocks, compute (in batched prefill steps on an
 engine that batches: shared/runtime/prefill_loop.py; else on the compute thread) with the
 state's digests, the fault seam's `before_manifest`, pin, and the manifest describing it. A job
-sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead.
+sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead (its chunks
+in the same steps).
 
 Decode's prefix cache (`cached_prompt_tokens`): prefill still computes the prompt (the SSM
 state needs it; from token 0, or from a boundary it kept itself: below), but no digest covers
