@@ -4,7 +4,8 @@ from disk, real NIXL READs, prefill TP 1 -> decode TP 2), prefill cuts each prom
 of 16 tokens and sends a part after every chunk that made attention blocks final, and the
 chunks of different jobs compute in the same prefill steps. Every request's tokens equal the
 same request computed alone by the colocated runner with the same chunks, bit for bit, and
-decode's --check-state recomputes every prompt alone and finds the READ state equal.
+decode's --check-state recomputes every prompt alone (in prefill's chunks, learnt at the
+handshake) and finds the READ state equal.
 
 A part left unread in decode's blocks changes that request's tokens (negative control: the
 comparison can fail), and a request cancelled while one of its chunks is in a step keeps its
@@ -72,15 +73,6 @@ async def together(decode: DecodeApp, requests: Sequence[Request]) -> list[tuple
     return list(await asyncio.gather(*(generate_with(decode.port, **fields(r, f"r{i}")) for i, r in enumerate(requests))))
 
 
-def recompute_in_prefill_chunks(decode: DecodeApp) -> None:
-    """--check-state recomputes with decode's own chunks; --prefill-chunk-tokens is a prefill
-    flag, so decode's engine is told prefill's chunks here: the recompute is then each prompt's
-    prefill alone, what the READ state must equal."""
-    engine = decode.host.engine
-    assert isinstance(engine, PagedEngine)
-    engine.exact_chunk_tokens = CHUNK
-
-
 def parts_read(decode: DecodeApp, summary: dpb.GenerateSummary) -> int:
     """The manifest parts a request's READs came in (one READ per prefill rank a part)."""
     pairs = len(decode.peers.peers[0].link.pairs)  # type: ignore[union-attr]
@@ -95,7 +87,6 @@ async def test_jobs_in_parts_share_prefill_steps_and_equal_each_alone(hf_checkpo
         prefill,
         decode,
     ):
-        recompute_in_prefill_chunks(decode)
         vocab = decode.host.spec.vocab_size
         first = load(vocab, 6)
         second = [([*p, *[(t * 7) % (vocab - 4) + 4 for t in range(30)]], n, s) for p, n, s in first]
@@ -212,7 +203,6 @@ async def test_a_job_cancelled_in_its_parts_keeps_its_blocks_until_its_step_ends
         prefill,
         decode,
     ):
-        recompute_in_prefill_chunks(decode)
         engine = prefill.host.engine
         assert isinstance(engine, PagedEngine)
 
@@ -304,7 +294,6 @@ async def test_logprobs_prompt_logprobs_and_forks_in_parts_equal_each_alone(hf_c
         prefill,
         decode,
     ):
-        recompute_in_prefill_chunks(decode)
         (echoed, _, _), (forked, _, _), (other, _, _) = load(decode.host.spec.vocab_size, 3)
         common: dict[str, Any] = {"max_tokens": max_tokens}
         (a, a_prompt), (b, _), (c, _) = await asyncio.gather(
