@@ -17,10 +17,12 @@ blocks: a job that fails later leaves them to decode's release, the cancel, or t
 that stops (its pin ended, it failed) computes no span not started yet, and its blocks are freed
 only once the last span queued and every digest taken aside are done with them.
 
-Where the engine batches (prefill's step loop: shared/runtime/prefill_loop.py), a span's chunks
-are members of batched prefill steps beside other jobs' chunks, in the loop's order (the job's
-place in line is its arrival), each chunk's bits those of the chunk alone; a span queued ahead
-sends its first chunk to the loop as soon as the span before it is done. A job that stops
+Where the engine batches (prefill's step loop: shared/runtime/prefill_loop.py), the chunks are
+members of batched prefill steps beside other jobs' chunks, in the loop's order (the job's place
+in line is its arrival), each chunk's bits those of the chunk alone. One task computes the
+job's spans in order, every span queued at once: a chunk goes to the loop in the same event-loop
+turn as the step of the chunk before it ends, so the job stays in the steps it shares with
+others; the parts still leave in order as run() takes each span's result. A job that stops
 withdraws a chunk still waiting for its step; one in a step ends with it, and only then are the
 blocks freed. With layer parts the last chunk computes alone on the compute thread (between
 steps): it reports each layer final through `on_layer`, which takes digests and raises once the
@@ -111,7 +113,13 @@ class PartedJob:
         self.latest: asyncio.Future[ComputedState] | None = None  # the last span queued
         self.steps = steps
         self.order = 0 if steps is None else steps.arrival()  # the job's place in the loop's line
-        self.stepping: list[asyncio.Future[ComputedState]] = []  # spans computing in the loop's steps
+        # Batched: each span's result, the spans queued (their compute may start) and the task computing them.
+        self.span_done = [self.loop.create_future() for _ in spans] if steps is not None else []
+        self.go = [asyncio.Event() for _ in spans] if steps is not None else []
+        self.computing: asyncio.Task[None] | None = None
+        # Spans queued beyond the one awaited: on the compute thread one keeps it busy; in the
+        # loop's steps every span (a chunk not waiting when a step starts misses that step).
+        self.ahead = 1 if steps is None else len(spans)
         self.started = 0.0
         self.on_end: Callable[[str], None] | None = None
         self.on_part: PartSink = _no_part
@@ -132,9 +140,8 @@ class PartedJob:
         self.started, self.on_end, self.on_part, self.announce = started, on_end, on_part, announce
         self.drawn = drawn
         try:
-            self._queue(0)
-            if not self.held and len(self.spans) > 1:
-                self._queue(1)
+            for ahead in range(1 if self.held else min(1 + self.ahead, len(self.spans))):
+                self._queue(ahead)
             for index, span in enumerate(self.spans):
                 last = index == len(self.spans) - 1
                 compute = self.queued.popleft()
@@ -156,8 +163,8 @@ class PartedJob:
                     layers = None if self.feed is None else self.feed.ranges[-1]
                     return self._part(self.count - 1, span, state.digests, state.first_token, layers)
                 part = self._part(index, span, state.digests, state.first_token, None)
-                if not self.held and index + 2 < len(self.spans):
-                    self._queue(index + 2)
+                if not self.held and index + 1 + self.ahead < len(self.spans):
+                    self._queue(index + 1 + self.ahead)
                 self.on_part(part)
                 await faults.pause("between_parts", self.job.request_id)
                 await faults.part_left(self.job.request_id, index)
@@ -182,12 +189,14 @@ class PartedJob:
 
     def _start_span(self, index: int) -> asyncio.Future[ComputedState]:
         """Span `index`'s compute, started: in the prefill loop's steps where the engine batches
-        (after the span queued before it), else one call on the compute thread (behind it)."""
+        (by the job's computing task, after the span before it), else one call on the compute
+        thread (behind it)."""
         if self.steps is None:
             return self.host.submit_compute(functools.partial(self._span_work, index))
-        task = asyncio.ensure_future(self._span_in_steps(index, self.latest))
-        self.stepping.append(task)
-        return task
+        self.go[index].set()
+        if self.computing is None:
+            self.computing = asyncio.ensure_future(self._compute_in_steps())
+        return self.span_done[index]
 
     def _span_start(self, index: int) -> int:
         return max(self.resume.tokens, 0 if index == 0 else self.spans[index - 1].compute_to)
@@ -218,21 +227,26 @@ class PartedJob:
         self.engine_before += done.engine_seconds
         return done
 
-    async def _span_in_steps(self, index: int, before: asyncio.Future[ComputedState] | None) -> ComputedState:
-        """`_span_work` with the chunks in the prefill loop's steps; the digests (unless taken
-        aside) on the digest thread (a device cache: the compute thread, after the steps'
-        kernels). Cancelled, it returns only once nothing it started writes or reads the
-        blocks any more (the span before it included)."""
-        if before is not None:  # the run's chunks follow each other; its outcome is run()'s to take
-            with contextlib.suppress(Exception):
-                await _done_with(before)
+    async def _compute_in_steps(self) -> None:
+        """The spans in order, each once queued, their results (or the error) to `span_done`;
+        a span after one that failed or was cancelled never starts. Cancelled, this ends only
+        once nothing it started writes or reads the blocks any more."""
+        index = 0
         try:
-            if self.stop.is_set():
-                raise self._released()
-            return await self._stepped_span(index)
-        except BaseException:
-            self.stop.set()  # before the span queued behind this one starts on a broken run
-            raise
+            for index in range(len(self.spans)):
+                await self.go[index].wait()
+                if self.stop.is_set():
+                    raise self._released()
+                self.span_done[index].set_result(await self._stepped_span(index))
+        except BaseException as exc:
+            self.stop.set()  # the spans after this one never start on a broken run
+            for k, later in enumerate(self.span_done[index:]):
+                if isinstance(exc, asyncio.CancelledError) or k:
+                    later.cancel()
+                else:
+                    later.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
     async def _stepped_span(self, index: int) -> ComputedState:
         assert self.steps is not None
@@ -325,9 +339,8 @@ class PartedJob:
         Unpinned, the blocks are the job's to free once the compute and digest threads are done
         with them (the last span queued, the parts' digests); pinned, the pin frees them."""
         self.stop.set()
-        for task in self.stepping:  # a chunk waiting for its step is withdrawn; one in a step ends with it
-            task.cancel()
-            task.add_done_callback(_take_outcome)
+        if self.computing is not None:  # a chunk waiting for its step is withdrawn; one in a step ends with it
+            self.computing.cancel()
         for ahead in self.queued:
             if ahead is not self.latest:
                 ahead.add_done_callback(_take_outcome)
@@ -414,11 +427,12 @@ class PartedJob:
             self.on_end(reason)
 
     def _writing(self) -> asyncio.Future[Any]:
-        """Done once neither the compute thread (the last span queued) nor the digest thread
-        uses the blocks any more."""
+        """Done once neither the compute thread (the last span queued; batched: the computing
+        task) nor the digest thread uses the blocks any more."""
         assert self.latest is not None
+        writer: asyncio.Future[Any] = self.latest if self.computing is None else self.computing
         more = [*self.reading, *(self.feed.reading if self.feed is not None else [])]
-        return _all_done(self.latest, *more) if more else self.latest
+        return _all_done(writer, *more) if more else writer
 
     def _cover(self) -> None:
         """A part's digests went aside: the pin frees the blocks after them too."""

@@ -33,9 +33,13 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
     span_seconds: list[float] = []  # the engine seconds of each part's span, as the job measured them
     start_span = PartedJob._start_span  # on the compute thread (hf) or in batched prefill steps (paged)
 
+    def kept(future: asyncio.Future[ComputedState]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            span_seconds.append(future.result().engine_seconds)
+
     def recorded(self: PartedJob, index: int) -> asyncio.Future[ComputedState]:
         future = start_span(self, index)
-        future.add_done_callback(lambda f: span_seconds.append(f.result().engine_seconds))
+        future.add_done_callback(kept)
         return future
 
     monkeypatch.setattr(PartedJob, "_start_span", recorded)
