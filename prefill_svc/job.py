@@ -87,6 +87,12 @@ class FirstLogprobs:
             self.prompt = scored_prompt(run, job.prompt_logprobs)
 
 
+def draws_more(job: Job, first_token: int | None) -> bool:
+    """Whether the job asked for more than the state: logprobs, or its forks' first tokens."""
+    wants_first = first_token is not None and (job.logprobs is not None or bool(job.fork_seeds))
+    return wants_first or job.prompt_logprobs is not None
+
+
 PartSink = Callable[[Manifest], None]
 """Takes each manifest part but the last (which `JobRunner.run` returns), in order."""
 

@@ -1,7 +1,8 @@
 """The prefill job path: admit (validate), blocks, compute (in batched prefill steps on an
 engine that batches: shared/runtime/prefill_loop.py; else on the compute thread) with the
 state's digests, the fault seam's `before_manifest`, pin, and the manifest describing it. A job
-sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead.
+sent in manifest parts (pipelined transfer) runs prefill_svc/parted_job.py instead (its chunks
+in the same steps).
 
 Decode's prefix cache (`cached_prompt_tokens`): prefill still computes the prompt (the SSM
 state needs it; from token 0, or from a boundary it kept itself: below), but no digest covers
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from prefill_svc.boundary_cache import BoundaryCache, Pending
-from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, manifest_of
+from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, draws_more, manifest_of
 from prefill_svc.layer_parts import Digests
 from prefill_svc.part_plan import PartSpan, part_spans
 from prefill_svc.parted_job import PartedJob
@@ -221,6 +222,7 @@ class JobRunner:
                 spans,
                 self.last_layers_for(job, spans),
                 Resume(self.boundaries, start, pending),
+                self.steps,
             )
             return await parted.run(started, on_end, on_part, announce, drawn)
         state = await self._compute_whole(job, tid, blocks, computed, announce, drawn, Resume(self.boundaries, start, pending))
@@ -311,7 +313,7 @@ class JobRunner:
                     with contextlib.suppress(BaseException):
                         await asyncio.shield(taking)  # it writes the copies' blocks until it is done
                     raise
-        if _draws_more(job, first_token):  # on a compute thread, as colocated draws them
+        if draws_more(job, first_token):  # on a compute thread, as colocated draws them
             await self.host.digest_thread.submit(functools.partial(drawn.draw, run, first_token, job))
         if announce is not None and first_token is not None:
             announce(first_token, engine_seconds, drawn.value)
@@ -373,9 +375,3 @@ def _announcer(job: Job, on_first_token: TokenSink | None) -> TokenSink | None:
 def offers_chunks(engine: object, chunk_tokens: int) -> bool:
     """Whether the engine computes a prefill in chunks of `chunk_tokens` with its own prefill's bits."""
     return isinstance(engine, ChunkedPrefill) and engine.exact_chunk_tokens in (None, chunk_tokens)
-
-
-def _draws_more(job: Job, first_token: int | None) -> bool:
-    """Whether the job asked for more than the state: logprobs, or its forks' first tokens."""
-    wants_first = first_token is not None and (job.logprobs is not None or bool(job.fork_seeds))
-    return wants_first or job.prompt_logprobs is not None

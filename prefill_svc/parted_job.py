@@ -16,19 +16,31 @@ chunks; a device cache needs them ordered after the span's kernels, on the compu
 blocks: a job that fails later leaves them to decode's release, the cancel, or the lease; a job
 that stops (its pin ended, it failed) computes no span not started yet, and its blocks are freed
 only once the last span queued and every digest taken aside are done with them.
+
+Where the engine batches (prefill's step loop: shared/runtime/prefill_loop.py), the chunks are
+members of batched prefill steps beside other jobs' chunks, in the loop's order (the job's place
+in line is its arrival), each chunk's bits those of the chunk alone. One task computes the
+job's spans in order, every span queued at once: a chunk goes to the loop in the same event-loop
+turn as the step of the chunk before it ends, so the job stays in the steps it shares with
+others; the parts still leave in order as run() takes each span's result. A job that stops
+withdraws a chunk still waiting for its step; one in a step ends with it, and only then are the
+blocks freed. With layer parts the last chunk computes alone on the compute thread (between
+steps): it reports each layer final through `on_layer`, which takes digests and raises once the
+job stops, and in a batched step that would hold up, or fail, the other jobs' chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, manifest_of
+from prefill_svc.job import ComputedState, FirstLogprobs, Job, PartSink, TokenSink, deadline_passed, draws_more, manifest_of
 from prefill_svc.layer_parts import Digests, LayerPartFeed
 from prefill_svc.part_plan import PartSpan
 from prefill_svc.pins import Pin, PinTable
@@ -43,6 +55,7 @@ from shared.errors import Aborted, DeadlineExceeded
 from shared.observe import Step
 from shared.runtime import faults
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.prefill_loop import PrefillLoop
 
 
 class PartedJob:
@@ -58,11 +71,13 @@ class PartedJob:
         spans: list[PartSpan],
         layers: list[range] | None,
         resume: Resume,
+        steps: PrefillLoop | None = None,
     ) -> None:
         """`spans`: the job's parts (part_plan.part_spans, more than one); `layers`: the last
         span's layer parts (None: one last part of every layer); `resume`: where the compute
         starts (a kept boundary: spans before it compute nothing, their parts still leave) and
-        the boundary the job keeps."""
+        the boundary the job keeps; `steps`: the engine's prefill loop, where it batches (None:
+        each span is one call on the compute thread)."""
         self.resume = resume
         self.host, self.pins, self.chunk_tokens = host, pins, chunk_tokens
         self.job, self.tid, self.blocks, self.computed, self.spans, self.layers = job, tid, blocks, computed, spans, layers
@@ -96,6 +111,15 @@ class PartedJob:
         self.held = faults.holds("between_parts", job.request_id)
         self.queued: collections.deque[asyncio.Future[ComputedState]] = collections.deque()
         self.latest: asyncio.Future[ComputedState] | None = None  # the last span queued
+        self.steps = steps
+        self.order = 0 if steps is None else steps.arrival()  # the job's place in the loop's line
+        # Batched: each span's result, the spans queued (their compute may start) and the task computing them.
+        self.span_done = [self.loop.create_future() for _ in spans] if steps is not None else []
+        self.go = [asyncio.Event() for _ in spans] if steps is not None else []
+        self.computing: asyncio.Task[None] | None = None
+        # Spans queued beyond the one awaited: on the compute thread one keeps it busy; in the
+        # loop's steps every span (a chunk not waiting when a step starts misses that step).
+        self.ahead = 1 if steps is None else len(spans)
         self.started = 0.0
         self.on_end: Callable[[str], None] | None = None
         self.on_part: PartSink = _no_part
@@ -116,9 +140,8 @@ class PartedJob:
         self.started, self.on_end, self.on_part, self.announce = started, on_end, on_part, announce
         self.drawn = drawn
         try:
-            self._queue(0)
-            if not self.held and len(self.spans) > 1:
-                self._queue(1)
+            for ahead in range(1 if self.held else min(1 + self.ahead, len(self.spans))):
+                self._queue(ahead)
             for index, span in enumerate(self.spans):
                 last = index == len(self.spans) - 1
                 compute = self.queued.popleft()
@@ -140,8 +163,8 @@ class PartedJob:
                     layers = None if self.feed is None else self.feed.ranges[-1]
                     return self._part(self.count - 1, span, state.digests, state.first_token, layers)
                 part = self._part(index, span, state.digests, state.first_token, None)
-                if not self.held and index + 2 < len(self.spans):
-                    self._queue(index + 2)
+                if not self.held and index + 1 + self.ahead < len(self.spans):
+                    self._queue(index + 1 + self.ahead)
                 self.on_part(part)
                 await faults.pause("between_parts", self.job.request_id)
                 await faults.part_left(self.job.request_id, index)
@@ -158,17 +181,31 @@ class PartedJob:
         the first part on) frees the blocks only once the last span queued is done."""
         if self.stop.is_set():
             raise self._released()
-        future = self.host.submit_compute(functools.partial(self._span_work, index))
+        future = self._start_span(index)
         self.queued.append(future)
         self.latest = future
         if self.pin is not None:
             self.pin.writer = self._writing()
 
+    def _start_span(self, index: int) -> asyncio.Future[ComputedState]:
+        """Span `index`'s compute, started: in the prefill loop's steps where the engine batches
+        (by the job's computing task, after the span before it), else one call on the compute
+        thread (behind it)."""
+        if self.steps is None:
+            return self.host.submit_compute(functools.partial(self._span_work, index))
+        self.go[index].set()
+        if self.computing is None:
+            self.computing = asyncio.ensure_future(self._compute_in_steps())
+        return self.span_done[index]
+
+    def _span_start(self, index: int) -> int:
+        return max(self.resume.tokens, 0 if index == 0 else self.spans[index - 1].compute_to)
+
     def _span_work(self, index: int) -> ComputedState:
         """On the compute thread: the span's chunks and (unless taken aside) its digests."""
         if self.stop.is_set():
             raise self._released()
-        start = max(self.resume.tokens, 0 if index == 0 else self.spans[index - 1].compute_to)
+        start = self._span_start(index)
         last = index == len(self.spans) - 1
         try:
             done = self.compute_span(
@@ -189,6 +226,71 @@ class PartedJob:
             raise
         self.engine_before += done.engine_seconds
         return done
+
+    async def _compute_in_steps(self) -> None:
+        """The spans in order, each once queued, their results (or the error) to `span_done`;
+        a span after one that failed or was cancelled never starts. Cancelled, this ends only
+        once nothing it started writes or reads the blocks any more."""
+        index = 0
+        try:
+            for index in range(len(self.spans)):
+                await self.go[index].wait()
+                if self.stop.is_set():
+                    raise self._released()
+                self.span_done[index].set_result(await self._stepped_span(index))
+        except BaseException as exc:
+            self.stop.set()  # the spans after this one never start on a broken run
+            for k, later in enumerate(self.span_done[index:]):
+                if isinstance(exc, asyncio.CancelledError) or k:
+                    later.cancel()
+                else:
+                    later.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    async def _stepped_span(self, index: int) -> ComputedState:
+        assert self.steps is not None
+        job, run, blocks, span = self.job, self.run_state, self.blocks, self.spans[index]
+        last = index == len(self.spans) - 1
+        start = self._span_start(index)
+        ends = chunk_ends(start, span.compute_to, self.chunk_tokens)
+        alone = last and self.feed is not None and bool(ends)  # layer parts: the last chunk alone (module doc)
+        first_token, engine_seconds = None, 0.0
+        for end in ends[:-1] if alone else ends:
+            if self.stop.is_set():  # stopped between chunks: none after
+                raise self._released()
+            done = await self.steps.compute(run, start, end, self.order)
+            first_token, start = done.first_token, end
+            engine_seconds += done.step_seconds
+            if self.resume.keeps_at(end):  # before the next chunk moves the run's state on
+                await _done_with(self.host.submit_compute(functools.partial(self.resume.take, self.host.engine, run, blocks)))
+        if alone:
+            tail = await _done_with(
+                self.host.submit_compute(functools.partial(self._last_chunk_alone, start, self.engine_before + engine_seconds))
+            )
+            self.engine_before += engine_seconds + tail.engine_seconds
+            return ComputedState(tail.first_token, tail.digests, tail.digest_seconds, engine_seconds + tail.engine_seconds)
+        self.engine_before += engine_seconds
+        if last:
+            if draws_more(job, first_token):  # on a compute thread, as colocated draws them
+                await _done_with(self.host.digest_thread.submit(functools.partial(self.drawn.draw, run, first_token, job)))
+            if self.announce is not None and first_token is not None:
+                self.announce(first_token, self.engine_before, self.drawn.value)
+        if (self.aside and not last) or not self.host.verify_transfer:
+            return ComputedState(first_token, [], 0.0, engine_seconds)
+        on = self.host.digest_thread.submit if self.host.device == "cpu" else self.host.submit_compute
+        digests, took = await _done_with(on(functools.partial(self.digest_span, job, blocks, span, last)))
+        return ComputedState(first_token, digests, took, engine_seconds)
+
+    def _last_chunk_alone(self, start: int, engine_before: float) -> ComputedState:
+        """On the compute thread: the last chunk of a job in layer parts, its layers reported to
+        the feed, then the first token and the last range's digests (`compute_span`)."""
+        if self.stop.is_set():
+            raise self._released()
+        last = self.spans[-1]
+        return self.compute_span(
+            self.job, self.run_state, self.blocks, start, last, True, engine_before, self.announce, True, self.drawn, self.feed
+        )
 
     async def _send_layer_parts(self, index: int, span: PartSpan, compute: asyncio.Future[ComputedState]) -> None:
         """The last chunk's layer parts but the last, each as the engine made its layers final."""
@@ -237,6 +339,8 @@ class PartedJob:
         Unpinned, the blocks are the job's to free once the compute and digest threads are done
         with them (the last span queued, the parts' digests); pinned, the pin frees them."""
         self.stop.set()
+        if self.computing is not None:  # a chunk waiting for its step is withdrawn; one in a step ends with it
+            self.computing.cancel()
         for ahead in self.queued:
             if ahead is not self.latest:
                 ahead.add_done_callback(_take_outcome)
@@ -323,11 +427,12 @@ class PartedJob:
             self.on_end(reason)
 
     def _writing(self) -> asyncio.Future[Any]:
-        """Done once neither the compute thread (the last span queued) nor the digest thread
-        uses the blocks any more."""
+        """Done once neither the compute thread (the last span queued; batched: the computing
+        task) nor the digest thread uses the blocks any more."""
         assert self.latest is not None
+        writer: asyncio.Future[Any] = self.latest if self.computing is None else self.computing
         more = [*self.reading, *(self.feed.reading if self.feed is not None else [])]
-        return _all_done(self.latest, *more) if more else self.latest
+        return _all_done(writer, *more) if more else writer
 
     def _cover(self) -> None:
         """A part's digests went aside: the pin frees the blocks after them too."""
@@ -350,6 +455,18 @@ def _after_compute(host: EngineHost, tid: str | None, future: asyncio.Future[obj
     _take_outcome(future)
     if tid is not None:
         host.free(tid)
+
+
+async def _done_with(future: asyncio.Future[Any]) -> Any:
+    """`future`'s outcome; cancelled meanwhile, this waits for it to be done first (the thread
+    or step behind it uses the job's blocks until then), then raises CancelledError."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if not future.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(future)
+        raise
 
 
 def _all_done(*futures: asyncio.Future[Any]) -> asyncio.Future[Any]:

@@ -294,7 +294,8 @@ FLAGS: tuple[Flag, ...] = (
         "prefill: the most prompt tokens one prefill step computes (batched prefill, on an engine that batches: "
         "paged). Jobs' next chunks share a step oldest first; the oldest always runs, even alone over the budget, "
         "and with --prefill-chunk-tokens a long prompt takes one chunk a step, so short prompts arriving "
-        "meanwhile share its steps. A prompt's bits do not depend on what shares its steps",
+        "meanwhile share its steps. Jobs sent in manifest parts share steps too, but with --layer-parts their "
+        "last chunk computes alone. A prompt's bits do not depend on what shares its steps",
         DEFAULT_MAX_BATCHED_TOKENS,
         roles=("prefill",),
         metavar="N",
@@ -318,7 +319,8 @@ FLAGS: tuple[Flag, ...] = (
         "each as soon as the last chunk computed its layers, so decode READs the first layers' K/V and SSM state "
         "while the later layers still compute (for a decode engine that accepts layer parts; capped at the "
         "model's layer count). The SSM state is final only after the last chunk, so without them it all moves "
-        "after the prompt. 0: one last part of every layer",
+        "after the prompt. On an engine that batches prefill (paged) that last chunk computes alone, outside the "
+        "batched steps. 0: one last part of every layer",
         0,
         roles=("prefill",),
         metavar="N",

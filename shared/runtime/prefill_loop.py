@@ -14,6 +14,11 @@ Scheduling, within `max_batched_tokens` tokens a step:
   prompt in chunks takes one chunk a step and the short prompts arriving meanwhile share its
   steps instead of queueing behind all of it.
 
+A step's chunks come back first: the next batch is taken only once every job of the step just
+ended has had its turn on the event loop (a job computing in chunks queues its next chunk in
+that turn), so jobs that computed together keep computing together instead of alternating with
+the chunks that queued meanwhile.
+
 A chunk withdrawn before its step starts (its job was cancelled or failed) never runs; one
 withdrawn during its step ends with that step, and only then may its blocks be freed.
 """
@@ -52,6 +57,7 @@ class _Waiting:
     tokens: int
     order: int  # the job's arrival: its first chunk's place in line
     done: asyncio.Future[ChunkDone] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    stepped: bool = False  # taken into a step: its job's turn after the step is awaited
 
 
 class PrefillLoop:
@@ -67,6 +73,9 @@ class PrefillLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._arrivals = itertools.count()
+        self._returning = 0  # jobs of the last step whose turn after it has not come yet
+        self._back = asyncio.Event()
+        self._back.set()
         self.steps = 0  # steps run (metrics, tests)
         self.largest_batch = 0
         self.observer = Observer()  # each step's engine time (Stage.PREFILL_STEP)
@@ -93,6 +102,14 @@ class PrefillLoop:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(waiting.done)  # its step is running: let it end first
             raise
+        finally:
+            if waiting.stepped:  # after the caller's code up to its next await (its next chunk, if any)
+                asyncio.get_running_loop().call_soon(self._came_back)
+
+    def _came_back(self) -> None:
+        self._returning -= 1
+        if self._returning == 0:
+            self._back.set()
 
     def next_batch(self) -> list[_Waiting]:
         """The chunks of the next step (see the module doc), taken out of the line."""
@@ -104,6 +121,7 @@ class PrefillLoop:
                 tokens += waiting.tokens
         for waiting in batch:
             self._waiting.remove(waiting)
+            waiting.stepped = True
         return batch
 
     def _ensure_running(self) -> None:
@@ -112,11 +130,14 @@ class PrefillLoop:
 
     async def _run(self) -> None:
         while True:
+            await self._back.wait()
             if not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = self.next_batch()
+            self._returning = len(batch)  # every member's compute() ends once the step did
+            self._back.clear()
             chunks = [w.chunk for w in batch]
             tokens = sum(w.tokens for w in batch)
             try:

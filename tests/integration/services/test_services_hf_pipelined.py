@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -32,14 +31,18 @@ async def test_hf_pipelined_tokens_equal_colocated_with_the_same_chunks(
     hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, family: str, p_tp: int, d_tp: int, engine: str
 ) -> None:
     span_seconds: list[float] = []  # the engine seconds of each part's span, as the job measured them
-    compute_span = PartedJob.compute_span
+    start_span = PartedJob._start_span  # on the compute thread (hf) or in batched prefill steps (paged)
 
-    def recorded(self: PartedJob, *args: Any) -> ComputedState:
-        result = compute_span(self, *args)
-        span_seconds.append(result.engine_seconds)
-        return result
+    def kept(future: asyncio.Future[ComputedState]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            span_seconds.append(future.result().engine_seconds)
 
-    monkeypatch.setattr(PartedJob, "compute_span", recorded)
+    def recorded(self: PartedJob, index: int) -> asyncio.Future[ComputedState]:
+        future = start_span(self, index)
+        future.add_done_callback(kept)
+        return future
+
+    monkeypatch.setattr(PartedJob, "_start_span", recorded)
     directory = hf_checkpoint(family)
     prompts = [[(7 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate((CHUNK, CHUNK + 1, 150, 233))]
     flags = ("--prefill-chunk-tokens", str(CHUNK))

@@ -87,6 +87,40 @@ def test_a_long_prompt_in_chunks_shares_its_steps(hf_checkpoint: Callable[[str],
     assert last_batch == [1, 4, 4, 4]
 
 
+def test_a_steps_jobs_come_back_to_the_next_step_together(hf_checkpoint: Callable[[str], str]) -> None:
+    """Three prompts of four chunks: the first runs its first chunk alone while the other two
+    queue. The next step waits for the first job's next chunk, so from then on the three share
+    every step; taken at once instead, the two waiting ones and the first would alternate."""
+    engine = paged_engine(hf_checkpoint(FAMILY), chunk=16)
+
+    async def main() -> list[tuple[int, int]]:
+        steps = Steps(engine, budget=64)
+        gate = asyncio.Event()
+        opened = asyncio.get_running_loop().create_future()
+
+        def held() -> None:  # occupies the compute thread until the gate opens
+            opened.get_loop().call_soon_threadsafe(opened.set_result, None)
+            asyncio.run_coroutine_threadsafe(gate.wait(), opened.get_loop()).result()
+
+        blocker = steps.thread.submit(held)
+        await opened
+        runs = _runs(engine, [64, 64, 64])
+        n = engine.num_prefill_tokens(64)
+        first = asyncio.ensure_future(_prefill(steps, runs[0], n, 16))
+        for _ in range(5):  # the loop takes the first chunk alone and queues its step behind the blocker
+            await asyncio.sleep(0)
+        others = [asyncio.ensure_future(_prefill(steps, r, n, 16)) for r in runs[1:]]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set()
+        await blocker
+        await asyncio.gather(first, *others)
+        await steps.close()
+        return steps.seen
+
+    assert [chunks for chunks, _ in asyncio.run(main())] == [1, 3, 3, 3, 2]
+
+
 def test_a_chunk_withdrawn_before_its_step_never_runs(hf_checkpoint: Callable[[str], str]) -> None:
     engine = paged_engine(hf_checkpoint(FAMILY))
 
