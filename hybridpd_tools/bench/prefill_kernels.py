@@ -6,9 +6,11 @@ the median ms of each and old / new, fp32 and bf16, on one intra-op thread as th
 - attention: `Attention.attend` (all [T, T] scores at once) against `causal_chunk_attention`
   (a block of queries at a time, the causal half skipped);
 - mamba1: `selective_scan_sequential` (token by token) against `selective_scan` (segments);
-- gdn: `delta_rule_sequential` (token by token) against `chunked_delta_rule` (blocks).
+- gdn: `delta_rule_sequential` (token by token) against `chunked_delta_rule` (blocks);
+- mamba2: `ssd_scan` in blocks of the checkpoint's chunk_size (128) against `SCAN_BLOCK`.
 
     python -m hybridpd_tools.bench.prefill_kernels [--lengths 128,512,1900] [--rounds 3]
+        [--dtypes fp32,bf16] [--families attention,mamba1,gdn,mamba2]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.chunk_attention import causal_chunk_attention
 from shared.engine.paged.delta_rule import chunked_delta_rule, delta_rule_sequential
+from shared.engine.paged.mamba2 import SCAN_BLOCK, ssd_scan
 from shared.engine.paged.selective_scan import selective_scan, selective_scan_sequential
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,6 +85,22 @@ def _gdn(heads: int, dk: int, dv: int) -> Callable[[int, torch.dtype, torch.Gene
     return make
 
 
+def _mamba2(heads: int, p: int, n: int, chunk: int) -> Callable[[int, torch.dtype, torch.Generator], tuple[Kernel, Kernel]]:
+    def make(t: int, dtype: torch.dtype, g: torch.Generator) -> tuple[Kernel, Kernel]:
+        del dtype  # the scan runs in fp32 whatever the model's dtype
+        x = torch.randn(t, heads, p, generator=g)
+        dt = F.softplus(torch.randn(t, heads, generator=g))
+        a = -torch.linspace(0.02, 0.2, heads)
+        b, c = (torch.randn(t, heads, n, generator=g) for _ in range(2))
+        d, state = torch.randn(heads, generator=g), torch.randn(heads, p, n, generator=g)
+        return (
+            (lambda: ssd_scan(x, dt, a, b, c, d, state, chunk)),
+            (lambda: ssd_scan(x, dt, a, b, c, d, state, min(chunk, SCAN_BLOCK))),
+        )
+
+    return make
+
+
 CASES = (
     Case("attention", "bench64: 4 heads, 2 KV heads of 64", _attention(4, 2, 64)),
     Case("attention", "8 heads, 2 KV heads of 128", _attention(8, 2, 128)),
@@ -89,6 +108,7 @@ CASES = (
     Case("mamba1", "D 512, N 16", _mamba1(512, 16)),
     Case("gdn", "tiny: 8 heads, Dk 8, Dv 12", _gdn(8, 8, 12)),
     Case("gdn", "16 heads, Dk 128, Dv 128", _gdn(16, 128, 128)),
+    Case("mamba2", "bench64: 8 heads of 32, N 32, chunk 128", _mamba2(8, 32, 32, 128)),
 )
 
 
@@ -119,7 +139,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=_ints, default=[128, 512, 1900], help="prompt lengths in tokens (one chunk each)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of old and new (the median counts)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32 and bf16")
-    parser.add_argument("--families", default="attention,mamba1,gdn", help="comma-separated kernels to run")
+    parser.add_argument("--families", default="attention,mamba1,gdn,mamba2", help="comma-separated kernels to run")
     args = parser.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:

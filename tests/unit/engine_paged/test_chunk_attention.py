@@ -57,5 +57,5 @@ def test_a_query_never_reads_a_key_after_it() -> None:
 
 def test_wrong_lengths_are_refused_naming_them() -> None:
     q, k, v = _inputs(4, 2, torch.float32)
-    with pytest.raises(ValueError, match="k, v: 6, 6 positions for queries at 3..6"):
+    with pytest.raises(ValueError, match=r"k, v: 6, 6 positions for queries at 3\.\.6"):
         causal_chunk_attention(q, k, v, 3, 1.0)
