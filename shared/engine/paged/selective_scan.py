@@ -46,10 +46,10 @@ def selective_scan(
     decay = torch.mul(dt_s[..., None], A).exp_()  # [L, S, D, N]
     inputs = (dt_s * x_s)[..., None] * b_s[:, :, None, :]
     local = inputs  # each segment's states, scanned from zero in place of its inputs
+    since = decay  # the decay from each segment's start to each position, in place
     for i in range(1, length):
         local[i].addcmul_(decay[i], local[i - 1])
-    # The decay from each segment's start to each position (exp of a sum: no product rounds).
-    since = torch.mul(torch.cumsum(dt_s, dim=0)[..., None], A).exp_()
+        since[i].mul_(since[i - 1])
     starts = torch.empty_like(local[0])  # [S, D, N]: the state entering each segment
     h = state.to(torch.float32)
     for s in range(count):
