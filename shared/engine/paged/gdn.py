@@ -74,8 +74,7 @@ class GatedDeltaNet:
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         q = q / (self.head_k_dim**0.5)
         beta = torch.sigmoid(b).float()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        return q, k, v.reshape(rows, self.num_v_heads, self.head_v_dim).float(), g.exp(), beta
+        return q, k, v.reshape(rows, self.num_v_heads, self.head_v_dim).float(), self._log_decay(a).exp(), beta
 
     def _finish(self, o: Tensor, z: Tensor, dtype: torch.dtype, invariant: bool) -> Tensor:
         """Per-head RMS norm over Dv (norm before gate), times silu(z), then out_proj."""

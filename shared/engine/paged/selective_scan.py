@@ -46,7 +46,9 @@ def selective_scan(
     decay = torch.mul(dt_s[..., None], A).exp_()  # [L, S, D, N]
     inputs = (dt_s * x_s)[..., None] * b_s[:, :, None, :]
     local = inputs  # each segment's states, scanned from zero in place of its inputs
-    since = decay  # the decay from each segment's start to each position, in place
+    # The decay from each segment's start to each position, in place of the decays: step i
+    # reads decay[i] before it turns it into since[i].
+    since = decay
     for i in range(1, length):
         local[i].addcmul_(decay[i], local[i - 1])
         since[i].mul_(since[i - 1])
