@@ -30,6 +30,7 @@ def causal_chunk_attention(q: Tensor, k: Tensor, v: Tensor, start: int, scaling:
     rep = heads // kv
     keys_t, values = k.permute(1, 2, 0), v.transpose(0, 1)  # [kv, hd, S], [kv, S, hd]
     above = torch.ones(QUERY_BLOCK, QUERY_BLOCK, dtype=torch.bool, device=q.device).triu(1)
+    full_block_mask = above.repeat(rep, 1)  # [rep * QUERY_BLOCK, QUERY_BLOCK], made once
     out = q.new_empty((t, heads * hd))
     for first in range(0, t, QUERY_BLOCK):
         n = min(QUERY_BLOCK, t - first)
@@ -37,7 +38,8 @@ def causal_chunk_attention(q: Tensor, k: Tensor, v: Tensor, start: int, scaling:
         # Each KV head's queries are one [rep * n, hd] matrix (rows query-head-major).
         qh = q[first : first + n].view(n, kv, rep, hd).permute(1, 2, 0, 3).reshape(kv, rep * n, hd)
         scores = torch.matmul(qh, keys_t[:, :, :seen]) * scaling  # [kv, rep * n, seen]
-        scores[:, :, seen - n :].masked_fill_(above[:n, :n].repeat(rep, 1), float("-inf"))
+        mask = full_block_mask if n == QUERY_BLOCK else above[:n, :n].repeat(rep, 1)
+        scores[:, :, seen - n :].masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         block = torch.matmul(probs, values[:, :seen])  # [kv, rep * n, hd]
         out[first : first + n] = block.view(kv, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
