@@ -1,4 +1,6 @@
-"""Softmax attention of one request over its own K/V, for prefill chunks and decode steps alike.
+"""Softmax attention of one request over its own K/V: its projections for prefill chunks and
+decode steps alike, `attend` for a decode step's query (a prefill chunk's queries run the same
+rows a block at a time: chunk_attention.py).
 
 Shapes depend only on the request (its query tokens and its cached length), never on which
 requests share a decode step: that is what keeps decode batch-invariant here.

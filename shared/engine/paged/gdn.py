@@ -2,9 +2,9 @@
 `[q | k | v]`, recurrent state `[Hv, Dv, Dk]` in fp32 (the layout's orientation, kept in the
 computation so every sum runs over the innermost dim).
 
-Prefill runs the gated delta rule token by token from any state; a decode step runs it for a
-tile of requests at once (the per-head work on the tile's rows, the state update on the real
-requests only: products and sums over Dk).
+Prefill runs the gated delta rule over a chunk in blocks from any state (delta_rule.py); a
+decode step runs it token by token for a tile of requests at once (the per-head work on the
+tile's rows, the state update on the real requests only: products and sums over Dk).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.delta_rule import chunked_delta_rule
 from shared.engine.paged.tiles import linear
 
 
@@ -73,8 +74,7 @@ class GatedDeltaNet:
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         q = q / (self.head_k_dim**0.5)
         beta = torch.sigmoid(b).float()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        return q, k, v.reshape(rows, self.num_v_heads, self.head_v_dim).float(), g.exp(), beta
+        return q, k, v.reshape(rows, self.num_v_heads, self.head_v_dim).float(), self._log_decay(a).exp(), beta
 
     def _finish(self, o: Tensor, z: Tensor, dtype: torch.dtype, invariant: bool) -> Tensor:
         """Per-head RMS norm over Dv (norm before gate), times silu(z), then out_proj."""
@@ -87,18 +87,18 @@ class GatedDeltaNet:
 
     def prefill(self, h: Tensor, conv: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [T, hidden] after `conv` [C, K-1] and `ssm` [Hv, Dv, Dk]: output, new states."""
-        t, dtype = h.shape[0], h.dtype
+        dtype = h.dtype
         qkv, z, b, a = self._project(h, False)
         window = torch.cat([conv.to(dtype), qkv.transpose(0, 1)], dim=1)
         new_conv = window[:, -(self.conv_weight.shape[1] - 1) :].contiguous()
         mixed = F.silu(F.conv1d(window[None], self.conv_weight[:, None, :], None, groups=self.conv_dim)[0]).transpose(0, 1)
-        q, k, v, decay, beta = self._inputs(mixed, b, a)
-        state = ssm.to(torch.float32)[None]
-        outs = []
-        for i in range(t):
-            state, o = _delta_step(state, q[i : i + 1], k[i : i + 1], v[i : i + 1], decay[i : i + 1], beta[i : i + 1])
-            outs.append(o)
-        return self._finish(torch.cat(outs), z, dtype, False), new_conv, state[0]
+        q, k, v, _, beta = self._inputs(mixed, b, a)
+        o, state = chunked_delta_rule(q, k, v, self._log_decay(a), beta, ssm)
+        return self._finish(o, z, dtype, False), new_conv, state
+
+    def _log_decay(self, a: Tensor) -> Tensor:
+        """g [rows, Hv] (fp32), the log of `_inputs`' decay: the blocked rule sums it."""
+        return -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
 
     def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden] (the first n = len(ssm) rows real), `conv` [R, C, K-1], `ssm` [n, Hv, Dv, Dk]."""

@@ -1,9 +1,9 @@
 """The Mamba1 mixer (Jamba) on explicit states: conv `[D, K-1]`, SSM `[D, N]` in fp32.
 
-Prefill runs the recurrence token by token from any state (the decay is per channel and per
-state, so no chunked matmul form applies); a decode step runs it for a tile of requests at
-once. Jamba's RMS norms on dt, B and C follow x_proj. The dtype flow follows transformers'
-torch paths.
+Prefill runs the recurrence over a chunk in segments from any state (selective_scan.py: the
+decay is per channel and per state, so no chunked matmul form applies); a decode step runs it
+for a tile of requests at once. Jamba's RMS norms on dt, B and C follow x_proj. The dtype
+flow follows transformers' torch paths.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.engine.paged.norms import rms_norm
+from shared.engine.paged.selective_scan import selective_scan
 from shared.engine.paged.tiles import linear
 
 
@@ -57,21 +58,14 @@ class Mamba1:
 
     def prefill(self, h: Tensor, conv: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [T, hidden] after `conv` [D, K-1] and `ssm` [D, N]: output [T, hidden], new states."""
-        t, dtype = h.shape[0], h.dtype
+        dtype = h.dtype
         x, z = linear(h, self.in_proj, self.in_bias).chunk(2, dim=-1)
         window = torch.cat([conv.to(dtype), x.transpose(0, 1)], dim=1)  # [D, K-1+T]
         new_conv = window[:, -(self.conv_weight.shape[1] - 1) :].contiguous()
         x = F.silu(F.conv1d(window[None], self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[0]).transpose(0, 1)
         dt, b, c = self._selective(x, False)
-        dt = F.softplus(dt)  # [T, D] fp32
-        decay = torch.exp(self.A[None] * dt[:, :, None])  # [T, D, N]
-        inputs = dt[:, :, None] * b.float()[:, None, :] * x.float()[:, :, None]
-        state = ssm.to(torch.float32)
-        ys = []
-        for i in range(t):
-            state = decay[i] * state + inputs[i]
-            ys.append(torch.matmul(state.to(dtype), c[i][:, None])[:, 0])
-        y = torch.stack(ys) + x * self.D
+        y, state = selective_scan(x, F.softplus(dt), self.A, b, c, ssm, dtype)
+        y = y + x * self.D
         y = y * F.silu(z)
         return linear(y.to(dtype), self.out_proj, self.out_bias), new_conv, state
 

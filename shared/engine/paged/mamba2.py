@@ -18,6 +18,12 @@ from torch import Tensor
 from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
 from shared.engine.paged.tiles import linear
 
+# Most tokens per block of the prefill's SSD scan. The math is the same at any block size; the
+# checkpoint's chunk_size tiles GPU kernels, while here a block's [L, L] decay matrix (its
+# exp, cumsum and masks, which dominate the scan on a CPU) grows with L per token, and more,
+# shorter blocks only add cheap state hand-overs.
+SCAN_BLOCK = 32
+
 
 @dataclass
 class Mamba2:
@@ -102,7 +108,7 @@ class Mamba2:
             c.reshape(t, self.n_groups, self.d_state).float().repeat_interleave(rep, dim=1),
             self.D,
             ssm,
-            self.chunk_size,
+            min(self.chunk_size, SCAN_BLOCK),
         )
         return self._finish(y.reshape(t, self.intermediate), z, dtype, False), new_conv, new_ssm
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from shared.engine.paged.attention import Attention
+from shared.engine.paged.chunk_attention import causal_chunk_attention
 from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
@@ -213,7 +214,7 @@ class Model:
             if c.start:
                 past_k, past_v = c.store.read_kv_as(index, c.start, self.dtype)
                 kc, vc = torch.cat([past_k, kc]), torch.cat([past_v, vc])
-            attn[rows] = mixer.attend(q[rows], kc, vc, c.start)
+            attn[rows] = causal_chunk_attention(q[rows], kc, vc, c.start, mixer.scaling)
         return mixer.output(attn, gate, invariant=invariant)
 
     def _mamba_chunks(
