@@ -396,6 +396,7 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
                 device=settings.device,
                 boundary=settings.boundary,
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                decode_threads=settings.decode_threads,
             )
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e

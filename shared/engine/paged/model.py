@@ -23,7 +23,7 @@ from shared.engine.paged.tiles import TILE_ROWS, linear, pad_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
-    read_kv_many,
+    read_kv_heads,
     read_ssm_many,
     write_kv_tokens,
     write_ssm_many,
@@ -312,11 +312,8 @@ class Model:
         n, rows = len(stores), x.shape[0]
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
-        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype, lookups)
-        attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
-        for b, (kb, vb) in enumerate(kv):
-            attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
-        return mixer.output(attn, gate, invariant=invariant)
+        kv = read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups)
+        return mixer.output(pad_rows(mixer.attend_tokens(q, kv), rows), gate, invariant=invariant)
 
     def _mamba_step(
         self,
