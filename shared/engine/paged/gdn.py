@@ -101,7 +101,9 @@ class GatedDeltaNet:
             outs.append(o)
         return self._finish(torch.cat(outs), z, dtype, False), new_conv, state[0]
 
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden] (the first n = len(ssm) rows real), `conv` [R, C, K-1], `ssm` [n, Hv, Dv, Dk]."""
         del fresh  # no clamp in this recurrence
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype

@@ -76,7 +76,9 @@ class Mamba1:
         y = y * F.silu(z)
         return linear(y.to(dtype), self.out_proj, self.out_bias), new_conv, state
 
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden] (the first n = len(ssm) rows real, then padding), `conv` [R, D, K-1],
         `ssm` [n, D, N] (the caller's own copy, updated in place). The recurrence has no dt
         clamp, so `fresh` changes nothing here."""

@@ -110,11 +110,13 @@ class Mamba2:
         return self._finish(y.reshape(t, self.intermediate), z, dtype, False), new_conv, new_ssm
 
     # --- decode: a tile of requests, one token each -------------------------------------
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden], one token of each of R rows (the first n = len(ssm) requests, then
         padding); `conv` [R, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
-        computed yet: transformers runs their first token through the chunked form, which clamps
-        dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
+        computed yet (None: none): transformers runs their first token through the chunked form,
+        which clamps dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
         requests' new states (`ssm`, the caller's own copy, updated in place; conv [R, C, K-1]).
 
         The per-head work (projections, conv, dt, exp) runs on all R rows: its shapes are the
@@ -127,7 +129,7 @@ class Mamba2:
         x = x.reshape(r, self.num_heads, self.head_dim)
         b, c = self._per_head(b, r), self._per_head(c, r)
         dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
-        if self.dt_limit != NO_DT_LIMIT and fresh.any():  # softplus is >= 0: (0, inf) clamps nothing
+        if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
             dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
         decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
         dbx = (dt[:n, :, None] * b[:n])[:, :, None, :] * x[:n, :, :, None]  # [n, H, P, N]

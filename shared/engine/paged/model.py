@@ -276,6 +276,7 @@ class Model:
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
         pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)
         h = self._embed(token_ids)
+        fresh = pos == 0 if 0 in positions else None  # requests with no token computed yet
         lookups = StepIndex()  # block tables looked up once per group, not per layer
         for index, layer in enumerate(self.layers):
             for sub in layer.sublayers:
@@ -284,9 +285,9 @@ class Model:
                 if isinstance(mixer, Attention):
                     y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, lookups)
                 elif isinstance(mixer, SSM_MIXERS):
-                    y = self._mamba_step(mixer, index, x, pos, stores, invariant, lookups)
+                    y = self._mamba_step(mixer, index, x, fresh, stores, invariant, lookups)
                 elif isinstance(mixer, Parallel):
-                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant, lookups)
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, fresh, stores, invariant, lookups)
                     attn_y = self._attend_step(
                         mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, lookups
                     )
@@ -320,13 +321,13 @@ class Model:
         mixer: Ssm,
         index: int,
         x: Tensor,
-        pos: Tensor,
+        fresh: Tensor | None,
         stores: Sequence[PagedStateStore],
         invariant: bool,
         lookups: StepIndex,
     ) -> Tensor:
         n, rows = len(stores), x.shape[0]
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
-        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
+        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, fresh, invariant=invariant)
         write_ssm_many(stores, index, conv[:n], ssm, lookups)
         return y
