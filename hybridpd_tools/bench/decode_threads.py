@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from hybridpd_tools.bench.paged_invariance import _engine
+from hybridpd_tools.bench.paged_invariance import bench_engine
 from shared.engine.compute_threads import pin_intra_op_threads
 from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
@@ -27,7 +27,7 @@ def measure(directory: str, threads: int, steps: int, rounds: int) -> list[tuple
     """(batch, ms per step on 1 thread, ms per step on `threads`) per batch size."""
     out = []
     for batch in BATCHES:
-        engine, sessions = _engine(directory, batch, 2 * steps * rounds + 4)
+        engine, sessions = bench_engine(directory, batch, 2 * steps * rounds + 4)
         times: dict[int, list[float]] = {1: [], threads: []}
         for count in times:  # warm-up (and the workers' start)
             engine.decode_threads = count
