@@ -43,7 +43,9 @@ def _fixed(blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
     return grow
 
 
-def _engine(directory: str, batch: int, steps: int) -> tuple[PagedEngine, list[PagedDecodeSession]]:
+def bench_engine(directory: str, batch: int, steps: int) -> tuple[PagedEngine, list[PagedDecodeSession]]:
+    """A paged fp32 engine on caches of its own and `batch` decode sessions, each after a prompt
+    of PROMPT_TOKENS tokens, with blocks for `steps` more steps."""
     spec = hf_model_spec(directory, dtype="fp32")
     layout = build_engine_layout(spec, 1)
     per = -(-(PROMPT_TOKENS + steps + 8) // layout.block_size)
@@ -68,7 +70,7 @@ def measure(directory: str, steps: int, rounds: int) -> list[tuple[int, float, f
     """(batch, ms per step with tiles, ms per step with one GEMM) per batch size."""
     out = []
     for batch in BATCHES:
-        engine, sessions = _engine(directory, batch, 2 * steps * rounds + 4)
+        engine, sessions = bench_engine(directory, batch, 2 * steps * rounds + 4)
         times: dict[bool, list[float]] = {True: [], False: []}
         for invariant in (True, False):  # warm-up
             engine.batch_invariant = invariant

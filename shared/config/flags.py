@@ -29,6 +29,8 @@ ENV_PREFIX = "HYBRID_PD_"
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0
+# Threads a paged decode step's tiles run on (see the flag's help for the choice).
+DEFAULT_DECODE_THREADS = 1
 # Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays).
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 
@@ -105,6 +107,17 @@ FLAGS: tuple[Flag, ...] = (
         "tokens and samples the first output token, which decode streams before its READ completes "
         "(with --engine hf bit-identical to transformers' generate(); --engine hf or paged only); n-1: prefill "
         "computes N-1, decode the last (vLLM's convention). Default: full for --engine hf and paged, n-1 for the others",
+    ),
+    Flag(
+        "decode-threads",
+        positive_int,
+        "decode, --engine paged: threads that compute a decode step's tiles of 16 requests at once (each tile "
+        "on one thread with one intra-op thread; the tokens are the same bits with any count). More than 1 helps "
+        "only with more than 16 running requests and idle cores: on a host whose cores prefill and clients share, "
+        "keep 1",
+        DEFAULT_DECODE_THREADS,
+        roles=("decode",),
+        metavar="N",
     ),
     Flag(
         "num-blocks",

@@ -29,6 +29,9 @@ def pin_intra_op_threads(count: int = DEFAULT_INTRA_OP_THREADS) -> None:
     torch.set_num_threads(count)
 
 
-def compute_executor(name: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS) -> ThreadPoolExecutor:
-    """One worker thread for model calls, its torch thread count set before it runs anything."""
-    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=pin_intra_op_threads, initargs=(intra_op_threads,))
+def compute_executor(name: str, intra_op_threads: int = DEFAULT_INTRA_OP_THREADS, *, workers: int = 1) -> ThreadPoolExecutor:
+    """`workers` threads for model calls (one by default), each with its torch thread count set
+    before it runs anything."""
+    if workers < 1:
+        raise ValueError(f"compute workers must be >= 1, got {workers}")
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=pin_intra_op_threads, initargs=(intra_op_threads,))

@@ -12,6 +12,7 @@ fill many positions at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -162,6 +163,7 @@ class StepIndex:
     def __init__(self) -> None:
         self.kv: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}
         self.mamba: dict[int, Tensor] = {}
+        self.rows: dict[tuple[str, int], tuple[Tensor, list[int]]] = {}
 
 
 def _kv_slots(
@@ -202,12 +204,26 @@ def write_kv_tokens(
     request b's at position `positions[b]`."""
     if not stores:
         return
-    region, kernel, slot = _kv_slots(stores, layer, [np.array([p]) for p in positions], index, "new token")
     first = stores[0]
+    if first._whole_kv:  # one rank, every head in order: K and V of every request in one copy
+        lay = first.layout
+        fa = first.ranks[0].fa[lay.region_of("attention", layer)]
+        key = ("new token", lay.group_of("attention", layer))
+        if index is not None and key in index.rows:
+            rows = index.rows[key][0]
+        else:
+            kernel, slot = _kernel_slots(stores, layer, np.arange(len(stores)), np.asarray(positions, dtype=np.int64))
+            rows = torch.from_numpy((_fa_row(fa, kernel, slot)[:, None] + _head_rows(fa)[None, :]).reshape(-1))
+            if index is not None:
+                index.rows[key] = rows, []
+        new = torch.stack([k, v], dim=1).reshape(-1, fa.shape[-1])  # [B * 2 * heads, hd]: K heads, then V heads
+        fa.view(-1, fa.shape[-1]).index_copy_(0, rows.to(fa.device), new.to(fa.device, fa.dtype))
+        return
+    region, kernel_ids, slots = _kv_slots(stores, layer, [np.array([p]) for p in positions], index, "new token")
     for rank, heads in zip(first.ranks, first._kv_heads):
         fa = rank.fa[region]
-        fa[kernel, 0, :, slot, :] = k[:, heads].to(fa.device, fa.dtype)
-        fa[kernel, 1, :, slot, :] = v[:, heads].to(fa.device, fa.dtype)
+        fa[kernel_ids, 0, :, slots, :] = k[:, heads].to(fa.device, fa.dtype)
+        fa[kernel_ids, 1, :, slots, :] = v[:, heads].to(fa.device, fa.dtype)
 
 
 def _kv_blocks(
@@ -264,6 +280,104 @@ def read_kv_many(
         out[:, :, heads] = tokens.index_select(0, rows.to(first._device))
     parts = torch.split(out, list(lengths))
     return [(p[:, 0], p[:, 1]) for p in parts]
+
+
+def _kernel_slots(
+    stores: Sequence[PagedStateStore], layer: int, request: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel block id, slot) of token `pos[i]` of request `request[i]` (`EngineLayout.token_slots`
+    for many requests at once). IndexError naming the request when a position has no block."""
+    lay = stores[0].layout
+    group = lay.group_of("attention", layer)
+    tables = [np.asarray(s.blocks.block_ids[group], dtype=np.int64) for s in stores]
+    counts = np.array([t.size for t in tables], dtype=np.int64)
+    table = np.zeros((len(stores), max(1, int(counts.max(initial=0)))), dtype=np.int64)
+    for b, t in enumerate(tables):
+        table[b, : t.size] = t
+    logical = pos // lay.block_size
+    short = logical >= counts[request]
+    if short.any():
+        first = int(np.argmax(short))
+        b, p = int(request[first]), int(pos[first])
+        raise IndexError(
+            f"request {stores[b].blocks.request_id}, group {group}: position {p} needs {p // lay.block_size + 1} blocks, "
+            f"the request has {int(counts[b])}"
+        )
+    within = pos % lay.block_size
+    kernel = table[request, logical] * lay.physical_per_logical + within // lay.kernel_block_size
+    return kernel, within % lay.kernel_block_size
+
+
+def _fa_row(fa: Tensor, kernel: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """Row, in `fa` seen as `[-1, head_dim]` rows (`fa`: [kernel blocks, 2, heads, kb, hd],
+    contiguous), of the first head's K at (kernel block, slot)."""
+    _, _, heads, kb, _ = fa.shape
+    rows: np.ndarray = kernel * (2 * heads * kb) + slot
+    return rows
+
+
+def _head_rows(fa: Tensor) -> np.ndarray:
+    """What each of K's heads, then each of V's, adds to `_fa_row`."""
+    _, _, heads, kb, _ = fa.shape
+    return np.arange(2 * heads, dtype=np.int64) * kb
+
+
+def read_kv_heads(
+    stores: Sequence[PagedStateStore],
+    layer: int,
+    lengths: Sequence[int],
+    dtype: torch.dtype,
+    index: StepIndex | None = None,
+) -> list[tuple[Tensor, Tensor]]:
+    """K and V of positions 0..lengths[b]-1 of every request b, head-major (`[kv_heads, T_b,
+    head_dim]`, in `dtype`): what a decode step's attention multiplies by, with no copy per request.
+
+    At TP 1 one gather of token rows lays every request's K then V out in its own span, which
+    starts on a 64-byte boundary: a request's tensors have the same strides and alignment
+    whatever the other requests (a GEMM's rounding may depend on alignment). Elsewhere the
+    general read, transposed."""
+    if not stores:
+        return []
+    first = stores[0]
+    if not first._whole_kv:
+        return [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in read_kv_many(stores, layer, lengths, dtype, index)]
+    lay = first.layout
+    fa = first.ranks[0].fa[lay.region_of("attention", layer)]  # [kernel blocks, 2, heads, kb, hd]
+    heads, hd = fa.shape[2], fa.shape[4]
+    key = ("rows", lay.group_of("attention", layer))
+    if index is not None and key in index.rows:
+        rows, starts = index.rows[key]
+    else:
+        rows, starts = _span_rows(stores, layer, fa, np.asarray(lengths, dtype=np.int64), dtype)
+        if index is not None:
+            index.rows[key] = rows, starts
+    got = fa.view(-1, hd).index_select(0, rows.to(fa.device)).to(first._device, dtype)
+    out = []
+    for at, n in zip(starts, lengths):
+        span = got[at : at + 2 * heads * n].view(2, heads, n, hd)
+        out.append((span[0], span[1]))
+    return out
+
+
+def _span_rows(
+    stores: Sequence[PagedStateStore], layer: int, fa: Tensor, lengths: np.ndarray, dtype: torch.dtype
+) -> tuple[Tensor, list[int]]:
+    """The `fa` rows `read_kv_heads` gathers, and where each request's span starts: request b's
+    span is [2 * heads, lengths[b]] rows (K's heads, then V's, each its tokens in order)."""
+    hd = fa.shape[4]
+    align = 64 // math.gcd(64, hd * torch.empty((), dtype=dtype).element_size())  # rows per 64 bytes
+    spans = len(_head_rows(fa)) * lengths
+    padded = -(-spans // align) * align
+    starts = np.cumsum(padded) - padded
+    request = np.repeat(np.arange(len(stores)), lengths)
+    firsts = np.cumsum(lengths) - lengths
+    token = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(firsts, lengths)
+    kernel, slot = _kernel_slots(stores, layer, request, token)
+    hh = np.arange(len(_head_rows(fa)), dtype=np.int64)[:, None]
+    dest = starts[request][None, :] + hh * lengths[request][None, :] + token[None, :]
+    rows = np.zeros(int(padded.sum()), dtype=np.int64)  # the padding reads row 0, never used
+    rows[dest.reshape(-1)] = (_fa_row(fa, kernel, slot)[None, :] + _head_rows(fa)[:, None]).reshape(-1)
+    return torch.from_numpy(rows), [int(a) for a in starts]
 
 
 def _whole_kv(

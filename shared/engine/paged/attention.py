@@ -8,6 +8,7 @@ requests share a decode step: that is what keeps decode batch-invariant here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,21 @@ class Attention:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v.transpose(0, 1))  # [kv, rep * t, hd]
         return out.view(kv, rep, t, hd).permute(2, 0, 1, 3).reshape(t, self.num_heads * hd)
+
+    def attend_tokens(self, q: Tensor, kv: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """A decode step's attention: request b's query token `q[b]` ([heads, hd]) over its own
+        K/V of positions 0.. (`kv[b]`, head-major [kv_heads, S_b, hd]): [len(kv), heads * hd].
+
+        No mask (every key is in the past) and no copies: each KV head's `rep` queries are one
+        [rep, hd] matrix against its keys. Each request's products have its own shapes only. The
+        scaling goes on the queries (every row alike), not on each request's scores."""
+        n, kv_heads, hd = len(kv), self.num_kv_heads, self.head_dim
+        queries = (q * self.scaling)[:n].reshape(n, kv_heads, self.num_heads // kv_heads, hd).unbind(0)
+        outs = []
+        for qb, (kb, vb) in zip(queries, kv):
+            probs = torch.softmax(torch.bmm(qb, kb.transpose(1, 2)), dim=-1, dtype=torch.float32)
+            outs.append(torch.bmm(probs if q.dtype == torch.float32 else probs.to(q.dtype), vb))
+        return torch.stack(outs).view(n, self.num_heads * hd)
 
     def output(self, attn: Tensor, gate: Tensor | None, *, invariant: bool) -> Tensor:
         if gate is not None:

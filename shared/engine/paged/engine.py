@@ -10,18 +10,24 @@ Batch invariance (`batch_invariant`, on by default): the requests of a step are 
 tiles of exactly `TILE_ROWS` rows (zero-padded), so every GEMM and row-wise kernel sees one
 fixed shape, and attention runs per request on its own K/V: a request's logits are the same
 bits whatever shares its step. Off, one forward covers every request (faster, not invariant).
+
+The tiles of a step are independent forwards (each writes only its own requests' blocks), so
+with `decode_threads` N > 1 they run on N threads at once (torch releases the GIL inside its
+ops): the calling thread and N - 1 workers, each set up as a compute thread (one intra-op
+thread, compute_threads.py). A tile's bits are those of the same forward on any such thread.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
 from shared.cache.model_views import RankViews, torch_dtype
-from shared.engine.compute_threads import pin_intra_op_threads
+from shared.engine.compute_threads import compute_executor, pin_intra_op_threads
 from shared.engine.first_feed import first_feed
 from shared.engine.hf.engine import read_state
 from shared.engine.hf.tokenizer import HfTokenizer
@@ -70,9 +76,12 @@ class PagedEngine:
         boundary: Boundary = "full",
         prefill_chunk_tokens: int = 0,
         batch_invariant: bool = True,
+        decode_threads: int = 1,
     ) -> None:
         if boundary not in BOUNDARIES:
             raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
+        if decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self.spec = layout.spec
         self.layout = layout
         self.ranks = list(ranks)
@@ -80,6 +89,8 @@ class PagedEngine:
         self.model = checkpoint.model
         self.boundary: Boundary = boundary
         self.batch_invariant = batch_invariant
+        self.decode_threads = decode_threads
+        self._tile_workers: ThreadPoolExecutor | None = None  # made at the first step with tiles to share
         # As the hf engine's: prefill runs these chunks itself, so only they give its bits.
         self.exact_chunk_tokens: int | None = prefill_chunk_tokens
         self.tokenizer = HfTokenizer(checkpoint.directory)
@@ -105,6 +116,7 @@ class PagedEngine:
         boundary: Boundary = "full",
         prefill_chunk_tokens: int = 0,
         batch_invariant: bool = True,
+        decode_threads: int = 1,
     ) -> PagedEngine:
         checkpoint = PagedCheckpoint(directory, dtype=dtype, device=device)
         return cls(
@@ -114,6 +126,7 @@ class PagedEngine:
             boundary=boundary,
             prefill_chunk_tokens=prefill_chunk_tokens,
             batch_invariant=batch_invariant,
+            decode_threads=decode_threads,
         )
 
     def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
@@ -254,12 +267,33 @@ class PagedEngine:
         positions = [s._pos for s in batch]
         if not self.batch_invariant:
             return list(self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False))
-        out: list[Tensor] = []
         rows = tiles.TILE_ROWS
-        for i in range(0, len(batch), rows):
-            part = slice(i, i + rows)
-            out += list(self.model.forward_step(ids[part], stores[part], positions[part], rows=rows, invariant=True))
-        return out
+        parts = [slice(i, i + rows) for i in range(0, len(batch), rows)]
+        threads = min(self.decode_threads, len(parts))
+        # Thread t runs tiles t, t + threads, ...: as even a share as whole tiles allow.
+        shares = [parts[t::threads] for t in range(threads)]
+        others = [self._workers().submit(self._tiles, shares[t], ids, stores, positions) for t in range(1, threads)]
+        try:
+            mine = self._tiles(shares[0], ids, stores, positions)
+        finally:
+            done = [f.result() for f in others]  # every tile finished before the step returns
+        by_tile: list[list[Tensor]] = [[] for _ in parts]
+        for t, got in enumerate([mine, *done]):
+            by_tile[t::threads] = got
+        return [row for tile in by_tile for row in tile]
+
+    @torch.no_grad()  # grad mode is per thread: a worker's too
+    def _tiles(
+        self, parts: Sequence[slice], ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]
+    ) -> list[list[Tensor]]:
+        """The logits of each tile of `parts`, in order, computed on this thread."""
+        rows = tiles.TILE_ROWS
+        return [list(self.model.forward_step(ids[p], stores[p], positions[p], rows=rows, invariant=True)) for p in parts]
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._tile_workers is None:
+            self._tile_workers = compute_executor("decode-tiles", workers=self.decode_threads - 1)
+        return self._tile_workers
 
     @torch.no_grad()
     def check_state(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.conv_step import conv_step
 from shared.engine.paged.delta_rule import chunked_delta_rule
 from shared.engine.paged.tiles import linear
 
@@ -100,19 +101,20 @@ class GatedDeltaNet:
         """g [rows, Hv] (fp32), the log of `_inputs`' decay: the blocked rule sums it."""
         return -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
 
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden] (the first n = len(ssm) rows real), `conv` [R, C, K-1], `ssm` [n, Hv, Dv, Dk]."""
         del fresh  # no clamp in this recurrence
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         qkv, z, b, a = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), qkv[:, :, None]], dim=2)
-        new_conv = window[:, :, 1:].contiguous()
-        mixed = F.silu(F.conv1d(window, self.conv_weight[:, None, :], None, groups=self.conv_dim)[:, :, 0])
+        mixed = F.silu(conv_step(window, self.conv_weight, None))
         q, k, v, decay, beta = self._inputs(mixed, b, a)
         new_ssm, o_real = _delta_step(ssm, q[:n], k[:n], v[:n], decay[:n], beta[:n])
         o = o_real.new_zeros((r, self.num_v_heads, self.head_v_dim))
         o[:n] = o_real
-        return self._finish(o, z, dtype, invariant), new_conv, new_ssm
+        return self._finish(o, z, dtype, invariant), window[:, :, 1:], new_ssm
 
 
 def _per_value_head(t: Tensor, rep: int) -> Tensor:

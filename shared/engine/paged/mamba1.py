@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.conv_step import conv_step
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.selective_scan import selective_scan
 from shared.engine.paged.tiles import linear
@@ -69,21 +70,23 @@ class Mamba1:
         y = y * F.silu(z)
         return linear(y.to(dtype), self.out_proj, self.out_bias), new_conv, state
 
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden] (the first n = len(ssm) rows real, then padding), `conv` [R, D, K-1],
-        `ssm` [n, D, N]. The recurrence has no dt clamp, so `fresh` changes nothing here."""
+        `ssm` [n, D, N] (the caller's own copy, updated in place). The recurrence has no dt
+        clamp, so `fresh` changes nothing here."""
         del fresh
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         x, z = linear(h, self.in_proj, self.in_bias, invariant=invariant).chunk(2, dim=-1)
         window = torch.cat([conv.to(dtype), x[:, :, None]], dim=2)  # [R, D, K]
-        new_conv = window[:, :, 1:].contiguous()
-        x = F.silu(F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[:, :, 0])
+        x = F.silu(conv_step(window, self.conv_weight, self.conv_bias))
         dt, b, c = self._selective(x, invariant)
         dt = F.softplus(dt)  # [R, D] fp32
         decay = torch.exp(dt[:, :, None] * self.A[None])[:n]  # exp on the tile's shape
         inputs = (dt[:n, :, None] * b[:n].float()[:, None, :]) * x[:n].float()[:, :, None]
-        new_ssm = ssm * decay + inputs
+        new_ssm = ssm.mul_(decay).add_(inputs)  # `ssm` is this step's own copy of the blocks' state
         y = x.new_zeros((r, self.conv_dim))
         y[:n] = (new_ssm.to(dtype) * c[:n, None, :]).sum(-1) + x[:n] * self.D
         y = y * F.silu(z)
-        return linear(y.to(dtype), self.out_proj, self.out_bias, invariant=invariant), new_conv, new_ssm
+        return linear(y.to(dtype), self.out_proj, self.out_bias, invariant=invariant), window[:, :, 1:], new_ssm

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.conv_step import conv_step
 from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
 from shared.engine.paged.tiles import linear
 
@@ -23,6 +24,7 @@ from shared.engine.paged.tiles import linear
 # exp, cumsum and masks, which dominate the scan on a CPU) grows with L per token, and more,
 # shorter blocks only add cheap state hand-overs.
 SCAN_BLOCK = 32
+NO_DT_LIMIT = (0.0, float("inf"))
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Mamba2:
     norm_weight: Tensor | None  # None: no gated norm (Falcon-H1 without mamba_rms_norm): y * silu(z)
     norm_eps: float
     norm_groups: int
-    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    dt_limit: tuple[float, float] = NO_DT_LIMIT
     in_bias: Tensor | None = None
     out_bias: Tensor | None = None
     # Falcon-H1's muP: a multiplier of the input, per-channel multipliers of the in_proj output
@@ -113,12 +115,14 @@ class Mamba2:
         return self._finish(y.reshape(t, self.intermediate), z, dtype, False), new_conv, new_ssm
 
     # --- decode: a tile of requests, one token each -------------------------------------
-    def step(self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor, *, invariant: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def step(
+        self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden], one token of each of R rows (the first n = len(ssm) requests, then
         padding); `conv` [R, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
-        computed yet: transformers runs their first token through the chunked form, which clamps
-        dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
-        requests' new states.
+        computed yet (None: none): transformers runs their first token through the chunked form,
+        which clamps dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
+        requests' new states (`ssm`, the caller's own copy, updated in place; conv [R, C, K-1]).
 
         The per-head work (projections, conv, dt, exp) runs on all R rows: its shapes are the
         tile's. The state update, the large part, runs on the n real rows only: it is products
@@ -126,19 +130,18 @@ class Mamba2:
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), xbc[:, :, None]], dim=2)  # [R, C, K]
-        new_conv = window[:, :, 1:].contiguous()
-        mixed = F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)[:, :, 0]
-        x, b, c = self._split(F.silu(mixed))
+        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias)))
         x = x.reshape(r, self.num_heads, self.head_dim)
         b, c = self._per_head(b, r), self._per_head(c, r)
         dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
-        dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
+        if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
+            dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
         decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
         dbx = (dt[:n, :, None] * b[:n])[:, :, None, :] * x[:n, :, :, None]  # [n, H, P, N]
-        new_ssm = ssm * decay + dbx
-        y = x.new_zeros((r, self.num_heads, self.head_dim))
+        new_ssm = ssm.mul_(decay).add_(dbx)  # `ssm` is this step's own copy of the blocks' state
+        y = torch.zeros_like(x)
         y[:n] = (new_ssm.to(dtype) * c[:n, :, None, :]).sum(-1) + x[:n] * self.D[:, None]
-        return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), new_conv, new_ssm
+        return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), window[:, :, 1:], new_ssm
 
     def _per_head(self, t: Tensor, rows: int) -> Tensor:
         """[rows, G * N] -> [rows, H, N]: each head gets its group's vector."""

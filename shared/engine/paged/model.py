@@ -24,7 +24,7 @@ from shared.engine.paged.tiles import TILE_ROWS, linear, pad_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
-    read_kv_many,
+    read_kv_heads,
     read_ssm_many,
     write_kv_tokens,
     write_ssm_many,
@@ -277,6 +277,7 @@ class Model:
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
         pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)
         h = self._embed(token_ids)
+        fresh = pos == 0 if 0 in positions else None  # requests with no token computed yet
         lookups = StepIndex()  # block tables looked up once per group, not per layer
         for index, layer in enumerate(self.layers):
             for sub in layer.sublayers:
@@ -285,9 +286,9 @@ class Model:
                 if isinstance(mixer, Attention):
                     y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, lookups)
                 elif isinstance(mixer, SSM_MIXERS):
-                    y = self._mamba_step(mixer, index, x, pos, stores, invariant, lookups)
+                    y = self._mamba_step(mixer, index, x, fresh, stores, invariant, lookups)
                 elif isinstance(mixer, Parallel):
-                    ssm_y = self._mamba_step(mixer.mamba, index, x, pos, stores, invariant, lookups)
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, fresh, stores, invariant, lookups)
                     attn_y = self._attend_step(
                         mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, lookups
                     )
@@ -313,24 +314,21 @@ class Model:
         n, rows = len(stores), x.shape[0]
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
-        kv = read_kv_many(stores, index, [p + 1 for p in positions], self.dtype, lookups)
-        attn = q.new_zeros((rows, mixer.num_heads * mixer.head_dim))
-        for b, (kb, vb) in enumerate(kv):
-            attn[b] = mixer.attend(q[b : b + 1], kb, vb, positions[b])[0]
-        return mixer.output(attn, gate, invariant=invariant)
+        kv = read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups)
+        return mixer.output(pad_rows(mixer.attend_tokens(q, kv), rows), gate, invariant=invariant)
 
     def _mamba_step(
         self,
         mixer: Ssm,
         index: int,
         x: Tensor,
-        pos: Tensor,
+        fresh: Tensor | None,
         stores: Sequence[PagedStateStore],
         invariant: bool,
         lookups: StepIndex,
     ) -> Tensor:
         n, rows = len(stores), x.shape[0]
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
-        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, pos == 0, invariant=invariant)
+        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, fresh, invariant=invariant)
         write_ssm_many(stores, index, conv[:n], ssm, lookups)
         return y

@@ -67,6 +67,14 @@ PROBE = textwrap.dedent(
 
     out["fresh_default"] = on_fresh_thread(omp.omp_get_max_threads)
     out["executor"] = compute_executor("probe").submit(omp.omp_get_max_threads).result()
+    # Every worker of a pool (the paged engine's decode threads): each task waits for the others,
+    # so the three run on three threads.
+    started = threading.Barrier(3)
+    def on_a_worker():
+        started.wait(timeout=60)
+        return omp.omp_get_max_threads()
+    with compute_executor("probe-workers", workers=3) as pool:
+        out["workers"] = [f.result() for f in [pool.submit(on_a_worker) for _ in range(3)]]
 
     async def on_compute_thread():
         worker = ComputeThread("probe-thread")
@@ -117,6 +125,15 @@ def test_the_probe_sees_the_lazy_default(probe: dict[str, object]) -> None:
 
 def test_a_compute_executor_thread_is_set_up_before_its_first_task(probe: dict[str, object]) -> None:
     assert probe["executor"] == 1
+
+
+def test_every_worker_of_a_compute_executor_is_set_up_before_its_first_task(probe: dict[str, object]) -> None:
+    assert probe["workers"] == [1, 1, 1]
+
+
+def test_a_compute_executor_refuses_fewer_than_one_worker() -> None:
+    with pytest.raises(ValueError, match="compute workers"):
+        compute_executor("none", workers=0)
 
 
 def test_a_compute_thread_is_set_up_before_its_first_call(probe: dict[str, object]) -> None:

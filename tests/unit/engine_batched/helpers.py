@@ -35,6 +35,7 @@ def paged_engine(
     invariant: bool = True,
     chunk: int = 0,
     num_blocks: int = NUM_BLOCKS,
+    decode_threads: int = 1,
 ) -> PagedEngine:
     layout = build_engine_layout(spec_of(directory, dtype), tp)
     ranks = [RankViews(layout, RankCache(layout.num_regions, num_blocks, layout.page_bytes, huge_pages=False)) for _ in range(tp)]
@@ -45,6 +46,7 @@ def paged_engine(
         boundary=boundary,
         batch_invariant=invariant,
         prefill_chunk_tokens=chunk,
+        decode_threads=decode_threads,
     )
 
 

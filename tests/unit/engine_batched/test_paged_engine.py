@@ -162,8 +162,9 @@ def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callabl
     assert paged_serves(directory)
     layout = build_engine_layout(spec_of(directory), 1)
     views = [RankViews(layout, RankCache(layout.num_regions, 8, layout.page_bytes, huge_pages=False))]
-    engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False)
+    engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False, decode_threads=2)
     assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
+    assert engine.decode_threads == 2
 
 
 def test_routed_experts_and_fixed_rope_types_are_served(tmp_path: Path) -> None:
@@ -245,3 +246,24 @@ def test_the_one_rank_kv_read_equals_the_general_one(hf_checkpoint: Callable[[st
     general = read_kv_many(stores, layer, lengths, engine.model.dtype)
     assert [k.shape[0] for k, _ in fast] == lengths
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(fast, general))
+
+
+def test_the_head_major_step_read_equals_the_general_one(hf_checkpoint: Callable[[str], str]) -> None:
+    """A step's attention reads K/V head-major (`read_kv_heads`): at TP 1 one gather of token rows
+    into a span per request (K, then V), which must hold the general read's values, start on 64 bytes and
+    have strides of the request's own length only (the other requests change neither)."""
+    from shared.engine.paged_state import read_kv_heads, read_kv_many
+
+    engine = paged_engine(hf_checkpoint("nemotron_h"))
+    pool = BlockPool(engine.layout)
+    sessions = [start(engine, pool, prompt_of(3 + 17 * i, salt=i), f"r{i}")[0] for i in range(5)]
+    stores, lengths = [s._store for s in sessions], [s.num_tokens for s in sessions]
+    layer = engine.spec.attention_layers[0]
+    heads = read_kv_heads(stores, layer, lengths, engine.model.dtype)
+    general = read_kv_many(stores, layer, lengths, engine.model.dtype)
+    for (k, v), (gk, gv), n in zip(heads, general, lengths):
+        assert torch.equal(k, gk.transpose(0, 1)) and torch.equal(v, gv.transpose(0, 1))
+        assert k.data_ptr() % 64 == 0 and v.data_ptr() - k.data_ptr() == k.numel() * k.element_size()
+        assert k.stride() == v.stride() == (n * k.shape[2], k.shape[2], 1)
+    alone = read_kv_heads(stores[2:3], layer, lengths[2:3], engine.model.dtype)[0]
+    assert torch.equal(alone[0], heads[2][0]) and alone[0].stride() == heads[2][0].stride()

@@ -147,6 +147,19 @@ def test_each_service_refuses_the_others_flags(
     assert last == f"{role}-svc: error: {flag} is a {owner}-svc flag; {role}-svc does not take it"
 
 
+def test_decode_threads_is_a_decode_flag_of_one_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_settings("decode", [], environ={}).decode_threads == 1
+    assert parse_settings("decode", ["--decode-threads", "2"], environ={}).decode_threads == 2
+    assert parse_settings("decode", [], environ={"HYBRID_PD_DECODE_THREADS": "3"}).decode_threads == 3
+    assert parse_settings("prefill", [], environ={}).decode_threads == 1
+    with pytest.raises(SystemExit):
+        parse_settings("decode", ["--decode-threads", "0"], environ={})
+    assert "--decode-threads = '0': must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", ["--decode-threads", "2"], environ={})
+    assert "--decode-threads is a decode-svc flag" in capsys.readouterr().err
+
+
 def test_flags_both_services_take_are_accepted_by_both() -> None:
     """Negative control of the refusal: shared flags pass, and one-role flags keep their role."""
     s = parse_settings("decode", ["--prefill", "h:1", "--max-pinned-requests", "8", "--drain-seconds", "2"], environ={})
@@ -203,8 +216,8 @@ def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_ca
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for role in ("prefill", "decode"):
-        assert parse_settings(role, ["--model", str(tmp_path)], environ={}).boundary == "full"  # type: ignore[arg-type]
-        assert parse_settings(role, [], environ={}).boundary == "n-1"  # type: ignore[arg-type]
+        assert parse_settings(role, ["--model", str(tmp_path)], environ={}).boundary == "full"
+        assert parse_settings(role, [], environ={}).boundary == "n-1"
     s = parse_settings("decode", ["--model", str(tmp_path)], environ={"HYBRID_PD_BOUNDARY": "n-1"})
     assert s.boundary == "n-1"
     for argv, env, needle in (

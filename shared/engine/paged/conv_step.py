@@ -1,0 +1,24 @@
+"""The causal depthwise conv of a decode step: one new token per request, so each channel's
+output is one dot product of its K-tap window with its kernel.
+
+Written as an elementwise product and a sum over the window rather than a conv1d call: one
+output column does not need a convolution kernel's set-up, and every row's sum runs over its
+own K values only, in the same order whatever the other rows. Products and sum run in fp32 with
+one rounding at the end, as the conv kernel accumulates a bf16 conv (products rounded to bf16
+one by one drift from it by more than the engine's bf16 tolerance against transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def conv_step(window: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`window` [rows, C, K] (each channel's last K inputs, oldest first), `weight` [C, K],
+    `bias` [C] or None: the conv output of the newest input, [rows, C], in `window`'s dtype."""
+    dtype = window.dtype
+    out = (window.float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out if dtype == torch.float32 else out.to(dtype)
