@@ -1,0 +1,90 @@
+"""A batched prefill step's chunks on several prefill threads (`prefill_threads`): every prompt's
+state bytes, last logits, prompt logprobs and first token are the same with 1, 2 and 3 threads,
+from the first step (fresh worker threads) on; and the negative control: the same comparison sees
+the difference that one GEMM over the step's chunks makes (so it could see a thread's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from shared.engine.paged.engine import PagedEngine
+from shared.engine.paged.families import SUPPORTED_FAMILIES
+from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.protocol import PrefillChunk
+from tests.unit.engine_batched.helpers import BlockPool, paged_engine, prompt_of
+
+CHUNK = 16  # prompts of 1..60 tokens: up to four steps, the steps holding fewer and fewer chunks
+PROMPTS = 9
+SCORED = 4  # this prompt also keeps its prompt logprobs (every row's logits)
+
+Prefilled = tuple[list[int | None], list[Tensor], list[list[object]], list[Tensor]]
+
+
+def _run(engine: PagedEngine) -> Prefilled:
+    """Every prompt's first token, last logits and prompt logprobs, and the bytes of every cache
+    region, after prefilling all prompts in batched steps (one chunk of each live run a step)."""
+    pool = BlockPool(engine.layout)
+    prompts = [prompt_of(1 + (13 * i) % 60, salt=i) for i in range(PROMPTS)]
+    runs = [engine.start_prefill(p, pool.blocks(len(p), f"r{i}")) for i, p in enumerate(prompts)]
+    runs[SCORED].score_prompt(3)
+    ends = [chunk_ends(0, engine.num_prefill_tokens(len(p)), CHUNK) for p in prompts]
+    firsts: list[int | None] = [None] * PROMPTS
+    for step in range(max(len(e) for e in ends)):
+        live = [i for i, e in enumerate(ends) if step < len(e)]
+        for i, first in zip(live, engine.prefill_batch([PrefillChunk(runs[i], ends[i][step]) for i in live])):
+            firsts[i] = first
+    logits = []
+    for run in runs:
+        assert run.last_logits is not None
+        logits.append(run.last_logits.clone())
+    logprobs: list[list[object]] = [list(run.prompt_logprobs) for run in runs]
+    return firsts, logits, logprobs, [region.clone() for rank in engine.ranks for region in rank.cache.regions]
+
+
+def _same(a: Prefilled, b: Prefilled) -> bool:
+    firsts_a, logits_a, logprobs_a, caches_a = a
+    firsts_b, logits_b, logprobs_b, caches_b = b
+    return (
+        firsts_a == firsts_b
+        and logprobs_a == logprobs_b
+        and all(torch.equal(x, y) for x, y in zip(logits_a, logits_b, strict=True))
+        and all(torch.equal(x, y) for x, y in zip(caches_a, caches_b, strict=True))
+    )
+
+
+def _threaded(directory: str, threads: int, dtype: str = "fp32") -> Prefilled:
+    engine = paged_engine(directory, dtype=dtype, chunk=CHUNK, prefill_threads=threads)
+    got = _run(engine)
+    # The steps really ran on workers (a split that never happened would pass trivially).
+    assert (engine._group_workers is not None) == (threads > 1)
+    return got
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_chunks_on_several_threads_give_one_threads_bytes(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint(family)
+    one = _threaded(directory, 1)
+    for threads in (2, 3):
+        assert _same(one, _threaded(directory, threads)), (family, threads)
+
+
+def test_bf16_chunks_on_several_threads_give_one_threads_bytes(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("nemotron_h")
+    one = _threaded(directory, 1, "bf16")
+    assert _same(one, _threaded(directory, 3, "bf16"))
+
+
+def test_negative_control_the_comparison_sees_other_bits(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("nemotron_h")
+    packed = paged_engine(directory, invariant=False, chunk=CHUNK, prefill_threads=3)
+    assert not _same(_threaded(directory, 1), _run(packed)), "one GEMM over the step's chunks gave the groups' bits"
+
+
+def test_prefill_threads_must_be_positive(hf_checkpoint: Callable[[str], str]) -> None:
+    engine = paged_engine(hf_checkpoint("nemotron_h"))
+    with pytest.raises(ValueError, match="prefill_threads"):
+        PagedEngine(engine.layout, engine.ranks, engine.checkpoint, prefill_threads=0)
