@@ -322,7 +322,7 @@ FLAGS: tuple[Flag, ...] = (
         "split into up to N groups of about equal tokens, each group one forward on its own thread with one "
         "intra-op thread. A prompt's state and first token are the same bits with any count. More than 1 helps "
         "only when steps hold several chunks (bursts of arrivals) and N cores are idle: on a host whose cores "
-        "decode and clients share, keep 1. decode-svc computes its local prefills one prompt a time and does "
+        "decode and clients share, keep 1. decode-svc computes its local prefills one prompt at a time and does "
         "not take it",
         DEFAULT_PREFILL_THREADS,
         roles=("prefill",),
