@@ -5,13 +5,14 @@ the difference that one GEMM over the step's chunks makes (so it could see a thr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor
 
-from shared.engine.paged.engine import PagedEngine
+from shared.engine.paged.engine import PagedEngine, PagedPrefillRun
 from shared.engine.paged.families import SUPPORTED_FAMILIES
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import PrefillChunk
@@ -88,3 +89,53 @@ def test_prefill_threads_must_be_positive(hf_checkpoint: Callable[[str], str]) -
     engine = paged_engine(hf_checkpoint("nemotron_h"))
     with pytest.raises(ValueError, match="prefill_threads"):
         PagedEngine(engine.layout, engine.ranks, engine.checkpoint, prefill_threads=0)
+
+
+class _Failed(RuntimeError):
+    pass
+
+
+def _two_groups(directory: str) -> tuple[PagedEngine, list[PagedPrefillRun]]:
+    """Two runs on 2 threads: the 60-token one on the calling thread, the 20-token one on a worker."""
+    engine = paged_engine(directory, prefill_threads=2)
+    pool = BlockPool(engine.layout)
+    prompts = [prompt_of(60, salt=1), prompt_of(20, salt=2)]
+    return engine, [engine.start_prefill(p, pool.blocks(len(p), f"r{i}")) for i, p in enumerate(prompts)]
+
+
+def _fail_kv_writes(run: PagedPrefillRun, failed: threading.Event | None = None) -> None:
+    def fail(layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        if failed is not None:
+            failed.set()
+        raise _Failed(f"layer {layer}")
+
+    run._store.write_kv_range = fail  # type: ignore[method-assign]
+
+
+def test_a_workers_error_reaches_the_step(hf_checkpoint: Callable[[str], str]) -> None:
+    engine, runs = _two_groups(hf_checkpoint("nemotron_h"))
+    _fail_kv_writes(runs[1])
+    with pytest.raises(_Failed):
+        engine.prefill_batch([PrefillChunk(run, engine.num_prefill_tokens(len(run._prompt))) for run in runs])
+
+
+def test_the_step_ends_only_once_every_group_has(hf_checkpoint: Callable[[str], str]) -> None:
+    """The calling thread's group fails while the worker's group waits to write its SSM state;
+    the worker has still written all of it when the error reaches the caller (no worker writes
+    blocks after the step)."""
+    engine, runs = _two_groups(hf_checkpoint("nemotron_h"))
+    failed = threading.Event()
+    _fail_kv_writes(runs[0], failed)
+    written: list[int] = []
+    store = runs[1]._store
+    write_ssm = store.write_ssm
+
+    def after_the_failure(layer: int, conv: Tensor, ssm: Tensor) -> None:
+        failed.wait(timeout=60)  # a bound only against a hang: the caller fails within the step
+        write_ssm(layer, conv, ssm)
+        written.append(layer)
+
+    store.write_ssm = after_the_failure  # type: ignore[method-assign]
+    with pytest.raises(_Failed):
+        engine.prefill_batch([PrefillChunk(run, engine.num_prefill_tokens(len(run._prompt))) for run in runs])
+    assert written == list(engine.spec.ssm_layers)
