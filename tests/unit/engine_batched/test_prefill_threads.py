@@ -139,3 +139,15 @@ def test_the_step_ends_only_once_every_group_has(hf_checkpoint: Callable[[str], 
     with pytest.raises(_Failed):
         engine.prefill_batch([PrefillChunk(run, engine.num_prefill_tokens(len(run._prompt))) for run in runs])
     assert written == list(engine.spec.ssm_layers)
+
+
+def test_a_step_with_layer_reports_stays_on_the_calling_thread(hf_checkpoint: Callable[[str], str]) -> None:
+    """The 20-token run reports its layers (`on_layer`): split, it would compute on the worker."""
+    engine, runs = _two_groups(hf_checkpoint("nemotron_h"))
+    reported: list[threading.Thread] = []
+    ends = [engine.num_prefill_tokens(len(run._prompt)) for run in runs]
+    engine.prefill_batch(
+        [PrefillChunk(runs[0], ends[0]), PrefillChunk(runs[1], ends[1], lambda _: reported.append(threading.current_thread()))]
+    )
+    assert len(reported) == engine.spec.num_layers
+    assert set(reported) == {threading.current_thread()}
