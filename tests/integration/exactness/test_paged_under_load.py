@@ -120,7 +120,7 @@ async def step_logits(
 ) -> dict[str, list[torch.Tensor]]:
     built = await asyncio.to_thread(Colocated.build, "paged", directory, 2, 256, batch_invariant=invariant)
     kept = LogitsKept(built.engine)
-    colocated = Colocated(built.layout, kept, 256)  # type: ignore[arg-type]
+    colocated = Colocated(built.layout, kept, 256)
     runs = [colocated.generate(f"r{i}", p, n, sampling=s or SamplingParams()) for i, (p, n, s) in enumerate(requests)]
     try:
         if at_once:
