@@ -31,6 +31,8 @@ DEFAULT_PORTS: dict[str, int] = {"prefill": 50051, "decode": 50052}
 DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 # Threads a paged decode step's tiles run on (see the flag's help for the choice).
 DEFAULT_DECODE_THREADS = 1
+# Threads a paged batched prefill step's chunks run on (see the flag's help for the choice).
+DEFAULT_PREFILL_THREADS = 1
 # Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays).
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 
@@ -310,6 +312,19 @@ FLAGS: tuple[Flag, ...] = (
         "meanwhile share its steps. Jobs sent in manifest parts share steps too, but with --layer-parts their "
         "last chunk computes alone. A prompt's bits do not depend on what shares its steps",
         DEFAULT_MAX_BATCHED_TOKENS,
+        roles=("prefill",),
+        metavar="N",
+    ),
+    Flag(
+        "prefill-threads",
+        positive_int,
+        "prefill, --engine paged: threads that compute a batched prefill step at once: the step's chunks are "
+        "split into up to N groups of about equal tokens, each group one forward on its own thread with one "
+        "intra-op thread. A prompt's state and first token are the same bits with any count. More than 1 helps "
+        "only when steps hold several chunks (bursts of arrivals) and N cores are idle: on a host whose cores "
+        "decode and clients share, keep 1. decode-svc computes its local prefills one prompt at a time and does "
+        "not take it",
+        DEFAULT_PREFILL_THREADS,
         roles=("prefill",),
         metavar="N",
     ),

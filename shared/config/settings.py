@@ -92,6 +92,7 @@ class ServiceSettings:
     local_prefill: Literal["fallback", "off"] = "fallback"  # decode only: compute prompts here when no prefill is ready
     local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
     decode_threads: int = 1  # decode only, paged engine: threads a step's tiles run on
+    prefill_threads: int = 1  # prefill only, paged engine: threads a batched step's chunks run on
     served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
 
     @property
@@ -333,6 +334,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         local_prefill="off" if _own(values, "local_prefill", str) == "off" else "fallback",
         local_prefill_below=_own(values, "local_prefill_below", int),
         decode_threads=_own(values, "decode_threads", int),
+        prefill_threads=_own(values, "prefill_threads", int),
         served_model_names=_served_model_names(values),
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,

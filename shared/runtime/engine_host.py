@@ -409,6 +409,7 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
                 batch_invariant=settings.batch_invariant,
                 decode_threads=settings.decode_threads,
+                prefill_threads=settings.prefill_threads,
             )
         except ValueError as e:
             raise InvalidArgument(str(e), field="engine") from e

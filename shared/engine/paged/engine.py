@@ -15,13 +15,17 @@ The tiles of a step are independent forwards (each writes only its own requests'
 with `decode_threads` N > 1 they run on N threads at once (torch releases the GIL inside its
 ops): the calling thread and N - 1 workers, each set up as a compute thread (one intra-op
 thread, compute_threads.py). A tile's bits are those of the same forward on any such thread.
+A batched prefill step's chunks are independent the same way (each starts on a whole tile, its
+attention and scans on its own rows, its writes to its own blocks): with `prefill_threads` N > 1
+they are split into up to N groups of about equal tokens (chunk_groups.py, a function of the
+chunks alone), one `Model.forward_chunks` per group, on as many such threads at once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from torch import Tensor
@@ -35,8 +39,9 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.paged import tiles
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.checkpoint import PagedCheckpoint
+from shared.engine.paged.chunk_groups import balanced_groups
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.model import SSM_MIXERS, ChunkInput, Parallel, SsmStates
+from shared.engine.paged.model import SSM_MIXERS, ChunkInput, ChunkOutput, Parallel, SsmStates
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.prompt_logprobs import score_rows
@@ -77,11 +82,14 @@ class PagedEngine:
         prefill_chunk_tokens: int = 0,
         batch_invariant: bool = True,
         decode_threads: int = 1,
+        prefill_threads: int = 1,
     ) -> None:
         if boundary not in BOUNDARIES:
             raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
         if decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        if prefill_threads < 1:
+            raise ValueError(f"prefill_threads must be >= 1, got {prefill_threads}")
         self.spec = layout.spec
         self.layout = layout
         self.ranks = list(ranks)
@@ -91,6 +99,8 @@ class PagedEngine:
         self.batch_invariant = batch_invariant
         self.decode_threads = decode_threads
         self._tile_workers: ThreadPoolExecutor | None = None  # made at the first step with tiles to share
+        self.prefill_threads = prefill_threads
+        self._group_workers: ThreadPoolExecutor | None = None  # made at the first step with groups to share
         # As the hf engine's: prefill runs these chunks itself, so only they give its bits.
         self.exact_chunk_tokens: int | None = prefill_chunk_tokens
         self.tokenizer = HfTokenizer(checkpoint.directory)
@@ -117,6 +127,7 @@ class PagedEngine:
         prefill_chunk_tokens: int = 0,
         batch_invariant: bool = True,
         decode_threads: int = 1,
+        prefill_threads: int = 1,
     ) -> PagedEngine:
         checkpoint = PagedCheckpoint(directory, dtype=dtype, device=device)
         return cls(
@@ -127,6 +138,7 @@ class PagedEngine:
             prefill_chunk_tokens=prefill_chunk_tokens,
             batch_invariant=batch_invariant,
             decode_threads=decode_threads,
+            prefill_threads=prefill_threads,
         )
 
     def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
@@ -201,8 +213,9 @@ class PagedEngine:
 
     @torch.no_grad()
     def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
-        """The next chunk of each run in one forward (BatchedPrefill); what each returns is what
-        its `compute` alone returns, to the bit, with `batch_invariant`."""
+        """The next chunk of each run in one step (BatchedPrefill): one forward, or one per group
+        of chunks on the prefill threads; what each returns is what its `compute` alone returns,
+        to the bit, with `batch_invariant`."""
         pin_intra_op_threads(1)
         runs: list[PagedPrefillRun] = []
         for c in chunks:
@@ -215,8 +228,39 @@ class PagedEngine:
         for run, given in zip(runs, inputs):
             if given.start == 0:
                 run._store.reset_ssm()  # its blocks may still hold an earlier request's state
-        outputs = self.model.forward_chunks(inputs, invariant=self.batch_invariant)
+        outputs = self._forward_chunks(inputs)
         return [run._advance(c.end, out.logits, out.states, out.rows) for run, c, out in zip(runs, chunks, outputs)]
+
+    def _forward_chunks(self, inputs: Sequence[ChunkInput]) -> list[ChunkOutput]:
+        """`Model.forward_chunks` of `inputs`, in their order, split over the prefill threads.
+
+        Without batch invariance a chunk's bits depend on its batch, so the step stays one forward;
+        a chunk reporting layers (`on_layer`) keeps the step on the calling compute thread, where
+        its reports are expected."""
+        threads = self.prefill_threads
+        if not self.batch_invariant or any(c.on_layer is not None for c in inputs):
+            threads = 1
+        groups = balanced_groups([len(c.ids) for c in inputs], threads)
+        if len(groups) <= 1:
+            return self.model.forward_chunks(inputs, invariant=self.batch_invariant)
+        others = [self._prefill_workers().submit(self._forward_group, [inputs[i] for i in g]) for g in groups[1:]]
+        try:
+            mine = self._forward_group([inputs[i] for i in groups[0]])
+        finally:
+            wait(others)  # no worker still writes blocks once the step returns, even on an error
+        by_index: dict[int, ChunkOutput] = {}
+        for group, outputs in zip(groups, [mine, *(f.result() for f in others)]):
+            by_index.update(zip(group, outputs))
+        return [by_index[i] for i in range(len(inputs))]
+
+    @torch.no_grad()  # grad mode is per thread: a worker's too
+    def _forward_group(self, group: Sequence[ChunkInput]) -> list[ChunkOutput]:
+        return self.model.forward_chunks(group, invariant=True)
+
+    def _prefill_workers(self) -> ThreadPoolExecutor:
+        if self._group_workers is None:
+            self._group_workers = compute_executor("prefill-groups", workers=self.prefill_threads - 1)
+        return self._group_workers
 
     # --- decode -------------------------------------------------------------------------
     def start_decode(
@@ -309,7 +353,7 @@ class PagedEngine:
         ends = chunk_ends(0, num_computed, tokens_per_chunk or 0)
         for begin, end in zip([0, *ends], ends):  # the chunks prefill ran
             chunk = ChunkInput(prompt[begin:end], begin, expected, carried, end == num_computed)
-            carried = self.model.forward_chunks([chunk], invariant=self.batch_invariant)[0].states
+            carried = self._forward_chunks([chunk])[0].states
         dtypes = (torch_dtype(self.spec.kv_dtype), torch_dtype(self.spec.conv_dtype), torch_dtype(self.spec.ssm_dtype))
         got = read_state(store, self.spec, num_computed, dtypes)
         problems = store.replica_mismatches(num_computed)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from shared.engine.paged.engine import PagedEngine
 from shared.engine.sampling import SamplingParams
 from shared.pb.hybridpd.v1 import decode_service_pb2 as dpb
 from shared.runtime.colocated import Colocated
@@ -65,8 +66,14 @@ async def together(port: int, requests: Sequence[tuple[list[int], int, SamplingP
 CHUNKED = ("--prefill-chunk-tokens", "16", "--max-batched-tokens", "64")
 
 
-@pytest.mark.parametrize(("family", "chunk"), [("nemotron_h", 0), ("qwen3_5", 0), ("nemotron_h", 16)])
-async def test_requests_under_load_equal_each_alone(hf_checkpoint: Callable[[str], str], family: str, chunk: int) -> None:
+@pytest.mark.parametrize(
+    ("family", "chunk", "threads"),
+    [("nemotron_h", 0, 1), ("qwen3_5", 0, 1), ("nemotron_h", 16, 1), ("nemotron_h", 0, 2), ("nemotron_h", 16, 3)],
+)
+async def test_requests_under_load_equal_each_alone(
+    hf_checkpoint: Callable[[str], str], family: str, chunk: int, threads: int
+) -> None:
+    """Also with prefill steps split over `--prefill-threads`: the same bits as alone."""
     directory = hf_checkpoint(family)
     async with hf_pair(
         directory,
@@ -75,7 +82,7 @@ async def test_requests_under_load_equal_each_alone(hf_checkpoint: Callable[[str
         2,
         engine="paged",
         check_state=not chunk,  # decode recomputes each prompt alone (in one forward): the READ state must be its bits
-        prefill_flags=CHUNKED if chunk else (),
+        prefill_flags=(*(CHUNKED if chunk else ()), "--prefill-threads", str(threads)),
         decode_flags=("--num-blocks", "256", *(("--manifest-parts", "false") if chunk else ())),
     ) as (prefill, decode):
         requests = load(decode.host.spec.vocab_size)
@@ -84,6 +91,8 @@ async def test_requests_under_load_equal_each_alone(hf_checkpoint: Callable[[str
         assert loop.largest_batch >= 4, loop.largest_batch  # shared steps of varying size
         steps = prefill.servicer.runner.steps
         assert steps is not None and steps.largest_batch >= 2, "no prefill step had two jobs"
+        engine = prefill.host.engine
+        assert isinstance(engine, PagedEngine) and engine.prefill_threads == threads
     want = await alone(directory, requests, prefill_chunk_tokens=chunk)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}: under load {g}, alone {w}"
@@ -111,7 +120,7 @@ async def step_logits(
 ) -> dict[str, list[torch.Tensor]]:
     built = await asyncio.to_thread(Colocated.build, "paged", directory, 2, 256, batch_invariant=invariant)
     kept = LogitsKept(built.engine)
-    colocated = Colocated(built.layout, kept, 256)  # type: ignore[arg-type]
+    colocated = Colocated(built.layout, kept, 256)
     runs = [colocated.generate(f"r{i}", p, n, sampling=s or SamplingParams()) for i, (p, n, s) in enumerate(requests)]
     try:
         if at_once:

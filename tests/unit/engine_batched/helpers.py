@@ -36,6 +36,7 @@ def paged_engine(
     chunk: int = 0,
     num_blocks: int = NUM_BLOCKS,
     decode_threads: int = 1,
+    prefill_threads: int = 1,
 ) -> PagedEngine:
     layout = build_engine_layout(spec_of(directory, dtype), tp)
     ranks = [RankViews(layout, RankCache(layout.num_regions, num_blocks, layout.page_bytes, huge_pages=False)) for _ in range(tp)]
@@ -47,6 +48,7 @@ def paged_engine(
         batch_invariant=invariant,
         prefill_chunk_tokens=chunk,
         decode_threads=decode_threads,
+        prefill_threads=prefill_threads,
     )
 
 

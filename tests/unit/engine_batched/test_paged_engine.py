@@ -162,9 +162,11 @@ def test_the_factory_builds_it_and_the_family_lists_agree(hf_checkpoint: Callabl
     assert paged_serves(directory)
     layout = build_engine_layout(spec_of(directory), 1)
     views = [RankViews(layout, RankCache(layout.num_regions, 8, layout.page_bytes, huge_pages=False))]
-    engine = make_engine("paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False, decode_threads=2)
+    engine = make_engine(
+        "paged", layout, views, model_dir=directory, boundary="full", batch_invariant=False, decode_threads=2, prefill_threads=3
+    )
     assert isinstance(engine, PagedEngine) and engine.boundary == "full" and not engine.batch_invariant
-    assert engine.decode_threads == 2
+    assert engine.decode_threads == 2 and engine.prefill_threads == 3
 
 
 def test_routed_experts_and_fixed_rope_types_are_served(tmp_path: Path) -> None:

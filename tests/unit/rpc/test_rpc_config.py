@@ -160,6 +160,19 @@ def test_decode_threads_is_a_decode_flag_of_one_by_default(capsys: pytest.Captur
     assert "--decode-threads is a decode-svc flag" in capsys.readouterr().err
 
 
+def test_prefill_threads_is_a_prefill_flag_of_one_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_settings("prefill", [], environ={}).prefill_threads == 1
+    assert parse_settings("prefill", ["--prefill-threads", "2"], environ={}).prefill_threads == 2
+    assert parse_settings("prefill", [], environ={"HYBRID_PD_PREFILL_THREADS": "3"}).prefill_threads == 3
+    assert parse_settings("decode", [], environ={}).prefill_threads == 1
+    with pytest.raises(SystemExit):
+        parse_settings("prefill", ["--prefill-threads", "0"], environ={})
+    assert "--prefill-threads = '0': must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings("decode", ["--prefill-threads", "2"], environ={})
+    assert "--prefill-threads is a prefill-svc flag" in capsys.readouterr().err
+
+
 def test_flags_both_services_take_are_accepted_by_both() -> None:
     """Negative control of the refusal: shared flags pass, and one-role flags keep their role."""
     s = parse_settings("decode", ["--prefill", "h:1", "--max-pinned-requests", "8", "--drain-seconds", "2"], environ={})
