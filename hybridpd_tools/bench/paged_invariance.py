@@ -17,18 +17,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
-
-from shared.cache.model_views import RankViews
-from shared.cache.regions import RankCache
+from hybridpd_tools.bench.paged_blocks import engine_with_blocks
 from shared.engine.compute_threads import pin_intra_op_threads
-from shared.engine.hf.model_spec import hf_model_spec
 from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 from shared.engine.paged import tiles
-from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.engine import PagedDecodeSession, PagedEngine
 from shared.engine.protocol import RequestBlocks
-from shared.layout.page import build_engine_layout
 
 BATCHES = (1, 8, 32, 64)
 PROMPT_TOKENS = 32
@@ -46,20 +40,9 @@ def _fixed(blocks: RequestBlocks) -> Callable[[int], RequestBlocks]:
 def bench_engine(directory: str, batch: int, steps: int) -> tuple[PagedEngine, list[PagedDecodeSession]]:
     """A paged fp32 engine on caches of its own and `batch` decode sessions, each after a prompt
     of PROMPT_TOKENS tokens, with blocks for `steps` more steps."""
-    spec = hf_model_spec(directory, dtype="fp32")
-    layout = build_engine_layout(spec, 1)
-    per = -(-(PROMPT_TOKENS + steps + 8) // layout.block_size)
-    need = batch * sum(per if g.kind == "attention" else 1 for g in layout.groups) + 1
-    ranks = [RankViews(layout, RankCache(layout.num_regions, need, layout.page_bytes, huge_pages=False))]
-    engine = PagedEngine(layout, ranks, PagedCheckpoint(directory, dtype="fp32"))
-    sessions, nxt = [], 1
-    for b in range(batch):
-        ids = []
-        for g in layout.groups:
-            n = per if g.kind == "attention" else 1
-            ids.append(np.arange(nxt, nxt + n))
-            nxt += n
-        blocks = RequestBlocks(f"r{b}", ids)
+    engine, all_blocks = engine_with_blocks(directory, batch, PROMPT_TOKENS + steps + 8)
+    sessions = []
+    for b, blocks in enumerate(all_blocks):
         prompt = [(7 * i + 3 * b + 5) % 300 + 4 for i in range(PROMPT_TOKENS)]
         first = engine.prefill(prompt, blocks)
         sessions.append(engine.start_decode(prompt, PROMPT_TOKENS, blocks, _fixed(blocks), first_token=first))

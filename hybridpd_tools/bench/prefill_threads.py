@@ -18,38 +18,14 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-
-from shared.cache.model_views import RankViews
-from shared.cache.regions import RankCache
+from hybridpd_tools.bench.paged_blocks import engine_with_blocks
 from shared.engine.compute_threads import pin_intra_op_threads
-from shared.engine.hf.model_spec import hf_model_spec
 from shared.engine.hf.tiny_checkpoints import cached_checkpoint
-from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.engine import PagedEngine
 from shared.engine.protocol import PrefillChunk, RequestBlocks
-from shared.layout.page import build_engine_layout
 
 BATCHES = (1, 4, 8, 16)
 PROMPT_TOKENS = 128
-
-
-def bench_engine(directory: str, batch: int) -> tuple[PagedEngine, list[RequestBlocks]]:
-    """A paged fp32 engine (full-N boundary) on caches of its own, with blocks for `batch` prompts."""
-    layout = build_engine_layout(hf_model_spec(directory, dtype="fp32"), 1)
-    per = -(-PROMPT_TOKENS // layout.block_size)
-    need = batch * sum(per if g.kind == "attention" else 1 for g in layout.groups) + 1
-    ranks = [RankViews(layout, RankCache(layout.num_regions, need, layout.page_bytes, huge_pages=False))]
-    engine = PagedEngine(layout, ranks, PagedCheckpoint(directory, dtype="fp32"))
-    blocks, nxt = [], 1
-    for b in range(batch):
-        ids = []
-        for g in layout.groups:
-            n = per if g.kind == "attention" else 1
-            ids.append(np.arange(nxt, nxt + n))
-            nxt += n
-        blocks.append(RequestBlocks(f"r{b}", ids))
-    return engine, blocks
 
 
 def step(engine: PagedEngine, blocks: list[RequestBlocks]) -> None:
@@ -63,7 +39,7 @@ def measure(directory: str, threads: int, steps: int, rounds: int) -> list[tuple
     """(batch, ms per step on 1 thread, ms per step on `threads`, cores the latter used) per batch size."""
     out = []
     for batch in BATCHES:
-        engine, blocks = bench_engine(directory, batch)
+        engine, blocks = engine_with_blocks(directory, batch, PROMPT_TOKENS)
         times: dict[int, list[float]] = {1: [], threads: []}
         cores: list[float] = []
         for count in times:  # warm-up (and the workers' start)
