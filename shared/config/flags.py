@@ -113,10 +113,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "decode-threads",
         positive_int,
-        "decode, --engine paged: threads that compute a decode step's tiles of 16 requests at once (each tile "
-        "on one thread with one intra-op thread; the tokens are the same bits with any count). More than 1 helps "
-        "only with more than 16 running requests and idle cores: on a host whose cores prefill and clients share, "
-        "keep 1",
+        "decode, --engine paged: threads that compute a decode step at once, each one forward over a share of "
+        "whole tiles of 16 requests (with one intra-op thread; the tokens are the same bits with any count). More "
+        "than 1 helps only with more than 16 running requests and idle cores: on a host whose cores prefill and "
+        "clients share, keep 1",
         DEFAULT_DECODE_THREADS,
         roles=("decode",),
         metavar="N",

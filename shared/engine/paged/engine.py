@@ -6,15 +6,17 @@ Decode keeps nothing per request between steps: each step reads K/V and SSM stat
 request's blocks (the bytes a transfer moves) and writes the new token's K/V and the new SSM
 state back. `step_batch` steps many requests in one forward (`BatchedDecode`).
 
-Batch invariance (`batch_invariant`, on by default): the requests of a step are computed in
-tiles of exactly `TILE_ROWS` rows (zero-padded), so every GEMM and row-wise kernel sees one
-fixed shape, and attention runs per request on its own K/V: a request's logits are the same
-bits whatever shares its step. Off, one forward covers every request (faster, not invariant).
+Batch invariance (`batch_invariant`, on by default): the requests of a step are padded to whole
+tiles of `TILE_ROWS` rows, every GEMM gives each row the bits of its own tile (tiles.py,
+call_sizes.py), row-wise kernels treat every row alike, and attention runs per request on its
+own K/V: a request's logits are the same bits whatever shares its step. Off, one forward covers
+the unpadded requests with plain GEMMs (faster, not invariant).
 
-The tiles of a step are independent forwards (each writes only its own requests' blocks), so
-with `decode_threads` N > 1 they run on N threads at once (torch releases the GIL inside its
-ops): the calling thread and N - 1 workers, each set up as a compute thread (one intra-op
-thread, compute_threads.py). A tile's bits are those of the same forward on any such thread.
+Shares of whole tiles are independent forwards (each writes only its own requests' blocks), so
+with `decode_threads` N > 1 a step's tiles are split into N shares on N threads at once (torch
+releases the GIL inside its ops): the calling thread and N - 1 workers, each set up as a compute
+thread (one intra-op thread, compute_threads.py). A share's bits are those of the same forward on
+any such thread.
 A batched prefill step's chunks are independent the same way (each starts on a whole tile, its
 attention and scans on its own rows, its writes to its own blocks): with `prefill_threads` N > 1
 they are split into up to N groups of about equal tokens (chunk_groups.py, a function of the
@@ -311,28 +313,27 @@ class PagedEngine:
         positions = [s._pos for s in batch]
         if not self.batch_invariant:
             return list(self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False))
-        rows = tiles.TILE_ROWS
-        parts = [slice(i, i + rows) for i in range(0, len(batch), rows)]
-        threads = min(self.decode_threads, len(parts))
-        # Thread t runs tiles t, t + threads, ...: as even a share as whole tiles allow.
-        shares = [parts[t::threads] for t in range(threads)]
-        others = [self._workers().submit(self._tiles, shares[t], ids, stores, positions) for t in range(1, threads)]
+        # Thread t runs one forward over a contiguous share of whole tiles, as even a share as
+        # whole tiles allow; with one thread, the whole step is one forward.
+        n_tiles = -(-len(batch) // tiles.TILE_ROWS)
+        threads = min(self.decode_threads, n_tiles)
+        cuts = [min(len(batch), (t * n_tiles // threads) * tiles.TILE_ROWS) for t in range(threads + 1)]
+        shares = [slice(cuts[t], cuts[t + 1]) for t in range(threads)]
+        others = [self._workers().submit(self._share, shares[t], ids, stores, positions) for t in range(1, threads)]
         try:
-            mine = self._tiles(shares[0], ids, stores, positions)
+            mine = self._share(shares[0], ids, stores, positions)
         finally:
-            done = [f.result() for f in others]  # every tile finished before the step returns
-        by_tile: list[list[Tensor]] = [[] for _ in parts]
-        for t, got in enumerate([mine, *done]):
-            by_tile[t::threads] = got
-        return [row for tile in by_tile for row in tile]
+            done = [f.result() for f in others]  # every share finished before the step returns
+        return [row for got in [mine, *done] for row in got]
 
     @torch.no_grad()  # grad mode is per thread: a worker's too
-    def _tiles(
-        self, parts: Sequence[slice], ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]
-    ) -> list[list[Tensor]]:
-        """The logits of each tile of `parts`, in order, computed on this thread."""
-        rows = tiles.TILE_ROWS
-        return [list(self.model.forward_step(ids[p], stores[p], positions[p], rows=rows, invariant=True)) for p in parts]
+    def _share(
+        self, share: slice, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]
+    ) -> list[Tensor]:
+        """The logits of the requests of `share`, computed on this thread in one forward over a
+        stack of whole STACK_ROWS (tiles.py)."""
+        rows = tiles.stack_rows(share.stop - share.start)
+        return list(self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True))
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._tile_workers is None:

@@ -20,7 +20,7 @@ from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.norms import rms_norm
-from shared.engine.paged.tiles import TILE_ROWS, linear, pad_rows
+from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_rows, tile_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
@@ -141,21 +141,21 @@ class Model:
 
         The chunks' rows are stacked; every row-wise op (norms, projections, MLPs, experts) runs
         once over the stack, attention and the SSM scans per chunk on the chunk's own rows. With
-        `invariant`, each chunk starts on a whole tile and the stack ends in a tile of padding,
-        so the GEMMs (tiles.linear) see only whole tiles and no real row falls into a kernel's
-        scalar tail: a chunk's bits do not depend on the other chunks (nor on whether it has
-        any). Without it the chunks are packed and each GEMM is one call (the negative control)."""
+        `invariant`, each chunk starts on a whole tile and the stack is padded to a multiple of
+        STACK_ROWS rows, so the GEMMs (tiles.linear) see only whole tiles and every row-wise
+        kernel runs each element through its vector loop: a chunk's bits do not depend on the
+        other chunks (nor on whether it has any). Without it the chunks are packed and each GEMM
+        is one call (the negative control)."""
         if not chunks:
             return []
-        tile = TILE_ROWS if invariant else 1
         starts: list[int] = []
         rows = 0
         for c in chunks:
             if not c.ids:
                 raise ValueError("forward_chunks: a chunk has no tokens")
             starts.append(rows)
-            rows += -(-len(c.ids) // tile) * tile
-        total = rows + (TILE_ROWS if invariant else 0)
+            rows += tile_rows(len(c.ids)) if invariant else len(c.ids)
+        total = stack_rows(rows) if invariant else rows
         token_ids = torch.zeros(total, dtype=torch.long, device=self.device)
         positions = torch.zeros(total, dtype=torch.long, device=self.device)
         spans: list[slice] = []
@@ -164,6 +164,25 @@ class Model:
             token_ids[at : at + t] = torch.tensor(list(c.ids), dtype=torch.long, device=self.device)
             positions[at : at + t] = torch.arange(c.start, c.start + t, dtype=torch.long, device=self.device)
             spans.append(slice(at, at + t))
+        with padding_after(rows, total):
+            h, states = self._forward_stack(token_ids, positions, chunks, spans, invariant)
+        last = torch.tensor([s.stop - 1 for s in spans], dtype=torch.long, device=self.device)
+        if invariant:  # the last rows again as a stack of their own, padding after them
+            ends_rows = stack_rows(len(chunks))
+            with padding_after(len(chunks), ends_rows):
+                logits = self._logits(pad_rows(h[last], ends_rows), invariant=True)
+        else:
+            logits = self._logits(h[last], invariant=False)
+        # A chunk's every-token logits from its own rows only: the same shapes alone or not.
+        return [
+            ChunkOutput(logits[i], states[i], self._logits(h[rows], invariant=False) if c.keep_rows else None)
+            for i, (c, rows) in enumerate(zip(chunks, spans))
+        ]
+
+    def _forward_stack(
+        self, token_ids: Tensor, positions: Tensor, chunks: Sequence[ChunkInput], spans: Sequence[slice], invariant: bool
+    ) -> tuple[Tensor, list[SsmStates]]:
+        """The stack's last hidden states and each chunk's SSM states after it."""
         h = self._embed(token_ids)
         states: list[SsmStates] = [{} for _ in chunks]
         for index, layer in enumerate(self.layers):
@@ -186,15 +205,7 @@ class Model:
             for c in chunks:
                 if c.on_layer is not None:
                     c.on_layer(index)
-        last = torch.tensor([s.stop - 1 for s in spans], dtype=torch.long, device=self.device)
-        # The last rows again on whole tiles with padding after them (a decode step's shape).
-        ends = h[last] if not invariant else pad_rows(h[last], -(-(len(chunks) + 1) // TILE_ROWS) * TILE_ROWS)
-        logits = self._logits(ends, invariant=invariant)
-        # A chunk's every-token logits from its own rows only: the same shapes alone or not.
-        return [
-            ChunkOutput(logits[i], states[i], self._logits(h[rows], invariant=False) if c.keep_rows else None)
-            for i, (c, rows) in enumerate(zip(chunks, spans))
-        ]
+        return h, states
 
     def _attend_chunks(
         self,
@@ -271,8 +282,14 @@ class Model:
         on `rows` rows (the requests, then zero padding): logits `[len(ids), vocab]`.
 
         Every op but attention runs on the whole `[rows, ...]` tensors; attention runs per
-        request on its own K/V. With `invariant` and `rows` fixed (TILE_ROWS), a request's
-        bits cannot depend on the other rows."""
+        request on its own K/V. With `invariant` and `rows` a multiple of STACK_ROWS, a
+        request's bits cannot depend on the other rows (tiles.py)."""
+        with padding_after(len(ids), rows):
+            return self._step_stack(ids, stores, positions, rows, invariant)
+
+    def _step_stack(
+        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], rows: int, invariant: bool
+    ) -> Tensor:
         n = len(ids)
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
         pos = pad_rows(torch.tensor(list(positions), dtype=torch.long, device=self.device), rows)

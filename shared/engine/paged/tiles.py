@@ -1,25 +1,41 @@
-"""Every matmul over tokens goes through `linear`, so batch invariance has one home.
+"""The row shapes that make a forward batch-invariant: every matmul over tokens goes through
+`linear`, and every invariant forward stacks its rows to a multiple of `STACK_ROWS`.
 
-torch's CPU GEMM picks its kernel (and with it the summation order) by the number of rows: a
-row's bits at M = 1 differ from the same row's at M = 2 or 64. For one fixed call shape, though,
-a row's bits depend neither on its position nor on the other rows. So with `invariant` the rows
-are padded to a multiple of `TILE_ROWS` and F.linear runs once per tile of exactly that shape;
-without it one F.linear covers every row (the fastest path, and the negative control).
+GEMMs. torch's CPU GEMM picks its kernel (and with it the summation order) by the number of
+rows: a row's bits at M = 1 differ from the same row's at M = 2 or 64. For one fixed call shape,
+though, a row's bits depend neither on its position nor on the other rows. So with `invariant`
+the rows are padded to whole tiles of `TILE_ROWS` and F.linear runs on tiles of exactly that
+shape, or on several tiles at once where call_sizes.py has shown that a call of that many rows
+gives each row its own tile's bits; without it one F.linear covers every row (the fastest path,
+and the negative control).
 
-Decode steps also run their row-wise work (norms, activations, SSM updates) on tensors of
-exactly `TILE_ROWS` rows (model.py pads a step's requests to it), so those kernels see the same
-shapes, and treat every row alike, whatever the batch.
+Row-wise kernels. An elementwise kernel runs a contiguous tensor through its vector loop two
+vectors at a time and the remainder through a scalar loop, and the two round some functions
+differently (fp32 sigmoid, SiLU, softplus): an element's bits then depend on the tensor's
+length. A stack of a multiple of `STACK_ROWS` rows has, in every tensor of any width, a length
+that is a whole number of those steps, so every element takes the vector loop, whatever the
+batch. Padding rows are zero and come after the real ones; `padding_after` tells `linear` where
+they start so that its calls skip the tiles that hold only padding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Rows per GEMM call in invariant mode, and requests per decode forward. A multiple of 16, so a
-# tile of any width is whole SIMD vectors and no row falls into a kernel's scalar tail.
+from shared.engine.paged.call_sizes import largest_exact_call
+
+# Rows per GEMM tile in invariant mode; a chunk of a prefill stack starts on a whole tile.
 TILE_ROWS = 16
+# An invariant forward's rows are a multiple of this: 64 fp32 (or 128 16-bit) values per row of
+# width one, two steps of the widest vector loop (AVX-512: 16 fp32 or 32 bf16 lanes a vector).
+STACK_ROWS = 64
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -30,14 +46,52 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad], dim=0)
 
 
+def stack_rows(rows: int) -> int:
+    """The rows of an invariant forward over `rows` real ones: the next multiple of STACK_ROWS."""
+    return -(-rows // STACK_ROWS) * STACK_ROWS
+
+
+def tile_rows(rows: int) -> int:
+    """`rows` rounded up to whole tiles."""
+    return -(-rows // TILE_ROWS) * TILE_ROWS
+
+
+@dataclass(frozen=True)
+class _Padding:
+    total: int  # rows of the stack
+    live: int  # rows before the first tile of only padding
+
+
+_padding: ContextVar[_Padding | None] = ContextVar("stack_padding", default=None)
+
+
+@contextmanager
+def padding_after(rows: int, total: int) -> Iterator[None]:
+    """Within it, a tensor of `total` rows is a stack whose rows from `rows` on are padding, in
+    order (a row-wise op keeps them so, and so does a gather of rows in order): `linear` skips
+    its tiles of padding only and gives zeros there. Set per thread (a context variable)."""
+    token = _padding.set(_Padding(total, tile_rows(rows)))
+    try:
+        yield
+    finally:
+        _padding.reset(token)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, invariant: bool = False) -> Tensor:
-    """`x @ weight.T + bias` over the rows of `x` ([rows, in]); with `invariant`, in tiles of
-    TILE_ROWS rows so each row's bits are independent of how many rows there are."""
+    """`x @ weight.T + bias` over the rows of `x` ([rows, in]); with `invariant`, on whole tiles
+    of TILE_ROWS rows, in calls of as many tiles as give each row its own tile's bits, so each
+    row's bits are independent of how many rows there are."""
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows == TILE_ROWS:
-        return F.linear(x, weight, bias)
-    padded = pad_rows(x, -(-rows // TILE_ROWS) * TILE_ROWS)
-    out = [F.linear(padded[i : i + TILE_ROWS], weight, bias) for i in range(0, padded.shape[0], TILE_ROWS)]
-    return torch.cat(out, dim=0)[:rows]
+    padding = _padding.get()
+    live = padding.live if padding is not None and padding.total == rows else tile_rows(rows)
+    padded = pad_rows(x[:live], live).contiguous()
+    step = largest_exact_call(weight, bias, TILE_ROWS)
+    if live <= step:
+        out = F.linear(padded, weight, bias)
+    else:
+        out = torch.cat([F.linear(padded[i : i + step], weight, bias) for i in range(0, live, step)])
+    if out.shape[0] > rows:
+        return out[:rows]
+    return pad_rows(out, rows)

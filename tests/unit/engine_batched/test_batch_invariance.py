@@ -69,9 +69,9 @@ def test_negative_control_experts_in_one_gemm_depend_on_their_other_rows(
 ) -> None:
     """The feed-forward GEMMs untiled (ffn.linear: one GEMM over the rows each call gets): the
     target's logits then depend on which requests share its step. A step of at most TILE_ROWS
-    requests is padded to TILE_ROWS rows, so the shared experts and latent projections see one
-    shape whatever the batch: only the routed experts, whose row counts follow the batch, can
-    make the difference (these variants have no dense MLP layer)."""
+    requests is one stack whose GEMMs compute one tile of TILE_ROWS rows, so the shared experts
+    and latent projections see one shape whatever the batch: only the routed experts, whose row
+    counts follow the batch, can make the difference (these variants have no dense MLP layer)."""
     directory = variant_checkpoint(variant)
     monkeypatch.setattr(ffn, "linear", lambda x, w, b=None, *, invariant=False: F.linear(x, w, b))
     alone = _target_logits(directory, "fp32", 1, True)

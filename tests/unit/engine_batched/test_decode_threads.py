@@ -13,6 +13,7 @@ from torch import Tensor
 
 from shared.engine.paged.engine import PagedEngine
 from shared.engine.paged.families import SUPPORTED_FAMILIES
+from shared.engine.paged.tiles import stack_rows
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
 
 REQUESTS = 40  # three tiles: 16, 16 and 8 requests
@@ -61,3 +62,23 @@ def test_decode_threads_must_be_positive(hf_checkpoint: Callable[[str], str]) ->
     engine = paged_engine(hf_checkpoint("nemotron_h"))
     with pytest.raises(ValueError, match="decode_threads"):
         PagedEngine(engine.layout, engine.ranks, engine.checkpoint, decode_threads=0)
+
+
+@pytest.mark.parametrize(("threads", "shares"), [(1, [40]), (2, [16, 24]), (3, [16, 16, 8])])
+def test_a_step_is_one_forward_per_thread_share(
+    threads: int, shares: list[int], hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each thread's share of whole tiles is one forward over one stack (tiles.py), not one
+    forward per tile."""
+    engine = paged_engine(hf_checkpoint("nemotron_h"), decode_threads=threads)
+    forwards: list[tuple[int, int]] = []
+    forward = engine.model.forward_step
+
+    def counted(ids, stores, positions, *, rows, invariant):  # type: ignore[no-untyped-def]
+        forwards.append((len(ids), rows))
+        return forward(ids, stores, positions, rows=rows, invariant=invariant)
+
+    monkeypatch.setattr(engine.model, "forward_step", counted)
+    _run(engine)
+    assert sorted(forwards[: len(shares)], reverse=True) == sorted(((n, stack_rows(n)) for n in shares), reverse=True)
+    assert len(forwards) == STEPS * len(shares)

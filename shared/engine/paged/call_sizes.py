@@ -1,0 +1,81 @@
+"""How many rows one invariant GEMM call may take for a weight: the largest size proven to give
+every row exactly its bits in a call of TILE_ROWS rows.
+
+A call of TILE_ROWS rows is batch-invariant by construction (tiles.py). Fewer, larger calls are
+faster (one 64-row call costs much less than four 16-row ones, and reads the weight once), but
+whether a row's bits depend on the call's row count is up to the GEMM library: it picks its
+kernel, and with it each sum's order, by shape. So a weight's calls grow past TILE_ROWS only
+after `largest_exact_call` has shown, on this machine, library, dtype and thread count, that
+every multiple of TILE_ROWS up to the size gives every row the bits of its 16-row tile. GEMM
+kernels do not branch on values, so the same bits on random rows mean the same order of sums
+for any rows. A library that fails the check keeps 16-row calls: slower, never inexact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rows of the largest call checked: a decode step of that many requests is one call per weight,
+# a prefill step's rows go in calls of this size. The check runs every multiple of the tile up
+# to it once per weight shape: with 16-row tiles, 2,176 rows of GEMM.
+MAX_CALL_ROWS = 256
+
+_PROBE_SEED = 20261206
+_lock = threading.Lock()
+_checked: dict[tuple[object, ...], int] = {}
+
+
+def _key(weight: Tensor, bias: Tensor | None, tile: int) -> tuple[object, ...]:
+    return (
+        tile,
+        tuple(weight.shape),
+        weight.stride(),
+        weight.dtype,
+        weight.device,
+        weight.data_ptr() % 64,  # a kernel may treat an unaligned operand differently
+        None if bias is None else (bias.dtype, bias.data_ptr() % 64),
+        torch.get_num_threads(),
+    )
+
+
+def largest_exact_call(weight: Tensor, bias: Tensor | None, tile: int) -> int:
+    """Rows per call (a multiple of `tile`, at most MAX_CALL_ROWS) with which `F.linear(x,
+    weight, bias)` gives each row of `x` the bits of the same row in a `tile`-row call, for
+    every multiple of `tile` up to it. Checked once per shape, dtype, alignment and thread
+    count, then remembered."""
+    key = _key(weight, bias, tile)
+    found = _checked.get(key)
+    if found is None:
+        found = agreeing_rows(weight, bias, tile, range(tile, max(tile, MAX_CALL_ROWS) + 1, tile))
+        with _lock:
+            _checked[key] = found
+    return found
+
+
+Gemm = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> int:
+    """The largest of `sizes` (ascending) up to which every size's call of `gemm` gives each
+    row the bits of its `tile`-row call; `tile` when the first size already differs."""
+    generator = torch.Generator().manual_seed(_PROBE_SEED)
+    total = -(-max(sizes) // tile) * tile
+    rows = torch.randn((total, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
+    tiled = torch.cat([gemm(rows[i : i + tile], weight, bias) for i in range(0, total, tile)])
+    agreed = tile
+    for size in sizes:
+        if not torch.equal(gemm(rows[:size], weight, bias), tiled[:size]):
+            break
+        agreed = max(agreed, size)
+    return agreed
+
+
+def forget() -> None:
+    """Drop every remembered check (tests that change the thread count or the sizes)."""
+    with _lock:
+        _checked.clear()

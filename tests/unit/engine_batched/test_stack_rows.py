@@ -1,0 +1,48 @@
+"""Why an invariant forward's rows are a multiple of STACK_ROWS (tiles.py): an elementwise
+kernel runs the tail of a contiguous tensor through a scalar loop that rounds some fp32
+functions otherwise than its vector loop, so in a stack of 16-row tiles a narrow tensor's
+element can change bits with the stack's length; in stacks of STACK_ROWS rows it never does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shared.engine.paged.tiles import STACK_ROWS, TILE_ROWS, stack_rows
+
+FUNCTIONS: list[Callable[[Tensor], Tensor]] = [torch.sigmoid, F.silu, F.softplus, torch.exp, torch.tanh]
+WIDTHS = range(1, 10)
+
+
+def _rows_differ(row_counts: list[int], dtype: torch.dtype) -> list[tuple[str, int, int]]:
+    """(function, width, rows) where the first row_counts[0] rows of a [rows, width] tensor get
+    other bits than in a tensor of row_counts[0] rows."""
+    torch.manual_seed(0)
+    found = []
+    for width in WIDTHS:
+        x = (4 * torch.randn(max(row_counts), width)).to(dtype)
+        for fn in FUNCTIONS:
+            first = fn(x[: row_counts[0]].contiguous())
+            for rows in row_counts[1:]:
+                if not torch.equal(fn(x[:rows].contiguous())[: row_counts[0]], first):
+                    found.append((fn.__name__, width, rows))
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacks_of_stack_rows_give_every_row_the_same_bits(dtype: torch.dtype) -> None:
+    assert _rows_differ([STACK_ROWS * k for k in (1, 2, 3, 4)], dtype) == []
+
+
+def test_negative_control_stacks_of_tiles_do_not() -> None:
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the scalar tail shows at 16-row multiples with AVX-512's 32-value steps")
+    assert _rows_differ([TILE_ROWS * k for k in (1, 2, 3, 4, 5)], torch.float32) != []
+
+
+def test_stack_rows_rounds_up_to_whole_stacks() -> None:
+    assert [stack_rows(n) for n in (1, STACK_ROWS, STACK_ROWS + 1)] == [STACK_ROWS, STACK_ROWS, 2 * STACK_ROWS]
