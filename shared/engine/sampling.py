@@ -102,6 +102,18 @@ def _generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(mixed[:8], "little") & (2**63 - 1))
 
 
+def draws_argmax(params: SamplingParams, index: int) -> bool:
+    """Whether `sample(logits, params, index)` is the argmax of `logits` as they are (greedy,
+    nothing masked at this index): rows of many requests can then take one argmax together."""
+    return params.greedy and (index >= params.min_tokens or not params.stop_token_ids)
+
+
+def argmax_rows(logits: Tensor) -> list[int]:
+    """The argmax of each row of `logits` [rows, vocab], as `sample` takes it for one row (in
+    fp32 on the CPU, the first of equal maxima)."""
+    return [int(t) for t in torch.argmax(logits.detach().to(device="cpu", dtype=torch.float32), dim=-1).tolist()]
+
+
 def sample(logits: Tensor, params: SamplingParams, index: int) -> int:
     """The token at output position `index` (0: the first generated token) from `logits` [vocab]."""
     scores = masked(logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1), params, index)

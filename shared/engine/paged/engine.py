@@ -48,7 +48,7 @@ from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.prompt_logprobs import score_rows
 from shared.engine.protocol import DecodeSession, EnsureCapacity, PrefillChunk, PrefillRun, RequestBlocks
-from shared.engine.sampling import GREEDY, SamplingParams, sample
+from shared.engine.sampling import GREEDY, SamplingParams, argmax_rows, draws_argmax, sample
 from shared.layout.boundary import BOUNDARIES, Boundary, num_prefill_tokens
 from shared.layout.page import EngineLayout
 
@@ -303,16 +303,19 @@ class PagedEngine:
         for s in batch:
             s._store.blocks = s._ensure(s._pos + 1)
         logits = self._step_logits(batch)
-        for i, s, row in zip(singles, batch, logits):
-            tokens[i] = s._advance(row, 1)
+        plain = [j for j, s in enumerate(batch) if draws_argmax(s._sampling, s._index)]
+        drawn = dict(zip(plain, argmax_rows(logits[plain]))) if plain else {}
+        for j, (i, s) in enumerate(zip(singles, batch)):
+            tokens[i] = s._advance(logits[j], 1, drawn.get(j))
         return tokens
 
-    def _step_logits(self, batch: Sequence[PagedDecodeSession]) -> list[Tensor]:
+    def _step_logits(self, batch: Sequence[PagedDecodeSession]) -> Tensor:
+        """The logits of each session's next token, [len(batch), vocab]."""
         ids = [s._pending[0] for s in batch]
         stores = [s._store for s in batch]
         positions = [s._pos for s in batch]
         if not self.batch_invariant:
-            return list(self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False))
+            return self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False)
         # Thread t runs one forward over a contiguous share of whole tiles, as even a share as
         # whole tiles allow; with one thread, the whole step is one forward.
         n_tiles = -(-len(batch) // tiles.TILE_ROWS)
@@ -324,16 +327,14 @@ class PagedEngine:
             mine = self._share(shares[0], ids, stores, positions)
         finally:
             done = [f.result() for f in others]  # every share finished before the step returns
-        return [row for got in [mine, *done] for row in got]
+        return torch.cat([mine, *done]) if done else mine
 
     @torch.no_grad()  # grad mode is per thread: a worker's too
-    def _share(
-        self, share: slice, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]
-    ) -> list[Tensor]:
+    def _share(self, share: slice, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]) -> Tensor:
         """The logits of the requests of `share`, computed on this thread in one forward over a
         stack of whole STACK_ROWS (tiles.py)."""
         rows = tiles.stack_rows(share.stop - share.start)
-        return list(self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True))
+        return self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True)
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._tile_workers is None:
@@ -501,9 +502,10 @@ class PagedDecodeSession:
         logits = self._engine.model.forward_chunks([fed], invariant=self._engine.batch_invariant)[0].logits
         return self._advance(logits, len(self._pending))
 
-    def _advance(self, logits: Tensor, fed: int) -> int:
+    def _advance(self, logits: Tensor, fed: int, drawn: int | None = None) -> int:
+        """Take the token drawn from `logits` (`drawn`: already drawn, by `argmax_rows`)."""
         self._pos += fed
-        token = sample(logits, self._sampling, self._index)
+        token = sample(logits, self._sampling, self._index) if drawn is None else drawn
         self._index += 1
         self._pending = [token]
         self.last_logits = logits

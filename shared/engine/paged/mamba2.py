@@ -137,8 +137,14 @@ class Mamba2:
         if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
             dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
         decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
-        dbx = (dt[:n, :, None] * b[:n])[:, :, None, :] * x[:n, :, :, None]  # [n, H, P, N]
-        new_ssm = ssm.mul_(decay).add_(dbx)  # `ssm` is this step's own copy of the blocks' state
+        # state * decay + (dt * B) x, in place in this step's own copy of the blocks' state. In
+        # fp32 the product [n, H, P, N] is not materialised; in 16-bit it is rounded to the
+        # compute dtype before the add, as transformers does.
+        dtb, new_ssm = (dt[:n, :, None] * b[:n])[:, :, None, :], ssm.mul_(decay)
+        if dtype == torch.float32:
+            new_ssm.addcmul_(dtb, x[:n, :, :, None])
+        else:
+            new_ssm.add_(dtb * x[:n, :, :, None])
         y = torch.zeros_like(x)
         y[:n] = (new_ssm.to(dtype) * c[:n, :, None, :]).sum(-1) + x[:n] * self.D[:, None]
         return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), window[:, :, 1:], new_ssm
