@@ -332,8 +332,8 @@ class PagedEngine:
     @torch.no_grad()  # grad mode is per thread: a worker's too
     def _share(self, share: slice, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]) -> Tensor:
         """The logits of the requests of `share`, computed on this thread in one forward over a
-        stack of whole STACK_ROWS (tiles.py)."""
-        rows = tiles.stack_rows(share.stop - share.start)
+        stack of whole rows (tiles.stack_rows)."""
+        rows = tiles.stack_rows(share.stop - share.start, self.model.dtype)
         return self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True)
 
     def _workers(self) -> ThreadPoolExecutor:

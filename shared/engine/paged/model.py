@@ -141,8 +141,8 @@ class Model:
 
         The chunks' rows are stacked; every row-wise op (norms, projections, MLPs, experts) runs
         once over the stack, attention and the SSM scans per chunk on the chunk's own rows. With
-        `invariant`, each chunk starts on a whole tile and the stack is padded to a multiple of
-        STACK_ROWS rows, so the GEMMs (tiles.linear) see only whole tiles and every row-wise
+        `invariant`, each chunk starts on a whole tile and the stack is padded to whole stacks
+        (tiles.stack_rows), so the GEMMs (tiles.linear) see only whole tiles and every row-wise
         kernel runs each element through its vector loop: a chunk's bits do not depend on the
         other chunks (nor on whether it has any). Without it the chunks are packed and each GEMM
         is one call (the negative control)."""
@@ -155,7 +155,7 @@ class Model:
                 raise ValueError("forward_chunks: a chunk has no tokens")
             starts.append(rows)
             rows += tile_rows(len(c.ids)) if invariant else len(c.ids)
-        total = stack_rows(rows) if invariant else rows
+        total = stack_rows(rows, self.dtype) if invariant else rows
         token_ids = torch.zeros(total, dtype=torch.long, device=self.device)
         positions = torch.zeros(total, dtype=torch.long, device=self.device)
         spans: list[slice] = []
@@ -168,7 +168,7 @@ class Model:
             h, states = self._forward_stack(token_ids, positions, chunks, spans, invariant)
         last = torch.tensor([s.stop - 1 for s in spans], dtype=torch.long, device=self.device)
         if invariant:  # the last rows again as a stack of their own, padding after them
-            ends_rows = stack_rows(len(chunks))
+            ends_rows = stack_rows(len(chunks), self.dtype)
             with padding_after(len(chunks), ends_rows):
                 logits = self._logits(pad_rows(h[last], ends_rows), invariant=True)
         else:
@@ -282,8 +282,8 @@ class Model:
         on `rows` rows (the requests, then zero padding): logits `[len(ids), vocab]`.
 
         Every op but attention runs on the whole `[rows, ...]` tensors; attention runs per
-        request on its own K/V. With `invariant` and `rows` a multiple of STACK_ROWS, a
-        request's bits cannot depend on the other rows (tiles.py)."""
+        request on its own K/V. With `invariant` and `rows` whole stacks (tiles.stack_rows), a
+        request's bits cannot depend on the other rows."""
         with padding_after(len(ids), rows):
             return self._step_stack(ids, stores, positions, rows, invariant)
 

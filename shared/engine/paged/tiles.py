@@ -1,5 +1,5 @@
 """The row shapes that make a forward batch-invariant: every matmul over tokens goes through
-`linear`, and every invariant forward stacks its rows to a multiple of `STACK_ROWS`.
+`linear`, and every invariant forward pads its rows to whole stacks (`stack_rows`).
 
 GEMMs. torch's CPU GEMM picks its kernel (and with it the summation order) by the number of
 rows: a row's bits at M = 1 differ from the same row's at M = 2 or 64. For one fixed call shape,
@@ -12,10 +12,11 @@ and the negative control).
 Row-wise kernels. An elementwise kernel runs a contiguous tensor through its vector loop two
 vectors at a time and the remainder through a scalar loop, and the two round some functions
 differently (fp32 sigmoid, SiLU, softplus): an element's bits then depend on the tensor's
-length. A stack of a multiple of `STACK_ROWS` rows has, in every tensor of any width, a length
-that is a whole number of those steps, so every element takes the vector loop, whatever the
-batch. Padding rows are zero and come after the real ones; `padding_after` tells `linear` where
-they start so that its calls skip the tiles that hold only padding.
+length. A stack's rows (`stack_rows`) are a multiple of `STEP_BYTES` over the model's element
+size, so every tensor of any width has a length that is a whole number of those steps and every
+element takes the vector loop, whatever the batch. Padding rows are zero and come after the real
+ones; `padding_after` tells `linear` where they start so that its calls skip the tiles that
+hold only padding.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from shared.engine.paged.call_sizes import largest_exact_call
 
 # Rows per GEMM tile in invariant mode; a chunk of a prefill stack starts on a whole tile.
 TILE_ROWS = 16
-# An invariant forward's rows are a multiple of this: 64 fp32 (or 128 16-bit) values per row of
-# width one, two steps of the widest vector loop (AVX-512: 16 fp32 or 32 bf16 lanes a vector).
-STACK_ROWS = 64
+# Bytes of one step of the widest vector loop: two AVX-512 vectors. A stack of a column of a
+# 4-byte dtype holds 32 rows, of a 2-byte dtype 64 (an fp32 tensor of a bf16 model: two steps).
+STEP_BYTES = 128
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -46,9 +47,11 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad], dim=0)
 
 
-def stack_rows(rows: int) -> int:
-    """The rows of an invariant forward over `rows` real ones: the next multiple of STACK_ROWS."""
-    return -(-rows // STACK_ROWS) * STACK_ROWS
+def stack_rows(rows: int, dtype: torch.dtype) -> int:
+    """The rows of an invariant forward over `rows` real ones in a model of `dtype`: whole
+    tiles, and whole vector steps in every column of that dtype (and of any wider one)."""
+    unit = max(TILE_ROWS, STEP_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-rows // unit) * unit
 
 
 def tile_rows(rows: int) -> int:

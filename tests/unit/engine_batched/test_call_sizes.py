@@ -67,7 +67,7 @@ def test_padding_tiles_are_skipped_and_real_rows_unchanged() -> None:
     torch.manual_seed(3)
     weight, bias = torch.randn(128, 256), torch.randn(128)
     real = 20
-    stack = torch.cat([torch.randn(real, 256), torch.zeros(stack_rows(real) - real, 256)])
+    stack = torch.cat([torch.randn(real, 256), torch.zeros(stack_rows(real, torch.float32) - real, 256)])
     whole = linear(stack, weight, bias, invariant=True)
     with padding_after(real, stack.shape[0]):
         skipped = linear(stack, weight, bias, invariant=True)

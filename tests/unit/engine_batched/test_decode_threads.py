@@ -80,5 +80,7 @@ def test_a_step_is_one_forward_per_thread_share(
 
     monkeypatch.setattr(engine.model, "forward_step", counted)
     _run(engine)
-    assert sorted(forwards[: len(shares)], reverse=True) == sorted(((n, stack_rows(n)) for n in shares), reverse=True)
+    assert sorted(forwards[: len(shares)], reverse=True) == sorted(
+        ((n, stack_rows(n, torch.float32)) for n in shares), reverse=True
+    )
     assert len(forwards) == STEPS * len(shares)
