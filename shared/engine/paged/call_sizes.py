@@ -22,8 +22,10 @@ from torch import Tensor
 
 # Rows of the largest call checked: a decode step of that many requests is one call per weight,
 # a prefill step's rows go in calls of this size. The check runs every multiple of the tile up
-# to it once per weight shape: with 16-row tiles, 2,176 rows of GEMM.
+# to it once per weight shape, and stops short where it would pass CHECK_FLOPS of GEMM (a large
+# weight then keeps smaller calls, which its size already makes efficient).
 MAX_CALL_ROWS = 256
+CHECK_FLOPS = 2e10
 
 _PROBE_SEED = 20261206
 _lock = threading.Lock()
@@ -51,10 +53,23 @@ def largest_exact_call(weight: Tensor, bias: Tensor | None, tile: int) -> int:
     key = _key(weight, bias, tile)
     found = _checked.get(key)
     if found is None:
-        found = agreeing_rows(weight, bias, tile, range(tile, max(tile, MAX_CALL_ROWS) + 1, tile))
+        found = agreeing_rows(weight, bias, tile, checked_sizes(weight, tile))
         with _lock:
             _checked[key] = found
     return found
+
+
+def checked_sizes(weight: Tensor, tile: int) -> list[int]:
+    """The call sizes to check for `weight`: multiples of `tile` up to MAX_CALL_ROWS, as many
+    as CHECK_FLOPS of GEMM allow (the rows of every size, and their tiles, are computed once)."""
+    per_row = 2 * weight.shape[0] * weight.shape[1]
+    sizes, spent = [tile], 2 * tile * per_row
+    for size in range(2 * tile, MAX_CALL_ROWS + 1, tile):
+        spent += size * per_row
+        if spent > CHECK_FLOPS:
+            break
+        sizes.append(size)
+    return sizes
 
 
 Gemm = Callable[[Tensor, Tensor, Tensor | None], Tensor]

@@ -94,3 +94,13 @@ def test_the_check_runs_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(checks) == 1
     call_sizes.largest_exact_call(torch.randn(32, 128), None, TILE_ROWS)
     assert len(checks) == 2
+
+
+def test_the_check_of_a_large_weight_stays_within_its_budget() -> None:
+    small = call_sizes.checked_sizes(torch.empty(648, 256, device="meta"), TILE_ROWS)
+    assert small == list(range(TILE_ROWS, call_sizes.MAX_CALL_ROWS + 1, TILE_ROWS))
+    large = torch.empty(151936, 4096, device="meta")  # a real vocabulary's head
+    sizes = call_sizes.checked_sizes(large, TILE_ROWS)
+    assert sizes[0] == TILE_ROWS and sizes == list(range(TILE_ROWS, sizes[-1] + 1, TILE_ROWS))
+    flops = 2 * large.shape[0] * large.shape[1] * (TILE_ROWS + sum(sizes))
+    assert len(sizes) == 1 or flops <= call_sizes.CHECK_FLOPS
