@@ -46,7 +46,8 @@ PIPELINE_SETUPS = ("disaggregated", "unpipelined", "colocated")  # with prefill_
 @dataclass(frozen=True)
 class SetupConfig:
     """What every setup of one run shares: the model and its engine, the TP sizes, the attention
-    kernel block size, prefill's chunks (pipelined transfer) and the boundary."""
+    kernel block size, prefill's chunks (pipelined transfer), the boundary and the services'
+    compute threads."""
 
     model: str
     engine: str
@@ -57,6 +58,10 @@ class SetupConfig:
     manifest_part_tokens: int = 0  # prefill's --manifest-part-tokens (0: a part per chunk)
     layer_parts: int = 0  # prefill's --layer-parts (0: the last chunk in one part)
     boundary: str = ""  # "": the engine's default (full for hf and paged, n-1 for the others)
+    # The services' --prefill-threads / --decode-threads (0: not passed, the service's default);
+    # the colocated baseline keeps its one compute thread.
+    prefill_threads: int = 0
+    decode_threads: int = 0
 
     @property
     def resolved_boundary(self) -> str:
@@ -181,14 +186,17 @@ async def start_setups(
     common = ["--model", model, "--engine", engine, "--kernel-block-size", str(kernel_block_size)]
     common += ["--boundary", setup.resolved_boundary]
     quiet = ["--log-level", "WARNING"]
+    prefill_threads = ["--prefill-threads", str(setup.prefill_threads)] if setup.prefill_threads else []
+    decode_threads = ["--decode-threads", str(setup.decode_threads)] if setup.decode_threads else []
     chunks = ["--prefill-chunk-tokens", str(prefill_chunk_tokens)] if prefill_chunk_tokens else []
     parts = (
         ["--manifest-part-tokens", str(setup.manifest_part_tokens)] if prefill_chunk_tokens and setup.manifest_part_tokens else []
     )
     parts += ["--layer-parts", str(setup.layer_parts)] if prefill_chunk_tokens and setup.layer_parts else []
     # The comparison decode (manifest parts off) runs without reuse, as the main one unless asked for.
-    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--prefix-cache-blocks", "0", *quiet]
-    cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *quiet]
+    decode_args = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), "--prefix-cache-blocks", "0"]
+    decode_args += [*decode_threads, *quiet]
+    cached = [*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks + prefix_cache_blocks), *decode_threads, *quiet]
     pair = await start_pair(
         [
             *common,
@@ -203,6 +211,7 @@ async def start_setups(
             f"{name}-prefill",
             *chunks,
             *parts,
+            *prefill_threads,
             *quiet,
         ],
         # State checkpoints only on the `states` decode below: this one measures what is READ.
@@ -250,6 +259,7 @@ async def start_setups(
                 ],
             )
             await wait_serving(parts_off.address, DECODE_SERVICE)
+        # No thread flags: the baseline is one process on one compute thread, the interference measured.
         colocated = Colocated([*common, "--tp", str(decode_tp), "--num-blocks", str(d_blocks), *chunks])
         yield Running(pair, colocated, parts_off, states)
     finally:

@@ -93,7 +93,8 @@ def layout_for(settings: ServiceSettings) -> EngineLayout:
 
 def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
     """(log level, line) saying which engine serves and why; a synthetic engine nobody asked for
-    is a WARNING: its tokens are byte patterns, not a model's. --batch-invariant off is said too."""
+    is a WARNING: its tokens are byte patterns, not a model's. --batch-invariant off is said too,
+    and the paged engine's compute threads for the role."""
     why = " (chosen by --model; --engine overrides)" if settings.engine_from_model else ""
     level = logging.INFO
     if settings.engine == "synthetic":
@@ -106,7 +107,17 @@ def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
         text = f"engine reference{why}: the tiny seeded model {model_name}"
     else:
         text = f"engine {settings.engine}{why}: checkpoint {settings.model}"
-    return level, text + _invariance(settings)
+    return level, text + _invariance(settings) + _threads(settings)
+
+
+def _threads(settings: ServiceSettings) -> str:
+    """The paged engine's threads for this service's steps (each role takes only its own flag; the
+    other engines compute on one thread, so nothing is said)."""
+    if settings.engine != "paged":
+        return ""
+    if settings.role == "decode":
+        return f"; decode threads {settings.decode_threads}"
+    return f"; prefill threads {settings.prefill_threads}"
 
 
 def _invariance(settings: ServiceSettings) -> str:

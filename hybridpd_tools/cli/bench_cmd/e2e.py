@@ -15,25 +15,26 @@ if TYPE_CHECKING:
 
 E2E_FLAGS = (
     "workload", "model", "engine", "concurrency", "prompt-tokens", "max-tokens", "requests-per-level", "warmup",
-    "interleave", "prefill-tp", "decode-tp", "boundary", "crossover-model",
+    "interleave", "prefill-tp", "decode-tp", "boundary", "crossover-model", "prefill-threads", "decode-threads",
 )  # fmt: skip
 
 
 LONG_PROMPT_FLAGS = (
     "workload", "model", "engine", "prompt-lengths", "requests-per-length", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens", "manifest-part-tokens", "layer-parts", "boundary",
+    "prefill-chunk-tokens", "manifest-part-tokens", "layer-parts", "boundary", "prefill-threads", "decode-threads",
 )  # fmt: skip
 
 
 MULTI_TURN_FLAGS = (
     "workload", "model", "engine", "turns", "conversations", "first-turn-tokens", "turn-tokens", "max-tokens", "warmup",
-    "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens", "manifest-part-tokens",
+    "prefill-tp", "decode-tp", "prefix-cache-blocks", "prefill-chunk-tokens", "manifest-part-tokens", "prefill-threads",
+    "decode-threads",
 )  # fmt: skip
 
 
 REPEAT_FLAGS = (
     "workload", "model", "engine", "prompts", "repeats", "prompt-tokens", "max-tokens", "warmup", "prefill-tp", "decode-tp",
-    "prefill-chunk-tokens", "manifest-part-tokens", "boundary",
+    "prefill-chunk-tokens", "manifest-part-tokens", "boundary", "prefill-threads", "decode-threads",
 )  # fmt: skip
 
 
@@ -69,6 +70,9 @@ def _setup_config(args: argparse.Namespace, flags: Sequence[str]) -> SetupConfig
         manifest_part_tokens=args.manifest_part_tokens if "manifest-part-tokens" in flags else 0,
         layer_parts=args.layer_parts if "layer-parts" in flags else 0,
         boundary=(args.boundary or "") if "boundary" in flags else "",
+        # None (not given): 0, the flag is not passed and the service's default applies.
+        prefill_threads=(args.prefill_threads or 0) if "prefill-threads" in flags else 0,
+        decode_threads=(args.decode_threads or 0) if "decode-threads" in flags else 0,
     )
 
 

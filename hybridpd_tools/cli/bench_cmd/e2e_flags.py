@@ -82,6 +82,7 @@ def add_parser(sub: Any) -> None:
         metavar="N",
     )
     tp_flags(e)
+    _add_thread_flags(e)
     add(
         e,
         "boundary",
@@ -96,6 +97,32 @@ def add_parser(sub: Any) -> None:
     _add_multi_turn_and_repeat_flags(e)
     common(e)
     e.set_defaults(func=guarded(run))
+
+
+def _add_thread_flags(e: argparse.ArgumentParser) -> None:
+    """bench e2e: the services' compute threads (no default here: omitted, the services' own applies)."""
+    # Not passed to the colocated baseline: it stands for one process whose prefills and decode
+    # steps share one compute thread, the interference disaggregation removes.
+    add(
+        e,
+        "prefill-threads",
+        None,
+        "the prefill service's --prefill-threads: threads that compute a batched prefill step (--engine paged); "
+        "omitted: not passed, the service's default applies. The colocated baseline keeps one compute thread, so the "
+        "disaggregated/colocated ratios include the threads' gain",
+        type=positive,
+        metavar="N",
+    )
+    add(
+        e,
+        "decode-threads",
+        None,
+        "the decode services' --decode-threads: threads that compute a decode step (--engine paged); omitted: not "
+        "passed, the service's default applies. The colocated baseline keeps one compute thread, so the "
+        "disaggregated/colocated ratios include the threads' gain",
+        type=positive,
+        metavar="N",
+    )
 
 
 def _add_long_prompt_flags(e: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prefill_svc.http_api import advertised_address
-from shared.config import FLAGS, build_parser, parse_settings
+from shared.config import FLAGS, Role, build_parser, parse_settings
 
 
 def test_defaults() -> None:
@@ -222,7 +222,28 @@ def test_start_up_says_which_engine_and_warns_of_a_default_synthetic_one() -> No
     level, line = engine_line(parse_settings("prefill", [], environ={}), "tiny-mamba2")
     assert level == logging.INFO and line.startswith("engine reference (chosen by --model")
     level, line = engine_line(parse_settings("prefill", ["--engine", "paged", "--model", "ckpt"], environ={}), "ckpt")
-    assert level == logging.INFO and line == "engine paged: checkpoint ckpt"
+    assert level == logging.INFO and line == "engine paged: checkpoint ckpt; prefill threads 1"
+
+
+@pytest.mark.parametrize(
+    ("role", "argv", "said"),
+    [
+        ("prefill", ["--prefill-threads", "3"], "; prefill threads 3"),
+        ("decode", ["--decode-threads", "2"], "; decode threads 2"),
+        ("decode", [], "; decode threads 1"),
+    ],
+)
+def test_start_up_line_says_the_paged_engines_threads_of_its_role(role: Role, argv: list[str], said: str) -> None:
+    from shared.runtime.engine_host import engine_line
+
+    _, line = engine_line(parse_settings(role, ["--engine", "paged", "--model", "ckpt", *argv], environ={}), "ckpt")
+    assert line == "engine paged: checkpoint ckpt" + said  # only its own role's count
+    off = parse_settings(role, ["--engine", "paged", "--model", "ckpt", "--batch-invariant", "off", *argv], environ={})
+    _, line = engine_line(off, "ckpt")
+    assert line.startswith("engine paged: checkpoint ckpt; batch invariance off:") and line.endswith(said)
+    # Engines that compute on one thread say nothing of threads.
+    _, line = engine_line(parse_settings(role, ["--engine", "hf", "--model", "ckpt"], environ={}), "ckpt")
+    assert "threads" not in line
 
 
 def test_the_boundary_defaults_to_full_for_hf_and_is_refused_where_the_engine_cannot(
