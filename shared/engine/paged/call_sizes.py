@@ -1,20 +1,22 @@
-"""How many rows one invariant GEMM call may take for a weight: the largest size proven to give
-every row exactly its bits in a call of TILE_ROWS rows.
+"""Which row counts one invariant GEMM call may take for a weight: those proven to give every
+row exactly its bits in a call of TILE_ROWS rows.
 
-A call of TILE_ROWS rows is batch-invariant by construction (tiles.py). Fewer, larger calls are
-faster (one 64-row call costs much less than four 16-row ones, and reads the weight once), but
-whether a row's bits depend on the call's row count is up to the GEMM library: it picks its
-kernel, and with it each sum's order, by shape. So a weight's calls grow past TILE_ROWS only
-after `largest_exact_call` has shown, on this machine, library, dtype and thread count, that
-every multiple of TILE_ROWS up to the size gives every row the bits of its 16-row tile. GEMM
-kernels do not branch on values, so the same bits on random rows mean the same order of sums
-for any rows. A library that fails the check keeps 16-row calls: slower, never inexact.
+A call of TILE_ROWS rows is batch-invariant by construction (tiles.py). Other calls are faster:
+fewer, larger ones (one 64-row call costs much less than four 16-row ones, and reads the weight
+once), and for a few requests, a call of a few rows. But whether a row's bits depend on the
+call's row count is up to the GEMM library: it picks its kernel, and with it each sum's order,
+by shape. So a weight's calls take another row count only after `exact_calls` has shown, on
+this machine, library, dtype and thread count, that it gives every row the bits of its tile
+(for the larger calls, every multiple of the tile up to the size). GEMM kernels do not branch
+on values, so the same bits on random rows mean the same order of sums for any rows. A library
+that fails the check keeps tile-sized calls: slower, never inexact.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +29,31 @@ from torch import Tensor
 MAX_CALL_ROWS = 256
 CHECK_FLOPS = 2e10
 
+# Rows of the calls shorter than a tile that are checked too: a step of few requests then
+# computes a few rows, not a whole tile (one row is not among them: a GEMV rounds otherwise).
+SHORT_CALL_ROWS = 4
+
 _PROBE_SEED = 20261206
 _lock = threading.Lock()
-_checked: dict[tuple[object, ...], int] = {}
+_checked: dict[tuple[object, ...], CallSizes] = {}
+
+
+@dataclass(frozen=True)
+class CallSizes:
+    """The calls of `F.linear` for one weight that give every row its bits in a tile's call:
+    `short`, calls of fewer rows than a tile (ascending), and every multiple of the tile up to
+    `largest` rows."""
+
+    short: tuple[int, ...]
+    largest: int
+
+    def rows_for(self, rows: int, tile: int) -> int:
+        """The rows to compute for `rows` real ones (zero rows after them): the shortest checked
+        call that holds them, else whole tiles."""
+        for size in self.short:
+            if rows <= size:
+                return size
+        return -(-rows // tile) * tile
 
 
 def _key(weight: Tensor, bias: Tensor | None, tile: int) -> tuple[object, ...]:
@@ -45,15 +69,18 @@ def _key(weight: Tensor, bias: Tensor | None, tile: int) -> tuple[object, ...]:
     )
 
 
-def largest_exact_call(weight: Tensor, bias: Tensor | None, tile: int) -> int:
-    """Rows per call (a multiple of `tile`, at most MAX_CALL_ROWS) with which `F.linear(x,
-    weight, bias)` gives each row of `x` the bits of the same row in a `tile`-row call, for
-    every multiple of `tile` up to it. Checked once per shape, dtype, alignment and thread
-    count, then remembered."""
+def exact_calls(weight: Tensor, bias: Tensor | None, tile: int) -> CallSizes:
+    """The calls (at most MAX_CALL_ROWS rows) with which `F.linear(x, weight, bias)` gives each
+    row of `x` the bits of the same row in a `tile`-row call. Checked once per shape, dtype,
+    alignment and thread count, then remembered."""
     key = _key(weight, bias, tile)
     found = _checked.get(key)
     if found is None:
-        found = agreeing_rows(weight, bias, tile, checked_sizes(weight, tile))
+        short = range(SHORT_CALL_ROWS, tile, SHORT_CALL_ROWS)
+        found = CallSizes(
+            tuple(size for size in short if agreeing_rows(weight, bias, tile, [size]) == size),
+            agreeing_rows(weight, bias, tile, checked_sizes(weight, tile)),
+        )
         with _lock:
             _checked[key] = found
     return found
@@ -77,7 +104,8 @@ Gemm = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> int:
     """The largest of `sizes` (ascending) up to which every size's call of `gemm` gives each
-    row the bits of its `tile`-row call; `tile` when the first size already differs."""
+    row the bits of its `tile`-row call; `tile` when the first size already differs (a size
+    below `tile` is checked on its first rows alone)."""
     generator = torch.Generator().manual_seed(_PROBE_SEED)
     total = -(-max(sizes) // tile) * tile
     rows = torch.randn((total, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
@@ -86,7 +114,7 @@ def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequenc
     for size in sizes:
         if not torch.equal(gemm(rows[:size], weight, bias), tiled[:size]):
             break
-        agreed = max(agreed, size)
+        agreed = size if size < tile else max(agreed, size)
     return agreed
 
 

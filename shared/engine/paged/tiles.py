@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shared.engine.paged.call_sizes import largest_exact_call
+from shared.engine.paged.call_sizes import exact_calls
 
 # Rows per GEMM tile in invariant mode; a chunk of a prefill stack starts on a whole tile.
 TILE_ROWS = 16
@@ -62,7 +62,7 @@ def tile_rows(rows: int) -> int:
 @dataclass(frozen=True)
 class _Padding:
     total: int  # rows of the stack
-    live: int  # rows before the first tile of only padding
+    real: int  # rows before the padding
 
 
 _padding: ContextVar[_Padding | None] = ContextVar("stack_padding", default=None)
@@ -71,9 +71,10 @@ _padding: ContextVar[_Padding | None] = ContextVar("stack_padding", default=None
 @contextmanager
 def padding_after(rows: int, total: int) -> Iterator[None]:
     """Within it, a tensor of `total` rows is a stack whose rows from `rows` on are padding, in
-    order (a row-wise op keeps them so, and so does a gather of rows in order): `linear` skips
-    its tiles of padding only and gives zeros there. Set per thread (a context variable)."""
-    token = _padding.set(_Padding(total, tile_rows(rows)))
+    order (a row-wise op keeps them so, and so does a gather of rows in order): `linear`
+    computes only the calls its real rows need and gives zeros after them. Set per thread (a
+    context variable)."""
+    token = _padding.set(_Padding(total, rows))
     try:
         yield
     finally:
@@ -81,20 +82,23 @@ def padding_after(rows: int, total: int) -> Iterator[None]:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, invariant: bool = False) -> Tensor:
-    """`x @ weight.T + bias` over the rows of `x` ([rows, in]); with `invariant`, on whole tiles
-    of TILE_ROWS rows, in calls of as many tiles as give each row its own tile's bits, so each
-    row's bits are independent of how many rows there are."""
+    """`x @ weight.T + bias` over the rows of `x` ([rows, in]); with `invariant`, in calls that
+    give each row its bits in a call of TILE_ROWS rows (call_sizes.py): whole tiles, as many in
+    one call as checked, or fewer rows than a tile where checked, so each row's bits are
+    independent of how many rows there are."""
     if not invariant:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     padding = _padding.get()
-    live = padding.live if padding is not None and padding.total == rows else tile_rows(rows)
-    padded = pad_rows(x[:live], live).contiguous()
-    step = largest_exact_call(weight, bias, TILE_ROWS)
-    if live <= step:
+    real = padding.real if padding is not None and padding.total == rows else rows
+    calls = exact_calls(weight, bias, TILE_ROWS)
+    computed = calls.rows_for(real, TILE_ROWS)
+    padded = pad_rows(x[:real], computed).contiguous()
+    step = calls.largest
+    if computed <= step:
         out = F.linear(padded, weight, bias)
     else:
-        out = torch.cat([F.linear(padded[i : i + step], weight, bias) for i in range(0, live, step)])
+        out = torch.cat([F.linear(padded[i : i + step], weight, bias) for i in range(0, computed, step)])
     if out.shape[0] > rows:
         return out[:rows]
     return pad_rows(out, rows)

@@ -32,7 +32,8 @@ def test_every_row_count_gives_each_row_its_tile_bits(
     x = torch.randn(300, in_features).to(dtype)
     for rows in (1, 2, 3, 15, 16, 17, 33, 64, 100, 255, 256, 257, 300):
         assert torch.equal(linear(x[:rows], weight, bias, invariant=True), _tiled(x[:rows], weight, bias)), rows
-    assert call_sizes.largest_exact_call(weight, bias, TILE_ROWS) % TILE_ROWS == 0
+    calls = call_sizes.exact_calls(weight, bias, TILE_ROWS)
+    assert calls.largest % TILE_ROWS == 0 and all(size < TILE_ROWS for size in calls.short)
 
 
 def test_the_check_refuses_a_gemm_whose_rounding_follows_its_row_count() -> None:
@@ -50,6 +51,24 @@ def test_the_check_refuses_a_gemm_whose_rounding_follows_its_row_count() -> None
     sizes = range(TILE_ROWS, 129, TILE_ROWS)
     assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, sizes, gemm=switching) == 32
     assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, sizes) == 128
+
+
+def test_short_calls_are_used_only_where_checked() -> None:
+    """A call of fewer rows than a tile computes a few requests' rows only where the check found
+    it gives the tile's bits; the named fake below rounds every call under a tile otherwise."""
+
+    def short_differs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if x.shape[0] >= TILE_ROWS:
+            return F.linear(x, weight, bias)
+        return F.linear(x.double(), weight.double(), None).to(x.dtype)
+
+    torch.manual_seed(4)
+    weight = torch.randn(96, 256)
+    assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, [4], gemm=short_differs) == TILE_ROWS
+    assert call_sizes.CallSizes((), TILE_ROWS).rows_for(3, TILE_ROWS) == TILE_ROWS
+    assert call_sizes.CallSizes((4, 8), 64).rows_for(3, TILE_ROWS) == 4
+    assert call_sizes.CallSizes((4, 8), 64).rows_for(9, TILE_ROWS) == TILE_ROWS
+    assert call_sizes.CallSizes((4, 8), 64).rows_for(40, TILE_ROWS) == 48
 
 
 def test_one_row_calls_round_otherwise_here() -> None:
@@ -89,11 +108,12 @@ def test_the_check_runs_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(call_sizes, "agreeing_rows", counted)
     weight = torch.randn(64, 128)
-    call_sizes.largest_exact_call(weight, None, TILE_ROWS)
-    call_sizes.largest_exact_call(weight, None, TILE_ROWS)
-    assert len(checks) == 1
-    call_sizes.largest_exact_call(torch.randn(32, 128), None, TILE_ROWS)
-    assert len(checks) == 2
+    call_sizes.exact_calls(weight, None, TILE_ROWS)
+    after_first = len(checks)  # the short calls' checks and the larger calls' check
+    call_sizes.exact_calls(weight, None, TILE_ROWS)
+    assert len(checks) == after_first
+    call_sizes.exact_calls(torch.randn(32, 128), None, TILE_ROWS)
+    assert len(checks) == 2 * after_first
 
 
 def test_the_check_of_a_large_weight_stays_within_its_budget() -> None:
