@@ -27,7 +27,7 @@ from torch import Tensor
 # to it once per weight shape, and stops short where it would pass CHECK_FLOPS of GEMM (a large
 # weight then keeps smaller calls, which its size already makes efficient).
 MAX_CALL_ROWS = 256
-CHECK_FLOPS = 2e10
+CHECK_FLOPS = 5e9  # about 50 ms of fp32 GEMM on one CPU core
 
 # Rows of the calls shorter than a tile that are checked too: a step of few requests then
 # computes a few rows, not a whole tile (one row is not among them: a GEMV rounds otherwise).
@@ -76,21 +76,20 @@ def exact_calls(weight: Tensor, bias: Tensor | None, tile: int) -> CallSizes:
     key = _key(weight, bias, tile)
     found = _checked.get(key)
     if found is None:
-        short = range(SHORT_CALL_ROWS, tile, SHORT_CALL_ROWS)
-        found = CallSizes(
-            tuple(size for size in short if agreeing_rows(weight, bias, tile, [size]) == size),
-            agreeing_rows(weight, bias, tile, checked_sizes(weight, tile)),
-        )
+        short = list(range(SHORT_CALL_ROWS, tile, SHORT_CALL_ROWS))
+        larger = checked_sizes(weight, tile)
+        agree = agreements(weight, bias, tile, short + larger)
+        found = CallSizes(tuple(size for size, ok in zip(short, agree) if ok), _prefix(larger, agree[len(short) :], tile))
         with _lock:
             _checked[key] = found
     return found
 
 
 def checked_sizes(weight: Tensor, tile: int) -> list[int]:
-    """The call sizes to check for `weight`: multiples of `tile` up to MAX_CALL_ROWS, as many
-    as CHECK_FLOPS of GEMM allow (the rows of every size, and their tiles, are computed once)."""
+    """The multiples of `tile` to check for `weight`, up to MAX_CALL_ROWS, as many as
+    CHECK_FLOPS of GEMM allow with the check's other calls (its tiles and the short calls)."""
     per_row = 2 * weight.shape[0] * weight.shape[1]
-    sizes, spent = [tile], 2 * tile * per_row
+    sizes, spent = [tile], (2 * tile + sum(range(SHORT_CALL_ROWS, tile, SHORT_CALL_ROWS))) * per_row
     for size in range(2 * tile, MAX_CALL_ROWS + 1, tile):
         spent += size * per_row
         if spent > CHECK_FLOPS:
@@ -102,19 +101,28 @@ def checked_sizes(weight: Tensor, tile: int) -> list[int]:
 Gemm = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
-def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> int:
-    """The largest of `sizes` (ascending) up to which every size's call of `gemm` gives each
-    row the bits of its `tile`-row call; `tile` when the first size already differs (a size
-    below `tile` is checked on its first rows alone)."""
+def agreements(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> list[bool]:
+    """For each of `sizes`: whether a call of `gemm` on that many rows gives each row the bits
+    of the same row in its `tile`-row call (random rows, the same for every size)."""
     generator = torch.Generator().manual_seed(_PROBE_SEED)
     total = -(-max(sizes) // tile) * tile
     rows = torch.randn((total, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
     tiled = torch.cat([gemm(rows[i : i + tile], weight, bias) for i in range(0, total, tile)])
+    return [torch.equal(gemm(rows[:size], weight, bias), tiled[:size]) for size in sizes]
+
+
+def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> int:
+    """The largest of `sizes` (ascending multiples of `tile`) up to which every size agrees
+    (`agreements`); `tile` when the first already differs."""
+    return _prefix(sizes, agreements(weight, bias, tile, sizes, gemm), tile)
+
+
+def _prefix(sizes: Sequence[int], agree: Sequence[bool], tile: int) -> int:
     agreed = tile
-    for size in sizes:
-        if not torch.equal(gemm(rows[:size], weight, bias), tiled[:size]):
+    for size, ok in zip(sizes, agree):
+        if not ok:
             break
-        agreed = size if size < tile else max(agreed, size)
+        agreed = max(agreed, size)
     return agreed
 
 

@@ -64,7 +64,7 @@ def test_short_calls_are_used_only_where_checked() -> None:
 
     torch.manual_seed(4)
     weight = torch.randn(96, 256)
-    assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, [4], gemm=short_differs) == TILE_ROWS
+    assert call_sizes.agreements(weight, None, TILE_ROWS, [4, 8, TILE_ROWS], gemm=short_differs) == [False, False, True]
     assert call_sizes.CallSizes((), TILE_ROWS).rows_for(3, TILE_ROWS) == TILE_ROWS
     assert call_sizes.CallSizes((4, 8), 64).rows_for(3, TILE_ROWS) == 4
     assert call_sizes.CallSizes((4, 8), 64).rows_for(9, TILE_ROWS) == TILE_ROWS
@@ -79,7 +79,7 @@ def test_one_row_calls_round_otherwise_here() -> None:
     x = torch.randn(TILE_ROWS, 256)
     if torch.equal(F.linear(x[:1], weight), F.linear(x, weight)[:1]):
         pytest.skip("this machine's GEMM gives a 1-row call its tile's bits")
-    assert call_sizes.agreeing_rows(weight, None, 1, [1, 2]) == 1
+    assert call_sizes.agreements(weight, None, TILE_ROWS, [1]) == [False]
 
 
 def test_padding_tiles_are_skipped_and_real_rows_unchanged() -> None:
@@ -100,16 +100,16 @@ def test_padding_tiles_are_skipped_and_real_rows_unchanged() -> None:
 def test_the_check_runs_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     call_sizes.forget()
     checks: list[int] = []
-    check = call_sizes.agreeing_rows
+    check = call_sizes.agreements
 
-    def counted(*args: object, **kwargs: object) -> int:
+    def counted(*args: object, **kwargs: object) -> list[bool]:
         checks.append(1)
         return check(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(call_sizes, "agreeing_rows", counted)
+    monkeypatch.setattr(call_sizes, "agreements", counted)
     weight = torch.randn(64, 128)
     call_sizes.exact_calls(weight, None, TILE_ROWS)
-    after_first = len(checks)  # the short calls' checks and the larger calls' check
+    after_first = len(checks)
     call_sizes.exact_calls(weight, None, TILE_ROWS)
     assert len(checks) == after_first
     call_sizes.exact_calls(torch.randn(32, 128), None, TILE_ROWS)
@@ -122,5 +122,5 @@ def test_the_check_of_a_large_weight_stays_within_its_budget() -> None:
     large = torch.empty(151936, 4096, device="meta")  # a real vocabulary's head
     sizes = call_sizes.checked_sizes(large, TILE_ROWS)
     assert sizes[0] == TILE_ROWS and sizes == list(range(TILE_ROWS, sizes[-1] + 1, TILE_ROWS))
-    flops = 2 * large.shape[0] * large.shape[1] * (TILE_ROWS + sum(sizes))
+    flops = 2 * large.shape[0] * large.shape[1] * (TILE_ROWS + sum(sizes) + sum(range(4, TILE_ROWS, 4)))
     assert len(sizes) == 1 or flops <= call_sizes.CHECK_FLOPS
