@@ -74,10 +74,15 @@ def leaves_a_token(params: SamplingParams, vocab_size: int) -> bool:
     return params.min_tokens == 0 or len({t for t in params.stop_token_ids if t < vocab_size}) < vocab_size
 
 
+def masks_stop_ids(params: SamplingParams, index: int) -> bool:
+    """Whether the draw of output index `index` masks the stop ids (below min_tokens)."""
+    return index < params.min_tokens and bool(params.stop_token_ids)
+
+
 def masked(logits: Tensor, params: SamplingParams, index: int) -> Tensor:
     """`logits` [vocab] (fp32, CPU, a copy when changed) with the stop ids at -inf while output
     index `index` is below min_tokens; `logits` itself otherwise."""
-    if index >= params.min_tokens or not params.stop_token_ids:
+    if not masks_stop_ids(params, index):
         return logits
     ids = torch.tensor(sorted(t for t in params.stop_token_ids if t < logits.numel()), dtype=torch.long)
     out = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
@@ -105,7 +110,7 @@ def _generator(seed: int, index: int) -> torch.Generator:
 def draws_argmax(params: SamplingParams, index: int) -> bool:
     """Whether `sample(logits, params, index)` is the argmax of `logits` as they are (greedy,
     nothing masked at this index): rows of many requests can then take one argmax together."""
-    return params.greedy and (index >= params.min_tokens or not params.stop_token_ids)
+    return params.greedy and not masks_stop_ids(params, index)
 
 
 def argmax_rows(logits: Tensor) -> list[int]:

@@ -40,20 +40,21 @@ _checked: dict[tuple[object, ...], CallSizes] = {}
 
 @dataclass(frozen=True)
 class CallSizes:
-    """The calls of `F.linear` for one weight that give every row its bits in a tile's call:
-    `short`, calls of fewer rows than a tile (ascending), and every multiple of the tile up to
-    `largest` rows."""
+    """The calls of `F.linear` for one weight that give every row its bits in a call of `tile`
+    rows: `short`, calls of fewer rows than a tile (ascending), and every multiple of the tile
+    up to `largest` rows."""
 
+    tile: int
     short: tuple[int, ...]
     largest: int
 
-    def rows_for(self, rows: int, tile: int) -> int:
+    def rows_for(self, rows: int) -> int:
         """The rows to compute for `rows` real ones (zero rows after them): the shortest checked
         call that holds them, else whole tiles."""
         for size in self.short:
             if rows <= size:
                 return size
-        return -(-rows // tile) * tile
+        return -(-rows // self.tile) * self.tile
 
 
 def _key(weight: Tensor, bias: Tensor | None, tile: int) -> tuple[object, ...]:
@@ -79,7 +80,9 @@ def exact_calls(weight: Tensor, bias: Tensor | None, tile: int) -> CallSizes:
         short = list(range(SHORT_CALL_ROWS, tile, SHORT_CALL_ROWS))
         larger = checked_sizes(weight, tile)
         agree = agreements(weight, bias, tile, short + larger)
-        found = CallSizes(tuple(size for size, ok in zip(short, agree) if ok), _prefix(larger, agree[len(short) :], tile))
+        found = CallSizes(
+            tile, tuple(size for size, ok in zip(short, agree) if ok), largest_agreeing(larger, agree[len(short) :])
+        )
         with _lock:
             _checked[key] = found
     return found
@@ -111,18 +114,14 @@ def agreements(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[i
     return [torch.equal(gemm(rows[:size], weight, bias), tiled[:size]) for size in sizes]
 
 
-def agreeing_rows(weight: Tensor, bias: Tensor | None, tile: int, sizes: Sequence[int], gemm: Gemm = F.linear) -> int:
-    """The largest of `sizes` (ascending multiples of `tile`) up to which every size agrees
-    (`agreements`); `tile` when the first already differs."""
-    return _prefix(sizes, agreements(weight, bias, tile, sizes, gemm), tile)
-
-
-def _prefix(sizes: Sequence[int], agree: Sequence[bool], tile: int) -> int:
-    agreed = tile
+def largest_agreeing(sizes: Sequence[int], agree: Sequence[bool]) -> int:
+    """The largest of `sizes` (ascending, the first a tile) up to which every size agrees; the
+    first size, a tile, always serves."""
+    agreed = sizes[0]
     for size, ok in zip(sizes, agree):
         if not ok:
             break
-        agreed = max(agreed, size)
+        agreed = size
     return agreed
 
 

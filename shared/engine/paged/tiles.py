@@ -50,7 +50,7 @@ def pad_rows(x: Tensor, rows: int) -> Tensor:
 def stack_rows(rows: int, dtype: torch.dtype) -> int:
     """The rows of an invariant forward over `rows` real ones in a model of `dtype`: whole
     tiles, and whole vector steps in every column of that dtype (and of any wider one)."""
-    unit = max(TILE_ROWS, STEP_BYTES // torch.empty((), dtype=dtype).element_size())
+    unit = max(TILE_ROWS, STEP_BYTES // dtype.itemsize)
     return -(-rows // unit) * unit
 
 
@@ -92,7 +92,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, invariant: 
     padding = _padding.get()
     real = padding.real if padding is not None and padding.total == rows else rows
     calls = exact_calls(weight, bias, TILE_ROWS)
-    computed = calls.rows_for(real, TILE_ROWS)
+    computed = calls.rows_for(real)
     padded = pad_rows(x[:real], computed).contiguous()
     step = calls.largest
     if computed <= step:

@@ -49,8 +49,11 @@ def test_the_check_refuses_a_gemm_whose_rounding_follows_its_row_count() -> None
     torch.manual_seed(1)
     weight = torch.randn(96, 256)
     sizes = range(TILE_ROWS, 129, TILE_ROWS)
-    assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, sizes, gemm=switching) == 32
-    assert call_sizes.agreeing_rows(weight, None, TILE_ROWS, sizes) == 128
+    switched = call_sizes.agreements(weight, None, TILE_ROWS, sizes, gemm=switching)
+    assert switched == [size <= 32 for size in sizes]
+    assert call_sizes.largest_agreeing(sizes, switched) == 32
+    assert call_sizes.largest_agreeing(sizes, call_sizes.agreements(weight, None, TILE_ROWS, sizes)) == 128
+    assert call_sizes.largest_agreeing(sizes, [False] * len(sizes)) == TILE_ROWS  # a tile always serves
 
 
 def test_short_calls_are_used_only_where_checked() -> None:
@@ -65,10 +68,10 @@ def test_short_calls_are_used_only_where_checked() -> None:
     torch.manual_seed(4)
     weight = torch.randn(96, 256)
     assert call_sizes.agreements(weight, None, TILE_ROWS, [4, 8, TILE_ROWS], gemm=short_differs) == [False, False, True]
-    assert call_sizes.CallSizes((), TILE_ROWS).rows_for(3, TILE_ROWS) == TILE_ROWS
-    assert call_sizes.CallSizes((4, 8), 64).rows_for(3, TILE_ROWS) == 4
-    assert call_sizes.CallSizes((4, 8), 64).rows_for(9, TILE_ROWS) == TILE_ROWS
-    assert call_sizes.CallSizes((4, 8), 64).rows_for(40, TILE_ROWS) == 48
+    assert call_sizes.CallSizes(TILE_ROWS, (), TILE_ROWS).rows_for(3) == TILE_ROWS
+    assert call_sizes.CallSizes(TILE_ROWS, (4, 8), 64).rows_for(3) == 4
+    assert call_sizes.CallSizes(TILE_ROWS, (4, 8), 64).rows_for(9) == TILE_ROWS
+    assert call_sizes.CallSizes(TILE_ROWS, (4, 8), 64).rows_for(40) == 48
 
 
 def test_one_row_calls_round_otherwise_here() -> None:
