@@ -373,6 +373,11 @@ class SessionClient:
         self._parted.add(request_id)
         sink(part)
 
+    def has_parts(self, request_id: str) -> bool:
+        """Whether a manifest part of the request arrived here and went to its caller (whose READs
+        of it may be in flight: the caller releases the request, not a cancel)."""
+        return request_id in self._parted
+
     def ended_error(self) -> Unavailable:
         return Unavailable(self.close_reason or f"session to prefill {self.peer_name} is closed", reason="PEER_UNAVAILABLE")
 

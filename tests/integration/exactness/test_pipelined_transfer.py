@@ -29,6 +29,7 @@ from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
+from tests.waiting import until
 
 
 class HoldAfterPart(Injector):
@@ -316,6 +317,11 @@ async def test_a_request_cancelled_between_parts_frees_both_sides(inject_faults:
         inject_faults(HoldAfterPart(hold))
         call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-1"))
         await asyncio.wait_for(held.wait(), 60)
+        # Prefill holds once part 1 is on the stream, not once decode has it: cancel only when
+        # decode has taken the part (before, decode cancels the job, a different path).
+        session = pair.decode.peers.peers[0].session
+        assert session is not None
+        await until(lambda: session.has_parts("gone-1"), "decode to take part 1", timeout=60)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
         await all_freed(pair)
