@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -233,26 +234,33 @@ async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_lay
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("digest_starts_late", [False, True])
 async def test_a_release_while_a_layer_part_is_digested_frees_the_blocks_only_after_the_digest(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, digest_starts_late: bool
 ) -> None:
     """The first layer part's digests are held on the digest thread while the last chunk is
     computed to its end; the client goes away and decode releases the request (it has the token
     parts). The pin ends, but the blocks stay until the digest thread is done with them; then
-    everything is free and the next request is exact."""
+    everything is free and the next request is exact.
+
+    The last chunk waits for the digest thread to hold the first layer part before it ends: the
+    digests are queued through the event loop and may start after the chunk's last layers. The
+    late case makes that order happen (the digest thread starts half a second late)."""
     from prefill_svc.parted_job import PartedJob
 
     in_digest, go_on, computed = threading.Event(), threading.Event(), threading.Event()
     compute_span, digest_span = PartedJob.compute_span, PartedJob.digest_span
 
-    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
-        result = compute_span(self, job, run, blocks, start, *rest)
-        if job.request_id == "gone-L" and in_digest.is_set():
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, span: Any, last: bool, *rest: Any) -> Any:
+        result = compute_span(self, job, run, blocks, start, span, last, *rest)
+        if job.request_id == "gone-L" and last and in_digest.wait(30):
             computed.set()  # the last chunk is done: only the digest thread still reads the blocks
         return result
 
     def spy_digest(self: PartedJob, job: Any, blocks: Any, span: Any, ends: bool, layers: Any = None) -> Any:
         if job.request_id == "gone-L" and layers is not None and layers.start == 0:
+            if digest_starts_late:
+                time.sleep(0.5)
             in_digest.set()
             go_on.wait(30)
         return digest_span(self, job, blocks, span, ends, layers)

@@ -436,23 +436,30 @@ async def test_a_part_is_digested_beside_the_next_chunk_not_before_it(monkeypatc
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("digest_starts_late", [False, True])
 async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_the_digest(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, digest_starts_late: bool
 ) -> None:
     """The client goes away while part 1's digests are held on the digest thread and the compute
     thread is done with the span queued ahead: the pin ends, but the blocks stay until the
-    digests are done with them (freed then, everything ends free); the next request is exact."""
+    digests are done with them (freed then, everything ends free); the next request is exact.
+
+    The span ahead waits for the digest thread to hold part 1 before it ends: both start once
+    part 1 is computed, in either order. The late case makes the span end first without that
+    wait (the digest thread starts half a second late)."""
     import threading
+    import time
 
     from prefill_svc.parted_job import PartedJob
 
     in_digest, go_on, ahead_done = threading.Event(), threading.Event(), threading.Event()
     compute_span, digest_span = PartedJob.compute_span, PartedJob.digest_span
     digested: list[int] = []
+    ahead_from = 64  # blocks of 32: part 1 is [32, 64), the span queued ahead of its digests starts there
 
-    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, *rest: Any) -> Any:
-        result = compute_span(self, job, run, blocks, start, *rest)
-        if job.request_id == "gone-3" and in_digest.is_set():
+    def spy_span(self: PartedJob, job: Any, run: Any, blocks: Any, start: int, span: Any, *rest: Any) -> Any:
+        result = compute_span(self, job, run, blocks, start, span, *rest)
+        if job.request_id == "gone-3" and span.tokens_from == ahead_from and in_digest.wait(30):
             ahead_done.set()  # the span queued ahead of part 1's digests is computed
         return result
 
@@ -460,6 +467,8 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
         if job.request_id == "gone-3":
             digested.append(span.tokens_from)
             if len(digested) == 2:
+                if digest_starts_late:
+                    time.sleep(0.5)
                 in_digest.set()
                 go_on.wait(30)
         return digest_span(self, job, blocks, span, last, layers)
