@@ -304,9 +304,28 @@ async def test_negative_control_a_part_left_unread_changes_the_tokens(monkeypatc
 
 
 @pytest.mark.asyncio
-async def test_a_request_cancelled_between_parts_frees_both_sides(inject_faults: Callable[[Injector], None]) -> None:
+@pytest.mark.parametrize("part_arrives_late", [False, True])
+async def test_a_request_cancelled_between_parts_frees_both_sides(
+    inject_faults: Callable[[Injector], None], monkeypatch: pytest.MonkeyPatch, part_arrives_late: bool
+) -> None:
     """The client goes away while prefill holds after part 1 (already READ): decode releases the
-    request once that part's READs are released, prefill stops the job, and every block is free."""
+    request once that part's READs are released, prefill stops the job, and every block is free.
+
+    The late case makes part 1 reach decode's session half a second after it left prefill: a
+    cancel as soon as prefill holds would then find decode without the part (it cancels the job:
+    the other path) every time."""
+    from decode_svc.session_client import SessionClient
+
+    if part_arrives_late:
+        part_arrived = SessionClient._part_arrived
+
+        def late(self: SessionClient, request_id: str, part: Any) -> None:
+            if request_id != "gone-1":  # the held request's parts only: no later message overtakes them
+                part_arrived(self, request_id, part)
+                return
+            asyncio.get_running_loop().call_later(0.5, part_arrived, self, request_id, part)
+
+        monkeypatch.setattr(SessionClient, "_part_arrived", late)
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         held, release = asyncio.Event(), asyncio.Event()
 
