@@ -169,6 +169,20 @@ class BatchedPrefill(Protocol):
 
 
 @runtime_checkable
+class WarmsUp(Protocol):
+    """An engine that does some work once per weight at its first use (the paged engine checks
+    which GEMM calls keep a row's bits: shared/engine/paged/call_sizes.py) and can do it at load
+    instead, so the first requests' steps do not wait for it."""
+
+    # Tokens of the prompt `warm_up` computes: the caller's scratch blocks must hold one more.
+    warm_up_tokens: int
+
+    def warm_up(self, blocks: RequestBlocks) -> None:
+        """A short prompt and a decode step in `blocks` (scratch: the caller frees them after)."""
+        ...
+
+
+@runtime_checkable
 class ResumablePrefill(Protocol):
     """A chunked prefill that can start at a chunk boundary from a state kept earlier (prefill's
     boundary cache: prefill_svc/boundary_cache.py). A chunk computed from the same tokens after

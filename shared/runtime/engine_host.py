@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -26,7 +28,7 @@ from shared.cache.cache_size import cache_blocks, capacity_line, memory_limit
 from shared.cache.model_views import RankViews
 from shared.cache.regions import RankCache
 from shared.config import ServiceSettings
-from shared.engine.protocol import Engine, RequestBlocks
+from shared.engine.protocol import Engine, RequestBlocks, WarmsUp
 from shared.engine.vocabulary import check_token_ids
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.layout.models import load_model
@@ -240,6 +242,12 @@ class EngineHost:
             message=message,
             verify_transfer=settings.verify_transfer,
         )
+        if isinstance(engine, WarmsUp):
+            try:
+                await host.warm_up(engine)
+            except BaseException:
+                await host.aclose()
+                raise
         sized = "" if settings.num_blocks or settings.memory_budget else " (default size: see --num-blocks in --help)"
         log.info(
             "%s engine %s: model %s, tp %d on %s; %s%s",
@@ -247,6 +255,22 @@ class EngineHost:
             capacity_line(layout, num_blocks, host.max_tokens()), sized,
         )  # fmt: skip
         return host
+
+    async def warm_up(self, engine: WarmsUp) -> None:
+        """The engine's once-per-weight work (WarmsUp) on the compute thread, before the service
+        takes requests, in scratch blocks freed after; skipped (said) if the cache cannot hold them."""
+        key = "engine-warm-up"
+        try:
+            blocks = self.allocate(key, engine.warm_up_tokens + 1)
+        except ResourceExhausted:
+            log.info("engine warm-up skipped: the cache has no room for %d tokens", engine.warm_up_tokens + 1)
+            return
+        began = time.monotonic()
+        try:
+            await self.submit_compute(functools.partial(engine.warm_up, blocks))
+        finally:
+            self.free(key)
+        log.info("engine warmed up in %.2f s (a short prompt and a decode step)", time.monotonic() - began)
 
     # ---- blocks ----
 

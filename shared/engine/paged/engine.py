@@ -213,6 +213,25 @@ class PagedEngine:
         for layer, (conv, ssm) in run._carried.items():
             store.write_ssm(layer, conv, ssm)
 
+    # --- warm-up (WarmsUp) ---------------------------------------------------------------
+    # A short prompt reaches every weight a long one does (but the experts its tokens skip).
+    warm_up_tokens = 4
+
+    @torch.no_grad()
+    def warm_up(self, blocks: RequestBlocks) -> None:
+        """A prompt of `warm_up_tokens` tokens (batched prefill steps) and one decode step in
+        scratch `blocks`: each invariant GEMM's call sizes are checked now (call_sizes.py), at
+        load, not in the first requests' steps. No request's bits change: a check's outcome is
+        fixed per weight and machine, and whoever gets the blocks next writes them anew."""
+        prompt = list(range(self.warm_up_tokens))
+        computed = self.num_prefill_tokens(len(prompt))
+        run = self.start_prefill(prompt, blocks)
+        first = None
+        for end in chunk_ends(0, computed, self.exact_chunk_tokens or 0):
+            (first,) = self.prefill_batch([PrefillChunk(run, end)])
+        session = self.start_decode(prompt, computed, blocks, lambda _tokens: blocks, first_token=first)
+        self.step_batch([session])
+
     @torch.no_grad()
     def prefill_batch(self, chunks: Sequence[PrefillChunk]) -> list[int | None]:
         """The next chunk of each run in one step (BatchedPrefill): one forward, or one per group
