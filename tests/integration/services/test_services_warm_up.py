@@ -1,7 +1,8 @@
 """A paged pair warms its engines up at start (the engine host runs `PagedEngine.warm_up` on
 each service's compute thread before it serves): both services say so, every scratch block is
 free again once they serve, and the first request's prefill and steps check no GEMM call sizes
-(call_sizes.py) of their own; its tokens equal a colocated engine's."""
+(call_sizes.py) of their own; its tokens equal a colocated engine's. A cache too small for the
+warm-up's scratch blocks starts without it, and says so."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from typing import Any
 import pytest
 from torch import Tensor
 
+from prefill_svc.app import PrefillApp
+from shared.config import parse_settings
 from shared.engine.paged import call_sizes
 from shared.runtime.colocated import Colocated
+from shared.runtime.engine_host import engine_factory_for
 from tests.integration.services.hf_services import generate_with, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
@@ -49,3 +53,22 @@ async def test_a_paged_pair_checks_its_gemms_at_start_not_at_the_first_request(
         assert ids == await built.generate("c", PROMPT, 6)
     finally:
         built.close()
+
+
+async def test_a_cache_too_small_for_the_warm_up_starts_without_it(
+    hf_checkpoint: Callable[[str], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One block cannot hold a request of a model with attention and SSM groups: the service
+    says it skips the warm-up and starts (its requests then fail RESOURCE_EXHAUSTED, as before)."""
+    args = ["--engine", "paged", "--model", hf_checkpoint("nemotron_h"), "--num-blocks", "1", "--port", "0"]
+    settings = parse_settings("prefill", [*args, "--host", "127.0.0.1", "--loop", "asyncio"], environ={})
+    with caplog.at_level(logging.INFO, logger="shared.runtime.engine_host"):
+        app = await PrefillApp.start(settings, engine_factory_for("paged", settings))
+        try:
+            used = app.host.allocator.num_used
+        finally:
+            await asyncio.wait_for(app.stop(), 30)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("engine warm-up skipped: the cache has no room") for line in said), said
+    assert not any(line.startswith("engine warmed up") for line in said)
+    assert used == 0
