@@ -22,6 +22,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import EngineFactory, engine_factory_for
 from tests.decode_stream import stream
 from tests.reuse import REUSE_OFF
+from tests.waiting import until
 
 
 @dataclass
@@ -105,9 +106,17 @@ async def all_freed(pair: RunningPair) -> bool:
     return False
 
 
-async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) -> bool:
-    """The client goes away: cancel its call, then wait (polled, a while) until decode's release
-    reached prefill; whether it did, exactly once."""
+def decode_has_parts(pair: RunningPair, request_id: str) -> bool:
+    """Whether a manifest part of the request reached decode's session and went to the request
+    (from then on decode releases it after its READs; before, it cancels the job)."""
+    return any(p.session is not None and p.session.has_parts(request_id) for p in pair.decode.peers.peers)
+
+
+async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any], request_id: str) -> bool:
+    """The client goes away once decode has taken a manifest part of `request_id` (a part leaves
+    prefill before decode has it: waited for, never slept on): cancel its call, then wait
+    (polled, a while) until decode's release reached prefill; whether it did, exactly once."""
+    await until(lambda: decode_has_parts(pair, request_id), f"decode to take a part of {request_id}", timeout=60)
     call.cancel()
     await asyncio.gather(call, return_exceptions=True)
     for _ in range(1000):
@@ -115,6 +124,23 @@ async def cancel_until_released(pair: RunningPair, call: asyncio.Future[Any]) ->
             break
         await asyncio.sleep(0.01)
     return pair.prefill.pins.ended.get("released") == 1
+
+
+def parts_arrive_late(monkeypatch: pytest.MonkeyPatch, request_id: str, seconds: float = 0.5) -> None:
+    """TEST-ONLY: every manifest part of `request_id` reaches decode's session `seconds` after it
+    left prefill, in order (the last part, which answers the job, is not one of them: a test
+    using this holds the job before it). A real run delays a part only by chance, under load."""
+    from decode_svc.session_client import SessionClient
+
+    part_arrived = SessionClient._part_arrived
+
+    def late(self: SessionClient, rid: str, part: Manifest) -> None:
+        if rid != request_id:
+            part_arrived(self, rid, part)
+            return
+        asyncio.get_running_loop().call_later(seconds, part_arrived, self, rid, part)
+
+    monkeypatch.setattr(SessionClient, "_part_arrived", late)
 
 
 def drop_part_reads(monkeypatch: pytest.MonkeyPatch, which: Callable[[Manifest], bool]) -> None:

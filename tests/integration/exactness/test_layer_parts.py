@@ -36,7 +36,7 @@ from shared.layout.spec import layer_ranges
 from shared.pb.hybridpd.v1 import prefill_service_pb2 as pb
 from shared.runtime.faults import FaultPlan, Injector
 from tests.integration.exactness.multi_turn import random_tokens, run_turns
-from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, parts_arrive_late, service_pair
 from tests.integration.exactness.subjects import Subject
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -199,11 +199,15 @@ async def test_negative_control_a_layer_part_left_unread_changes_the_tokens(monk
 
 
 @pytest.mark.asyncio
-async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("part_arrives_late", [False, True])
+async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_layer(
+    monkeypatch: pytest.MonkeyPatch, part_arrives_late: bool
+) -> None:
     """The compute thread is held right after the first layer range (its part already sent);
     the client goes away and decode releases the request. Let go, the last chunk computes no
     further layer (the next report raises), both sides free everything, and the next request
-    is exact."""
+    is exact. The client goes only once decode has a part (`cancel_until_released`); the late
+    case makes every part reach decode half a second after it left prefill."""
     model = "tiny-mamba2"
     on_layer = LayerPartFeed.on_layer
     held, release = threading.Event(), threading.Event()
@@ -218,11 +222,13 @@ async def test_a_request_released_inside_the_last_chunk_stops_it_at_the_next_lay
             release.wait(30)
 
     monkeypatch.setattr(LayerPartFeed, "on_layer", spy)
+    if part_arrives_late:
+        parts_arrive_late(monkeypatch, "gone-1")
     async with service_pair(model, 1, 1, extra_prefill=flags(2)) as pair:
         call = asyncio.ensure_future(pair.generate(prompt_of(LENGTH), MAX_TOKENS, request_id="gone-1"))
         loop = asyncio.get_running_loop()
         assert await loop.run_in_executor(None, held.wait, 60)
-        released = await cancel_until_released(pair, call)
+        released = await cancel_until_released(pair, call, "gone-1")
         release.set()
         freed = await all_freed(pair)
         stopped_after = list(after_release)
@@ -275,7 +281,7 @@ async def test_a_release_while_a_layer_part_is_digested_frees_the_blocks_only_af
                     break
                 await asyncio.sleep(0.01)
             assert computed.is_set()
-            released = await cancel_until_released(pair, call)
+            released = await cancel_until_released(pair, call, "gone-L")
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()

@@ -28,7 +28,7 @@ from shared.layout.models import load_model
 from shared.layout.page import build_engine_layout
 from shared.layout.presets import TINY_PRESETS
 from shared.runtime.faults import FaultPlan, Injector
-from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, service_pair
+from tests.integration.exactness.pair import all_freed, cancel_until_released, drop_part_reads, parts_arrive_late, service_pair
 from tests.waiting import until
 
 
@@ -314,18 +314,8 @@ async def test_a_request_cancelled_between_parts_frees_both_sides(
     The late case makes part 1 reach decode's session half a second after it left prefill: a
     cancel as soon as prefill holds would then find decode without the part (it cancels the job:
     the other path) every time."""
-    from decode_svc.session_client import SessionClient
-
     if part_arrives_late:
-        part_arrived = SessionClient._part_arrived
-
-        def late(self: SessionClient, request_id: str, part: Any) -> None:
-            if request_id != "gone-1":  # the held request's parts only: no later message overtakes them
-                part_arrived(self, request_id, part)
-                return
-            asyncio.get_running_loop().call_later(0.5, part_arrived, self, request_id, part)
-
-        monkeypatch.setattr(SessionClient, "_part_arrived", late)
+        parts_arrive_late(monkeypatch, "gone-1")
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         held, release = asyncio.Event(), asyncio.Event()
 
@@ -502,7 +492,7 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
                     break
                 await asyncio.sleep(0.01)
             assert in_digest.is_set() and ahead_done.is_set()
-            released = await cancel_until_released(pair, call)  # while part 1 is still digested
+            released = await cancel_until_released(pair, call, "gone-3")  # while part 1 is still digested
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()
@@ -515,12 +505,16 @@ async def test_a_release_while_a_part_is_digested_frees_the_blocks_only_after_th
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("part_arrives_late", [False, True])
 async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_everything(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, part_arrives_late: bool
 ) -> None:
     """The client goes away while span 1 computes (held there on the compute thread, span 2
     queued behind it): decode releases the request, and once span 1 is let go no later span
-    computes, the blocks are freed only then, and everything ends free; the next request is exact."""
+    computes, the blocks are freed only then, and everything ends free; the next request is exact.
+
+    The client goes only once decode has part 0 (`cancel_until_released`); the late case makes
+    the part reach decode half a second after it left prefill, which a fixed sleep would miss."""
     import threading
 
     from prefill_svc.parted_job import PartedJob
@@ -538,6 +532,8 @@ async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_every
         return compute_span(self, job, run, blocks, start, *rest)
 
     monkeypatch.setattr(PartedJob, "compute_span", spy_span)
+    if part_arrives_late:
+        parts_arrive_late(monkeypatch, "gone-2")
     async with service_pair("tiny-mamba2", 1, 1, extra_prefill=["--prefill-chunk-tokens", str(CHUNK)]) as pair:
         call = asyncio.ensure_future(pair.generate(prompt_of(120), MAX_TOKENS, request_id="gone-2"))
         try:
@@ -545,8 +541,7 @@ async def test_a_release_mid_prompt_stops_the_spans_queued_ahead_and_frees_every
                 if in_span_one.is_set() and pair.decode.host.allocator.num_used:
                     break
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # part 0 reaches decode
-            await cancel_until_released(pair, call)  # while span 1 still computes
+            await cancel_until_released(pair, call, "gone-2")  # while span 1 still computes
             held_while_released = pair.prefill.host.allocator.num_used > 0
         finally:
             go_on.set()
