@@ -214,7 +214,9 @@ class PagedEngine:
             store.write_ssm(layer, conv, ssm)
 
     # --- warm-up (WarmsUp) ---------------------------------------------------------------
-    # A short prompt reaches every weight a long one does (but the experts its tokens skip).
+    # A short prompt reaches every weight a long one does; the checks are kept per weight shape
+    # and alignment, so a MoE layer's experts its tokens skip share the check of one they reach
+    # where their weights are aligned alike.
     warm_up_tokens = 4
 
     @torch.no_grad()

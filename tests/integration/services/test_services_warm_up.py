@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-from torch import Tensor
 
 from prefill_svc.app import PrefillApp
 from shared.config import parse_settings
 from shared.engine.paged import call_sizes
 from shared.runtime.colocated import Colocated
 from shared.runtime.engine_host import engine_factory_for
+from tests.call_checks import count_checks
 from tests.integration.services.hf_services import generate_with, hf_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
@@ -30,15 +29,7 @@ async def test_a_paged_pair_checks_its_gemms_at_start_not_at_the_first_request(
     hf_checkpoint: Callable[[str], str], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = hf_checkpoint("nemotron_h")
-    call_sizes.forget()  # what earlier tests in this process checked would hide the warm-up's checks
-    checked: list[int] = []
-    agreements = call_sizes.agreements
-
-    def counted(weight: Tensor, *rest: Any, **named: Any) -> list[bool]:
-        checked.append(weight.shape[0])
-        return agreements(weight, *rest, **named)
-
-    monkeypatch.setattr(call_sizes, "agreements", counted)
+    checked = count_checks(monkeypatch)
     with caplog.at_level(logging.INFO, logger="shared.runtime.engine_host"):
         async with hf_pair(model, model, 1, 1, engine="paged") as (prefill, decode):
             at_start = len(checked)
@@ -53,6 +44,7 @@ async def test_a_paged_pair_checks_its_gemms_at_start_not_at_the_first_request(
         assert ids == await built.generate("c", PROMPT, 6)
     finally:
         built.close()
+        call_sizes.forget()
 
 
 async def test_a_cache_too_small_for_the_warm_up_starts_without_it(

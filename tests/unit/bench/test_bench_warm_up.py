@@ -8,30 +8,25 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from torch import Tensor
 
 from hybridpd_tools.bench.warm_up import first_request
 from shared.engine.paged import call_sizes
 from shared.engine.paged.engine import PagedEngine
+from tests.call_checks import count_checks
 
 
 def test_the_cold_first_request_checks_and_the_warmed_one_does_not(
     hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     directory = hf_checkpoint("nemotron_h")
-    checked: list[int] = []
+    checked = count_checks(monkeypatch)
     after_warm_up: list[int] = []
-    agreements, warm_up = call_sizes.agreements, PagedEngine.warm_up
-
-    def counted(weight: Tensor, *rest: Any, **named: Any) -> list[bool]:
-        checked.append(weight.shape[0])
-        return agreements(weight, *rest, **named)
+    warm_up = PagedEngine.warm_up
 
     def noted(self: PagedEngine, blocks: Any) -> None:
         warm_up(self, blocks)
         after_warm_up.append(len(checked))
 
-    monkeypatch.setattr(call_sizes, "agreements", counted)
     monkeypatch.setattr(PagedEngine, "warm_up", noted)
     spent, first = first_request(directory, False)
     assert spent == 0.0 and first > 0 and checked and after_warm_up == []

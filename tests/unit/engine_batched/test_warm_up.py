@@ -6,7 +6,6 @@ negative control: without the warm-up, the same requests do check (so the count 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from shared.engine.paged.engine import PagedEngine
 from shared.engine.paged.families import SUPPORTED_FAMILIES
 from shared.engine.protocol import WarmsUp
 from shared.layout.boundary import BOUNDARIES, Boundary
+from tests.call_checks import count_checks
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
 
 REQUESTS = 5
@@ -25,17 +25,7 @@ STEPS = 3
 
 @pytest.fixture
 def checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Every call-size check from now on (its weight's output features), none remembered before."""
-    call_sizes.forget()
-    seen: list[int] = []
-    agreements = call_sizes.agreements
-
-    def counted(weight: Tensor, *rest: Any, **named: Any) -> list[bool]:
-        seen.append(weight.shape[0])
-        return agreements(weight, *rest, **named)
-
-    monkeypatch.setattr(call_sizes, "agreements", counted)
-    yield seen
+    yield count_checks(monkeypatch)
     call_sizes.forget()
 
 
