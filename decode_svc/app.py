@@ -73,6 +73,7 @@ class DecodeApp:
             local_prefill=settings.local_prefill,
             local_prefill_below=settings.local_prefill_below,
             stream_interval=settings.stream_interval,
+            max_batched_tokens=settings.max_batched_tokens,
         )
         pb_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.shell.server)
         http_info = ServiceInfo(
@@ -170,5 +171,6 @@ class DecodeApp:
             await self.discovery.aclose()
             await self.learned.aclose()
             await self.peers.aclose()
+            await self.servicer.generation.aclose()
             await self.host.aclose()
             self.shell.close()

@@ -84,7 +84,7 @@ from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_r
 from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
-from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
+from shared.config import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
@@ -217,6 +217,7 @@ class Generation:
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host
         self.peers = peers
@@ -231,7 +232,11 @@ class Generation:
         self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, observer)
         self.step_loop = StepLoop(host.engine, host.submit_compute)
         self.step_loop.observer = observer
-        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, observer)
+        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, observer, max_batched_tokens)
+
+    async def aclose(self) -> None:
+        """Stop the local prefill steps (service shutdown, once no request is in flight)."""
+        await self.local.aclose()
 
     @property
     def in_flight(self) -> int:

@@ -8,6 +8,12 @@ computed here: moving their state would cost more than computing it. The request
 the step loop like any other. Its bits are the colocated run's with decode's own engine settings
 (a prefill engine computing in chunks may round a long prompt differently).
 
+On an engine that batches prefill (paged), the prompts computed here share batched prefill steps
+(shared/runtime/prefill_loop.py, within --max-batched-tokens), as on a prefill service: a burst
+of them costs a few forwards, not one each, and the compute thread takes turns between a prefill
+step and a decode step. The engine's batch invariance keeps a prompt's bits those of the prompt
+alone.
+
 A P/D decode leg (kv_transfer_params naming its prefill engine) never falls back: its prefill
 already computed the prompt and holds the state for it.
 """
@@ -24,12 +30,15 @@ from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
-from shared.engine.first_logprobs import prefill_with_logprobs
-from shared.engine.protocol import RequestBlocks
+from shared.config import DEFAULT_MAX_BATCHED_TOKENS
+from shared.engine.first_logprobs import Prefilled, prefill_with_logprobs, prefilled, start_scoring
+from shared.engine.prefill_chunks import chunk_ends
+from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
 from shared.engine.timed import timed
 from shared.observe import Count, Observer
 from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
+from shared.runtime.prefill_loop import PrefillLoop
 
 LocalPrefillMode = Literal["fallback", "off"]
 LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "off")
@@ -37,12 +46,29 @@ Reason = Literal["no_prefill_ready", "short_prompt"]
 
 
 class LocalPrefill:
-    def __init__(self, host: EngineHost, checks: StateChecks, mode: LocalPrefillMode, below: int, observer: Observer) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        checks: StateChecks,
+        mode: LocalPrefillMode,
+        below: int,
+        observer: Observer,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+    ) -> None:
         self.host = host
         self.checks = checks
         self.mode = mode
         self.below = below  # prompts of fewer tokens are always computed here (0: none)
         self.observer = observer
+        engine = host.engine
+        self.steps: PrefillLoop | None = None  # None: the engine prefills one prompt per call
+        if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
+            self.steps = PrefillLoop(engine, host.submit_compute, max_batched_tokens)
+            self.steps.observer = observer
+
+    async def aclose(self) -> None:
+        if self.steps is not None:
+            await self.steps.aclose()
 
     @property
     def falls_back(self) -> bool:
@@ -60,18 +86,21 @@ class LocalPrefill:
         engine = self.host.engine
         out = client_stream(self.host, req, self.observer)
         started = time.monotonic()
-        done, engine_seconds = await compute(
-            lambda: timed(
-                prefill_with_logprobs,
-                engine,
-                req.prompt,
-                local,
-                req.sampling,
-                req.logprobs,
-                req.prompt_logprobs,
-                fork_seeds(req.sampling, req.n),
+        if self.steps is not None and engine.num_prefill_tokens(len(req.prompt)) > 0:
+            done, engine_seconds = await self._in_steps(self.steps, req, local, compute)
+        else:
+            done, engine_seconds = await compute(
+                lambda: timed(
+                    prefill_with_logprobs,
+                    engine,
+                    req.prompt,
+                    local,
+                    req.sampling,
+                    req.logprobs,
+                    req.prompt_logprobs,
+                    fork_seeds(req.sampling, req.n),
+                )
             )
-        )
         first = done.first
         prefill_seconds = time.monotonic() - started
         if req.prompt_logprobs is not None:
@@ -88,3 +117,25 @@ class LocalPrefill:
         assert out.finish is not None
         here = ComputedHere(prefill_seconds, engine_seconds)
         yield summary(req, out, out.finish, here, self.checks, transferred=0, read=False)
+
+    async def _in_steps(
+        self, steps: PrefillLoop, req: RequestContext, local: RequestBlocks, compute: Compute
+    ) -> tuple[Prefilled, float]:
+        """The prompt in batched prefill steps beside the other prompts computed here (the
+        engine's own chunks: the bits of its `prefill`), then the logprobs and forks asked for,
+        drawn on the compute thread. Cancelled during a step, it ends only once the step has
+        (nothing writes the blocks any more). The engine seconds are those of its steps."""
+        engine = self.host.engine
+        assert isinstance(engine, ChunkedPrefill)
+        run = engine.start_prefill(req.prompt, local, req.sampling)
+        start_scoring(run, req.prompt_logprobs)
+        order, first, seconds, start = steps.arrival(), None, 0.0, 0
+        for end in chunk_ends(0, engine.num_prefill_tokens(len(req.prompt)), engine.exact_chunk_tokens or 0):
+            done = await steps.compute(run, start, end, order)
+            first, start = done.first_token, end
+            seconds += done.step_seconds
+        seeds = fork_seeds(req.sampling, req.n)
+        if first is None or (req.logprobs is None and not seeds):
+            return prefilled(run, first, req.sampling, None, req.prompt_logprobs, ()), seconds
+        drawn = await compute(lambda: prefilled(run, first, req.sampling, req.logprobs, req.prompt_logprobs, seeds))
+        return drawn, seconds

@@ -24,7 +24,7 @@ from decode_svc.learned_peers import LearnedPeers
 from decode_svc.local_prefill import LocalPrefillMode
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.request import validate
-from shared.config import DEFAULT_READ_TIMEOUT_SECONDS
+from shared.config import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.logs import context as log_context
 from shared.observe import ERROR_MESSAGE, FAILURE_REASON, STATUS, TOKENS, TRANSFER_BYTES, TRANSFER_READS, Observer, Stage
@@ -66,6 +66,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
         stream_interval: int = 1,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host
         self.stream_interval = stream_interval  # --stream-interval: every request's streams coalesce this many tokens
@@ -85,6 +86,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             prefix_cache_states=prefix_cache_states,
             local_prefill=local_prefill,
             local_prefill_below=local_prefill_below,
+            max_batched_tokens=max_batched_tokens,
         )
 
     async def Generate(

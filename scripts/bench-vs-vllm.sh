@@ -27,7 +27,8 @@ for every setup, --ignore-eos) at several numbers of concurrent users:
   vllm-pd         vLLM's own P/D: producer + consumer (NixlConnector), one core each, behind
                   vllm-router (skipped with a message when vllm-router cannot be installed)
   ours            prefill-svc + decode-svc, through decode's OpenAI-compatible HTTP front door
-  ours-colocated  reported as skipped: our colocated path serves gRPC, not HTTP
+  ours-colocated  decode-svc alone, same HTTP front door: with no prefill engine it computes
+                  every prompt itself, in its own step loop (one process, like vllm)
 on a random nemotron_h checkpoint with attention heads of 64 (built offline and cached; vLLM's
 CPU attention does not run heads of 16). Prints one table (output tok/s, TTFT p50 / p99, TPOT
 p50, ratios to vLLM colocated, decode's resident memory at the highest level) and writes the

@@ -13,8 +13,9 @@ failure or interruption):
   behind vllm-router (skipped when vLLM's venv has no vllm-router);
 - `ours`: prefill-svc + decode-svc (`--engine` as given, else the services' default for a
   checkpoint directory), measured through decode's OpenAI-compatible HTTP front door;
-- `ours-colocated`: our colocated path serves gRPC only (hybridpd_tools/bench/colocated_server.py), not
-  HTTP, so vLLM's client cannot reach it: reported as skipped.
+- `ours-colocated`: decode-svc alone, through the same HTTP front door: with no prefill engine
+  it computes every prompt on its own engine, in its own step loop (`--local-prefill fallback`),
+  so one process serves prefill and decode, as vLLM's one engine does.
 
 For every setup and level the same client runs (`vllm bench serve`, random dataset, the same
 seed, `--ignore-eos`) with N concurrent users; its JSON lands in DIR/raw/. One table follows:
@@ -359,9 +360,13 @@ def start_vllm_pd(o: Options, servers: Servers) -> Running:
     return Running(base, model, consumer.proc.pid, "consumer tree", True, watch)
 
 
-def start_ours(o: Options, servers: Servers) -> Running:
+def our_common_args(o: Options) -> list[str]:
     engine = ["--engine", o.engine] if o.engine else []
-    common = ["--model", o.checkpoint, "--host", "127.0.0.1", "--port", "0", *engine]
+    return ["--model", o.checkpoint, "--host", "127.0.0.1", "--port", "0", *engine]
+
+
+def start_ours(o: Options, servers: Servers) -> Running:
+    common = our_common_args(o)
     prefill = servers.start("prefill-svc", [sys.executable, "-m", "prefill_svc", *common])
     prefill_port = wait_line(prefill, r"LISTENING port=(\d+)", o.startup_timeout).group(1)
     decode = servers.start(
@@ -374,9 +379,14 @@ def start_ours(o: Options, servers: Servers) -> Running:
 
 
 def start_ours_colocated(o: Options, servers: Servers) -> Running:
-    raise SetupSkipped(
-        "our colocated path (hybridpd_tools/bench/colocated_server.py) serves gRPC only, no HTTP for vLLM's client"
+    decode = servers.start(
+        "decode-svc-colocated",
+        [sys.executable, "-m", "decode_svc", *our_common_args(o), "--http-port", "0", "--local-prefill", "fallback"],
     )
+    http_port = wait_line(decode, r"HTTP port=(\d+)", o.startup_timeout).group(1)
+    base = f"http://127.0.0.1:{http_port}"
+    wait_healthy(base, [decode], o.startup_timeout)
+    return Running(base, served_model(base), decode.proc.pid, "decode-svc process", False)
 
 
 STARTERS = {"vllm": start_vllm, "vllm-pd": start_vllm_pd, "ours": start_ours, "ours-colocated": start_ours_colocated}

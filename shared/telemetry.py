@@ -124,6 +124,25 @@ class Telemetry(Sink):
             "hybrid_pd_pins_ended", "Pinned requests ended, by reason (read, released, lease_expired, ...)",
             ["reason"], registry=both,
         )  # fmt: skip
+        # Both roles: batched prefill steps (on decode, of the prompts it computes itself).
+        self.prefill_batch_size = Histogram(
+            "hybrid_pd_prefill_batch_size",
+            "Prompts that computed a chunk in one batched prefill step (on decode: prompts it computes itself)",
+            buckets=BATCH_BUCKETS,
+            registry=both,
+        )
+        self.prefill_batch_tokens = Histogram(
+            "hybrid_pd_prefill_batch_tokens",
+            "Prompt tokens computed in one prefill step (at most --max-batched-tokens, or one larger chunk)",
+            buckets=PREFILL_TOKEN_BUCKETS,
+            registry=both,
+        )
+        self.prefill_step_seconds = Histogram(
+            "hybrid_pd_prefill_step_seconds",
+            "Engine time of one batched prefill step",
+            buckets=LATENCY_BUCKETS,
+            registry=both,
+        )
         # Prefill only.
         self.lease_expiries = Counter("hybrid_pd_lease_expiries", "Pinned requests freed by lease expiry", registry=prefill)
         self.handshakes = Counter("hybrid_pd_handshakes", "Handshakes, by result", ["result"], registry=prefill)
@@ -147,24 +166,6 @@ class Telemetry(Sink):
         self.prefill_boundary_evictions = Counter(
             "hybrid_pd_prefill_boundary_evictions",
             "Boundaries the boundary cache gave up (least recently used, when blocks were needed)",
-            registry=prefill,
-        )
-        self.prefill_batch_size = Histogram(
-            "hybrid_pd_prefill_batch_size",
-            "Jobs that computed a chunk in one prefill step (batched prefill)",
-            buckets=BATCH_BUCKETS,
-            registry=prefill,
-        )
-        self.prefill_batch_tokens = Histogram(
-            "hybrid_pd_prefill_batch_tokens",
-            "Prompt tokens computed in one prefill step (at most --max-batched-tokens, or one larger chunk)",
-            buckets=PREFILL_TOKEN_BUCKETS,
-            registry=prefill,
-        )
-        self.prefill_step_seconds = Histogram(
-            "hybrid_pd_prefill_step_seconds",
-            "Engine time of one prefill step",
-            buckets=LATENCY_BUCKETS,
             registry=prefill,
         )
         # Decode only.

@@ -306,13 +306,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "max-batched-tokens",
         positive_int,
-        "prefill: the most prompt tokens one prefill step computes (batched prefill, on an engine that batches: "
+        "the most prompt tokens one prefill step computes (batched prefill, on an engine that batches: "
         "paged). Jobs' next chunks share a step oldest first; the oldest always runs, even alone over the budget, "
         "and with --prefill-chunk-tokens a long prompt takes one chunk a step, so short prompts arriving "
         "meanwhile share its steps. Jobs sent in manifest parts share steps too, but with --layer-parts their "
-        "last chunk computes alone. A prompt's bits do not depend on what shares its steps",
+        "last chunk computes alone. On decode: the prompts it computes itself (--local-prefill) share steps "
+        "the same way, taking turns with decode steps on the compute thread. A prompt's bits do not depend on "
+        "what shares its steps",
         DEFAULT_MAX_BATCHED_TOKENS,
-        roles=("prefill",),
+        roles=("prefill", "decode"),
         metavar="N",
     ),
     Flag(
@@ -322,8 +324,8 @@ FLAGS: tuple[Flag, ...] = (
         "split into up to N groups of about equal tokens, each group one forward on its own thread with one "
         "intra-op thread. A prompt's state and first token are the same bits with any count. More than 1 helps "
         "only when steps hold several chunks (bursts of arrivals) and N cores are idle: on a host whose cores "
-        "decode and clients share, keep 1. decode-svc computes its local prefills one prompt at a time and does "
-        "not take it",
+        "decode and clients share, keep 1. decode-svc computes its local prefills on its one compute thread and "
+        "does not take it",
         DEFAULT_PREFILL_THREADS,
         roles=("prefill",),
         metavar="N",

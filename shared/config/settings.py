@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from shared.config.flags import DEFAULT_PORTS, DEFAULT_READ_TIMEOUT_SECONDS, ENV_PREFIX, FLAGS, Flag, Role, flags_for
+from shared.config.flags import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_PORTS,
+    DEFAULT_READ_TIMEOUT_SECONDS,
+    ENV_PREFIX,
+    FLAGS,
+    Flag,
+    Role,
+    flags_for,
+)
 from shared.config.parser import build_parser, other_service_flag
 
 
@@ -79,7 +88,7 @@ class ServiceSettings:
     engine_from_model: bool = False  # no --engine given: `engine` is what --model implies
     boundary: Literal["n-1", "full"] = "n-1"  # --boundary, or the engine's default (full for hf)
     prefill_chunk_tokens: int = 0  # prefill only: chunked prefill with manifest parts (0: off)
-    max_batched_tokens: int = 0  # prefill only: tokens one batched prefill step computes at most
+    max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS  # tokens one batched prefill step computes at most
     manifest_part_tokens: int = 0  # prefill only: the least tokens a part carries (0: one per chunk)
     layer_parts: int = 0  # prefill only: the last chunk's state in this many layer parts (0: one part)
     manifest_parts: bool = True  # decode only: accept manifest parts (pipelined transfer)
@@ -339,7 +348,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
-        max_batched_tokens=_own(values, "max_batched_tokens", int) if role == "prefill" else 0,
+        max_batched_tokens=_own(values, "max_batched_tokens", int),
         manifest_part_tokens=(
             _needs_chunks(values, "manifest_part_tokens", "parts leave only between the chunks a prefill computes")
             if role == "prefill"

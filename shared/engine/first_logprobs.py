@@ -106,5 +106,18 @@ def prefill_with_logprobs(
     first = None
     for end in chunk_ends(0, engine.num_prefill_tokens(len(prompt)), engine.exact_chunk_tokens or 0):
         first = run.compute(end)
+    return prefilled(run, first, sampling, k, prompt_k, fork_seeds)
+
+
+def prefilled(
+    run: PrefillRun,
+    first: int | None,
+    sampling: SamplingParams,
+    k: int | None,
+    prompt_k: int | None,
+    fork_seeds: Sequence[int],
+) -> Prefilled:
+    """What `prefill_with_logprobs` returns, from a run whose chunks are all computed (`first`:
+    what its last chunk returned; the run was started with `start_scoring(run, prompt_k)`)."""
     forks, fork_logprobs = fork_draws(run, first, sampling, fork_seeds, k)
     return Prefilled(first, run_logprobs(run, first, k), scored_prompt(run, prompt_k), forks, fork_logprobs)

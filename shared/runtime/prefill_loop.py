@@ -78,7 +78,13 @@ class PrefillLoop:
         self._back.set()
         self.steps = 0  # steps run (metrics, tests)
         self.largest_batch = 0
+        self.in_step = 0  # chunks of the step on the compute thread now
         self.observer = Observer()  # each step's engine time (Stage.PREFILL_STEP)
+
+    @property
+    def waiting(self) -> int:
+        """Chunks waiting for a step, not yet taken into one."""
+        return len(self._waiting)
 
     def arrival(self) -> int:
         """A new job's place in line (its chunks keep it)."""
@@ -136,6 +142,7 @@ class PrefillLoop:
                 await self._wake.wait()
                 continue
             batch = self.next_batch()
+            self.in_step = len(batch)
             self._returning = len(batch)  # every member's compute() ends once the step did
             self._back.clear()
             chunks = [w.chunk for w in batch]
@@ -152,6 +159,8 @@ class PrefillLoop:
                     if not waiting.done.done():
                         waiting.done.set_exception(exc)
                 continue
+            finally:
+                self.in_step = 0
             self.steps += 1
             self.largest_batch = max(self.largest_batch, len(batch))
             if self.observer.listening():
