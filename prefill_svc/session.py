@@ -5,6 +5,9 @@ Protocol (decode -> prefill / prefill -> decode):
   answered by `ready` (lease, heartbeat interval, credits). Anything else first: FAILED_PRECONDITION.
 - `job` -> `manifest` or `failure` (in-band: a failed job never ends the stream); at the full-N
   boundary a job with `accept_first_token` gets a `first_token` first, the moment it is drawn.
+  A job whose request id has a running job on this session fails ALREADY_EXISTS; one whose id
+  is still pinned here (a request decode already read, its READ notifications on their way)
+  starts once that pin ends, so a client may reuse an id the moment its request ended.
 - `claim` takes over a request prefilled for a reader unknown at the time (vLLM's P/D prefill
   leg, prefill_svc/handoff.py) -> `manifest` or `failure`, as for a job (no credit is taken:
   its blocks were pinned before this session knew of it).
@@ -29,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
@@ -62,6 +66,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PINNED = 256
 HELLO_TIMEOUT_SECONDS = 10.0
+# How long a job waits for an earlier pin of its request id on this session to end before it is
+# refused ALREADY_EXISTS. Decode takes no second request with an id it is serving, so such a pin
+# is one decode already read: its READ notifications are on their way (milliseconds), or its
+# lease frees it. A client may reuse an id the moment its request ended.
+REUSED_ID_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -274,15 +283,36 @@ class PrefillSession:
         if not rid:
             self._out.put_nowait(_failure(rid, InvalidArgument("must be non-empty", field="job.request_id")))
             return
-        if rid in self._jobs or self.pins.lookup(self.owner, rid) is not None:
+        if rid in self._jobs:
             self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
             return
+        earlier = self.pins.lookup(self.owner, rid)
         # Tracing off: the job's own coroutine, no wrapper to resume at every await (as spans.traced does).
-        task = self._jobs[rid] = asyncio.ensure_future(self._job(job, None) if not spans.enabled() else self._traced_job(job))
+        work = self._job(job, None) if not spans.enabled() else self._traced_job(job)
+        if earlier is not None and earlier.outcome is not None:
+            work = self._after_pin(earlier.outcome, job, work)
+        task = self._jobs[rid] = asyncio.ensure_future(work)
         owner = self.owner
         self.load.job_started(owner)
         # A callback, not the job's `finally`: a job cancelled before it first ran is counted out too.
         task.add_done_callback(lambda _: self.load.job_ended(owner))
+
+    async def _after_pin(self, ended: asyncio.Future[str], message: pb.PrefillJob, work: Coroutine[Any, Any, None]) -> None:
+        """`work` (the job) once the earlier pin of its request id has ended (`ended`), within
+        REUSED_ID_WAIT_SECONDS; else the job fails ALREADY_EXISTS, as a running duplicate would."""
+        rid = message.request_id
+        try:
+            await asyncio.wait_for(asyncio.shield(ended), REUSED_ID_WAIT_SECONDS)
+        except TimeoutError:
+            work.close()
+            self._jobs.pop(rid, None)
+            self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
+            return
+        except BaseException:
+            work.close()
+            self._jobs.pop(rid, None)
+            raise
+        await work
 
     async def _traced_job(self, message: pb.PrefillJob) -> None:
         # A child of decode's request span when the job carries its trace context.

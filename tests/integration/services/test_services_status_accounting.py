@@ -4,6 +4,7 @@ gets our own UNAVAILABLE, not gRPC's "Cancelling all calls"."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -75,3 +76,58 @@ async def test_a_request_cut_by_the_end_of_the_drain_grace_gets_our_unavailable(
     assert failure.status == "UNAVAILABLE" and failure.reason == "DRAIN_GRACE_ENDED", failure
     assert "drain grace ran out" in failure.message and "Cancelling" not in failure.message
     assert finished(decode, "UNAVAILABLE") == 1 and finished(decode, "CANCELLED") == 0
+
+
+@pytest.mark.parametrize("notifications_late", [False, True], ids=["notified-at-once", "notified-late"])
+async def test_a_request_id_reused_the_moment_its_request_ended_is_served(
+    start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch, notifications_late: bool
+) -> None:
+    """Prefill frees a request decode read when the READ notifications reach it, a little after
+    decode has them: a job reusing the id meanwhile waits for that pin to end instead of failing
+    ALREADY_EXISTS. The late case (test-only: prefill handles each notification half a second
+    late) refused the second request every time before."""
+    if notifications_late:
+        from prefill_svc.pins import PinTable
+
+        on_time = PinTable._on_wait_done
+
+        def late(self: PinTable, pin: Any, wait: Any) -> None:
+            asyncio.get_running_loop().call_later(0.5, on_time, self, pin, wait)
+
+        monkeypatch.setattr(PinTable, "_on_wait_done", late)
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    request = dpb.GenerateRequest(request_id="again", prompt_token_ids=[1, 2, 3, 4], max_tokens=3)
+    for _ in range(3):
+        replies = [r async for r in stub.Generate(request, timeout=30)]
+        assert replies[-1].WhichOneof("payload") == "summary"
+    await until(lambda: len(prefill.pins) == 0, timeout=10)
+
+
+async def test_a_reused_id_whose_earlier_pin_does_not_end_is_already_exists(
+    start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for an earlier pin of the id is bounded (shortened here; test-only: prefill
+    handles the notifications 5 s late), then the job fails as a running duplicate would."""
+    from prefill_svc import session
+    from prefill_svc.pins import PinTable
+
+    on_time = PinTable._on_wait_done
+
+    def late(self: PinTable, pin: Any, wait: Any) -> None:
+        asyncio.get_running_loop().call_later(5.0, on_time, self, pin, wait)
+
+    monkeypatch.setattr(PinTable, "_on_wait_done", late)
+    monkeypatch.setattr(session, "REUSED_ID_WAIT_SECONDS", 0.2)
+    prefill = await start_prefill()
+    decode = await start_decode(prefill.port)
+    stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
+    request = dpb.GenerateRequest(request_id="held", prompt_token_ids=[1, 2, 3, 4], max_tokens=3)
+    async for _ in stub.Generate(request, timeout=30):
+        pass
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(request, timeout=30):
+            pass
+    failure = describe(err.value)
+    assert failure.status == "ALREADY_EXISTS" and "job.request_id" in failure.message, failure
