@@ -158,7 +158,8 @@ class EngineHost:
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Requests and jobs waiting for blocks to start take them in the order they came: one waits
     # for frees at a time, the others queue here, and no later arrival takes the blocks it was
-    # woken for. Growing a running request does not queue (it frees its blocks by finishing).
+    # woken for. Growing a running request, or forking it, does not queue (it frees its blocks
+    # only by going on).
     _admissions: asyncio.Lock = field(default_factory=asyncio.Lock)
     observer: Observer = field(default_factory=Observer)  # each allocate_queued's wait (Stage.QUEUE_WAIT)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
@@ -349,19 +350,24 @@ class EngineHost:
         *,
         counted: bool = True,
         leading: Sequence[np.ndarray] | None = None,
+        in_line: bool = True,
     ) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
-        `counted`: the wait is reported (requests and jobs; not start-up probes)."""
+        `counted`: the wait is reported (requests and jobs; not start-up probes). `in_line`: wait
+        behind the requests that waited first (see `_admissions`); False for blocks of a request
+        that already holds some (a fork's), which frees them only by going on."""
         started = asyncio.get_running_loop().time()
 
         def attempt() -> RequestBlocks:
             return self.allocate(key, num_tokens, leading=leading)
 
         blocks = None
-        if not self._admissions.locked():  # nobody waits: the blocks at once, if free
+        if not self._admissions.locked() or not in_line:  # nobody waits (or a fork): at once, if free
             with contextlib.suppress(ResourceExhausted):
                 blocks = attempt()
+        if blocks is None and not in_line:
+            blocks = await self._when_free(attempt, num_tokens, deadline, counted=counted)
         if blocks is None:
             blocks = await self._in_turn(attempt, num_tokens, deadline, counted)
         if counted:  # also the breakdown's p.allocated step (END_STEPS)
