@@ -73,7 +73,7 @@ async def fork_blocks(
             key = fork_key(request_id, i)
             forks.append(
                 await host.allocate_queued(
-                    key, admission_tokens(prompt_len), wait_deadline(deadline, loop.time()), leading=leading, in_line=False
+                    key, admission_tokens(prompt_len), wait_deadline(deadline, loop.time()), leading=leading
                 )
             )
     except BaseException:

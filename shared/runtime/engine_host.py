@@ -156,11 +156,6 @@ class EngineHost:
     digest_thread: ComputeThread = field(default_factory=lambda: ComputeThread("digest"))
     # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Requests and jobs waiting for blocks to start take them in the order they came: one waits
-    # for frees at a time, the others queue here, and no later arrival takes the blocks it was
-    # woken for. Growing a running request, or forking it, does not queue (it frees its blocks
-    # only by going on).
-    _admissions: asyncio.Lock = field(default_factory=asyncio.Lock)
     observer: Observer = field(default_factory=Observer)  # each allocate_queued's wait (Stage.QUEUE_WAIT)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
@@ -350,54 +345,17 @@ class EngineHost:
         *,
         counted: bool = True,
         leading: Sequence[np.ndarray] | None = None,
-        in_line: bool = True,
     ) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
-        `counted`: the wait is reported (requests and jobs; not start-up probes). `in_line`: wait
-        behind the requests that waited first (see `_admissions`); False for blocks of a request
-        that already holds some (a fork's), which frees them only by going on."""
+        `counted`: the wait is reported (requests and jobs; not start-up probes)."""
         started = asyncio.get_running_loop().time()
-
-        def attempt() -> RequestBlocks:
-            return self.allocate(key, num_tokens, leading=leading)
-
-        blocks = None
-        if not self._admissions.locked() or not in_line:  # nobody waits (or a fork): at once, if free
-            with contextlib.suppress(ResourceExhausted):
-                blocks = attempt()
-        if blocks is None and not in_line:
-            blocks = await self._when_free(attempt, num_tokens, deadline, counted=counted)
-        if blocks is None:
-            blocks = await self._in_turn(attempt, num_tokens, deadline, counted)
+        blocks = await self._when_free(
+            lambda: self.allocate(key, num_tokens, leading=leading), num_tokens, deadline, counted=counted
+        )
         if counted:  # also the breakdown's p.allocated step (END_STEPS)
             self.observer.stage(Stage.QUEUE_WAIT, asyncio.get_running_loop().time() - started)
         return blocks
-
-    async def _in_turn(
-        self, attempt: Callable[[], RequestBlocks], num_tokens: int, deadline: float, counted: bool
-    ) -> RequestBlocks:
-        """`_when_free` for a request that waits to start, once the ones that waited before it
-        have their blocks (or gave up); RESOURCE_EXHAUSTED if `deadline` passes meanwhile."""
-        if sum(self.blocks_per_group(num_tokens)) > self.num_blocks:  # never fits: fails at once, in no line
-            return await self._when_free(attempt, num_tokens, deadline, counted=counted)
-        loop = asyncio.get_running_loop()
-        if counted:
-            self.waiting_for_blocks += 1
-        try:
-            await asyncio.wait_for(self._admissions.acquire(), max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            raise ResourceExhausted(
-                "the cache is full and earlier requests wait for blocks; still full when the request's deadline came",
-                reason="CACHE_FULL",
-            ) from None
-        finally:
-            if counted:
-                self.waiting_for_blocks -= 1
-        try:
-            return await self._when_free(attempt, num_tokens, deadline, counted=counted)
-        finally:
-            self._admissions.release()
 
     async def grow_queued(self, blocks: RequestBlocks, num_tokens: int, deadline: float) -> RequestBlocks:
         """`grow`, but while the cache is full wait for frees until `deadline` (event-loop time),

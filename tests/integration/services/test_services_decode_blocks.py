@@ -147,31 +147,3 @@ async def test_a_request_that_cannot_grow_waits_then_fails_while_another_complet
         assert host.waiting_for_blocks == 0
         assert scrape(pair.decode.shell.metrics_port)["hybrid_pd_requests_queued_for_blocks"] == 0
         host.free("other-holders")
-
-
-async def test_requests_waiting_for_blocks_take_them_in_the_order_they_came() -> None:
-    """A request that arrives while another waits for blocks queues behind it: the blocks one
-    request frees go to the one that waited, not to the newcomer (which, without the queue,
-    took them first every time: its first try ran before the waiter woke)."""
-    async with service_pair(MODEL, 1, 1) as pair:
-        host: EngineHost = pair.decode.host
-        loop = asyncio.get_running_loop()
-        held = []
-        while True:  # fill the cache with requests of one size
-            try:
-                held.append(host.allocate(f"hog{len(held)}", 40))
-            except Exception:
-                break
-        assert held, "the cache holds at least one request"
-        waiter = asyncio.ensure_future(host.allocate_queued("waiter", 40, loop.time() + 30))
-        await until(lambda: host.waiting_for_blocks == 1, timeout=10)
-        host.free("hog0")  # room for one request of this size
-        newcomer = asyncio.ensure_future(host.allocate_queued("newcomer", 40, loop.time() + 30))
-        got = await asyncio.wait_for(waiter, 10)
-        assert got.request_id == "waiter" and not newcomer.done()
-        host.free("waiter")
-        assert (await asyncio.wait_for(newcomer, 10)).request_id == "newcomer"
-        for i in range(1, len(held)):
-            host.free(f"hog{i}")
-        host.free("newcomer")
-        assert host.allocator.num_used == 0
