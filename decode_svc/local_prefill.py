@@ -86,8 +86,9 @@ class LocalPrefill:
         engine = self.host.engine
         out = client_stream(self.host, req, self.observer)
         started = time.monotonic()
-        if self.steps is not None and engine.num_prefill_tokens(len(req.prompt)) > 0:
-            done, engine_seconds = await self._in_steps(self.steps, req, local, compute)
+        computed = engine.num_prefill_tokens(len(req.prompt))
+        if self.steps is not None and computed > 0:
+            done, engine_seconds = await self._in_steps(self.steps, req, local, computed, compute)
         else:
             done, engine_seconds = await compute(
                 lambda: timed(
@@ -119,9 +120,9 @@ class LocalPrefill:
         yield summary(req, out, out.finish, here, self.checks, transferred=0, read=False)
 
     async def _in_steps(
-        self, steps: PrefillLoop, req: RequestContext, local: RequestBlocks, compute: Compute
+        self, steps: PrefillLoop, req: RequestContext, local: RequestBlocks, computed: int, compute: Compute
     ) -> tuple[Prefilled, float]:
-        """The prompt in batched prefill steps beside the other prompts computed here (the
+        """The prompt's first `computed` tokens in batched prefill steps beside the other prompts computed here (the
         engine's own chunks: the bits of its `prefill`), then the logprobs and forks asked for,
         drawn on the compute thread. Cancelled during a step, it ends only once the step has
         (nothing writes the blocks any more). The engine seconds are those of its steps."""
@@ -130,7 +131,7 @@ class LocalPrefill:
         run = engine.start_prefill(req.prompt, local, req.sampling)
         start_scoring(run, req.prompt_logprobs)
         order, first, seconds, start = steps.arrival(), None, 0.0, 0
-        for end in chunk_ends(0, engine.num_prefill_tokens(len(req.prompt)), engine.exact_chunk_tokens or 0):
+        for end in chunk_ends(0, computed, engine.exact_chunk_tokens or 0):
             done = await steps.compute(run, start, end, order)
             first, start = done.first_token, end
             seconds += done.step_seconds

@@ -284,7 +284,7 @@ class PrefillSession:
             self._out.put_nowait(_failure(rid, InvalidArgument("must be non-empty", field="job.request_id")))
             return
         if rid in self._jobs:
-            self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
+            self._already_in_flight(rid)
             return
         earlier = self.pins.lookup(self.owner, rid)
         # Tracing off: the job's own coroutine, no wrapper to resume at every await (as spans.traced does).
@@ -297,6 +297,9 @@ class PrefillSession:
         # A callback, not the job's `finally`: a job cancelled before it first ran is counted out too.
         task.add_done_callback(lambda _: self.load.job_ended(owner))
 
+    def _already_in_flight(self, rid: str) -> None:
+        self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
+
     async def _after_pin(self, ended: asyncio.Future[str], message: pb.PrefillJob, work: Coroutine[Any, Any, None]) -> None:
         """`work` (the job) once the earlier pin of its request id has ended (`ended`), within
         REUSED_ID_WAIT_SECONDS; else the job fails ALREADY_EXISTS, as a running duplicate would."""
@@ -306,7 +309,7 @@ class PrefillSession:
         except TimeoutError:
             work.close()
             self._jobs.pop(rid, None)
-            self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))
+            self._already_in_flight(rid)
             return
         except BaseException:
             work.close()

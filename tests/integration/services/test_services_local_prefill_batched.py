@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
@@ -24,6 +23,7 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
 from shared.runtime.engine_host import engine_factory_for
 from shared.runtime.prefill_loop import PrefillLoop
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
@@ -80,14 +80,6 @@ async def replies(stub: pb_grpc.DecodeServiceAsyncStub, request: pb.GenerateRequ
     return out
 
 
-async def until(condition: Callable[[], bool], what: str, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def together_and_alone(
     app: DecodeApp, requests: Sequence[pb.GenerateRequest]
 ) -> tuple[list[dict[str, list[bytes]]], list[dict[str, list[bytes]]], int]:
@@ -100,7 +92,7 @@ async def together_and_alone(
         stub = pb_grpc.DecodeServiceStub(channel)
         calls = [asyncio.ensure_future(replies(stub, r)) for r in requests]
         try:
-            await until(lambda: steps.waiting + steps.in_step == len(requests), "every prompt to queue for a step")
+            await until(lambda: steps.waiting + steps.in_step == len(requests), "every prompt to queue for a step", timeout=60)
         finally:
             gate.set()
         await held
@@ -171,7 +163,7 @@ async def test_a_request_cancelled_during_its_prefill_step_frees_its_blocks_afte
             reading = asyncio.ensure_future(call.read())
             kept_call = asyncio.ensure_future(replies(stub, kept))
             try:
-                await until(lambda: steps.waiting + steps.in_step == 2, "both prompts to queue")
+                await until(lambda: steps.waiting + steps.in_step == 2, "both prompts to queue", timeout=60)
             finally:
                 gate.set()
             await held
@@ -181,7 +173,7 @@ async def test_a_request_cancelled_during_its_prefill_step_frees_its_blocks_afte
             assert "free cancelled" not in events  # the step still writes its blocks
             release.set()
             got = await kept_call
-            await until(lambda: app.host.allocator.num_used == 0, "every block to be freed")
+            await until(lambda: app.host.allocator.num_used == 0, "every block to be freed", timeout=60)
             monkeypatch.setattr(engine, "prefill_batch", original_step)
             assert got == await replies(stub, kept)  # alone now: the same bits
         assert events.index("free cancelled") > events.index("its step ended"), events
