@@ -73,7 +73,11 @@ async def fork_blocks(
             key = fork_key(request_id, i)
             forks.append(
                 await host.allocate_queued(
-                    key, admission_tokens(prompt_len), wait_deadline(deadline, loop.time()), leading=leading
+                    key,
+                    admission_tokens(prompt_len),
+                    wait_deadline(deadline, loop.time()),
+                    leading=leading,
+                    running=True,  # the request holds blocks already: no line behind newcomers' waits
                 )
             )
     except BaseException:

@@ -36,6 +36,7 @@ from shared.layout.page import EngineLayout, build_engine_layout
 from shared.layout.spec import LayoutError, ModelSpec
 from shared.observe import Observer, Stage, Step
 from shared.pb.hybridpd.v1 import layout_pb2 as pb
+from shared.runtime.block_line import BlockLine, Claim
 from shared.runtime.compute_thread import ComputeThread
 from shared.runtime.layout_message import RankMemory, engine_layout_message
 from shared.transport.agent import RankAgent
@@ -58,6 +59,15 @@ def _runs(ids: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
 
 EngineFactory = Callable[[EngineLayout, Sequence[RankCache]], Engine]
 """Builds the model engine over the host's layout and per-rank caches (`--engine`)."""
+
+
+async def _until_set(event: asyncio.Event, timeout: float) -> None:
+    """Wait for `event` at most `timeout` seconds; the caller looks again either way. Not
+    `asyncio.wait_for`: on Python 3.11 it drops a cancel that comes as the event is set, and a
+    cancelled request would then go on waiting for blocks, or take them."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(0.0, timeout)):
+            await event.wait()
 
 
 def new_incarnation() -> int:
@@ -154,8 +164,10 @@ class EngineHost:
     # chunk (a host cache: the hash releases the GIL, so it runs beside the model). Started at
     # its first call: a decode host never starts it.
     digest_thread: ComputeThread = field(default_factory=lambda: ComputeThread("digest"))
-    # Set (and replaced) whenever blocks are freed: requests queued for blocks wake up.
+    # Set (and replaced) whenever blocks are freed: running requests waiting to grow wake up.
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Requests and jobs waiting for blocks to start, in the order they came (block_line says how).
+    line: BlockLine = field(default_factory=BlockLine)
     observer: Observer = field(default_factory=Observer)  # each allocate_queued's wait (Stage.QUEUE_WAIT)
     waiting_for_blocks: int = 0  # requests and jobs waiting for free blocks now: to start, or to grow (metrics)
     views: list[RankViews] = field(init=False)  # typed views of every rank's cache (digests)
@@ -288,27 +300,45 @@ class EngineHost:
         spare = self.num_blocks - len(self.layout.mamba_group_ids)
         return max(0, spare // max(1, fa_groups)) * self.layout.block_size
 
-    def allocate(self, key: str, num_tokens: int, *, leading: Sequence[np.ndarray] | None = None) -> RequestBlocks:
+    def allocate(
+        self,
+        key: str,
+        num_tokens: int,
+        *,
+        leading: Sequence[np.ndarray] | None = None,
+        claim: Claim = Claim.NEWCOMER,
+    ) -> RequestBlocks:
         """Blocks for a request's first `num_tokens` tokens, split per group (one allocation).
         `leading`: per group, blocks the request uses first without holding them (decode's
-        prefix cache); only the rest are allocated."""
+        prefix cache); only the rest are allocated. `claim`: which free blocks it may take."""
         counts = self.blocks_per_group(num_tokens)
         if leading is None:  # nothing to join: each group's blocks are a run of the one fresh array
-            return RequestBlocks(key, _runs(self.take(key, sum(counts)), counts))
+            return RequestBlocks(key, _runs(self.take(key, sum(counts), claim), counts))
         given = [np.asarray(b, dtype=np.int64) for b in leading]
         counts = [max(0, n - len(b)) for n, b in zip(counts, given)]
-        ids = self.take(key, sum(counts))
+        ids = self.take(key, sum(counts), claim)
         return RequestBlocks(key, [np.concatenate([first, rest]) for first, rest in zip(given, _runs(ids, counts))])
 
-    def take(self, key: str, n: int) -> np.ndarray:
-        """`n` more blocks for `key`; decode's caches give up blocks first if too few are free."""
-        short = n - self.allocator.num_free
+    def take(self, key: str, n: int, claim: Claim = Claim.RUNNING) -> np.ndarray:
+        """`n` more blocks for `key`, of those `claim` may take (`BlockLine`); decode's caches
+        give up blocks first if too few are."""
+        short = n - self.line.usable(claim, self.allocator.num_free)
         if short > 0 and self.reclaim is not None:
             self.reclaim(short)
+        free = self.allocator.num_free
+        usable = self.line.usable(claim, free)
+        if n > usable and usable < free:  # the rest are set aside for requests that waited first
+            raise ResourceExhausted(
+                f"cache full for new requests: {n} blocks requested, {free} free, all but {usable} of them set "
+                f"aside for the {len(self.line)} requests waiting for blocks before this one",
+                reason="CACHE_FULL",
+            )
         try:
-            return self.allocator.allocate(key, n)
+            ids = self.allocator.allocate(key, n)
         except BlocksExhausted as e:
             raise ResourceExhausted(str(e), reason="CACHE_FULL") from e
+        self.line.taken(claim, n, self.allocator.num_free)
+        return ids
 
     def grow(self, blocks: RequestBlocks, num_tokens: int) -> RequestBlocks:
         """Add attention blocks so `num_tokens` tokens fit (decode, as the sequence grows)."""
@@ -333,6 +363,7 @@ class EngineHost:
         for fn in self._on_free.pop(key, ()):
             fn()
         if freed:
+            self.line.freed(freed, self.allocator.num_free)
             self._freed.set()
             self._freed = asyncio.Event()
         return freed
@@ -345,17 +376,64 @@ class EngineHost:
         *,
         counted: bool = True,
         leading: Sequence[np.ndarray] | None = None,
+        running: bool = False,
     ) -> RequestBlocks:
         """`allocate`, but while the cache is full wait for frees until `deadline` (event-loop
         time), then raise RESOURCE_EXHAUSTED. A request that could never fit fails at once.
+        Waiters get blocks in the order they came (`BlockLine`); `running`: blocks for a request
+        that holds some already (a fork), which takes any free block and waits in no line.
         `counted`: the wait is reported (requests and jobs; not start-up probes)."""
-        started = asyncio.get_running_loop().time()
-        blocks = await self._when_free(
-            lambda: self.allocate(key, num_tokens, leading=leading), num_tokens, deadline, counted=counted
-        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        def attempt(claim: Claim) -> RequestBlocks:
+            return self.allocate(key, num_tokens, leading=leading, claim=claim)
+
+        if running:
+            blocks = await self._when_free(lambda: attempt(Claim.RUNNING), num_tokens, deadline, counted=counted)
+        else:
+            try:
+                blocks = attempt(Claim.NEWCOMER)
+            except ResourceExhausted as e:
+                self._check_can_wait(e, deadline, num_tokens)
+                blocks = await self._in_line(lambda: attempt(Claim.FIRST_IN_LINE), deadline, counted)
         if counted:  # also the breakdown's p.allocated step (END_STEPS)
-            self.observer.stage(Stage.QUEUE_WAIT, asyncio.get_running_loop().time() - started)
+            self.observer.stage(Stage.QUEUE_WAIT, loop.time() - started)
         return blocks
+
+    async def _in_line(self, attempt: Callable[[], RequestBlocks], deadline: float, counted: bool) -> RequestBlocks:
+        """Wait at the end of the line; `attempt()` once first in it, at every free, until it finds
+        the blocks or `deadline` passes (RESOURCE_EXHAUSTED). Leaving, on any outcome, passes the
+        turn on."""
+        loop = asyncio.get_running_loop()
+        turn = self.line.join()
+        if counted:
+            self.waiting_for_blocks += 1
+        try:
+            while True:
+                if self.line.first(turn):
+                    try:
+                        return attempt()
+                    except ResourceExhausted as e:
+                        self._check_can_wait(e, deadline)
+                turn.clear()
+                await _until_set(turn, deadline - loop.time())
+                if loop.time() >= deadline and not self.line.first(turn):
+                    raise ResourceExhausted(
+                        f"the cache is full and {len(self.line) - 1} requests wait for blocks; still waiting "
+                        "behind earlier ones when the request's deadline came",
+                        reason="CACHE_FULL",
+                    )
+        finally:
+            self.line.leave(turn)
+            if counted:
+                self.waiting_for_blocks -= 1
+
+    def _check_can_wait(self, e: ResourceExhausted, deadline: float, num_tokens: int = 0) -> None:
+        """Raise `e` as final when waiting cannot help: the deadline came, or `num_tokens` need
+        more blocks than the whole cache."""
+        if deadline - asyncio.get_running_loop().time() <= 0 or sum(self.blocks_per_group(num_tokens)) > self.num_blocks:
+            raise ResourceExhausted(f"{e.message}; still full when the request's deadline came", reason="CACHE_FULL")
 
     async def grow_queued(self, blocks: RequestBlocks, num_tokens: int, deadline: float) -> RequestBlocks:
         """`grow`, but while the cache is full wait for frees until `deadline` (event-loop time),
@@ -384,9 +462,7 @@ class EngineHost:
                     if counted and not waiting:
                         waiting = True
                         self.waiting_for_blocks += 1
-                    freed = self._freed
-                    with contextlib.suppress(TimeoutError):  # full still: the loop says so
-                        await asyncio.wait_for(freed.wait(), left)
+                    await _until_set(self._freed, left)
         finally:
             if waiting:
                 self.waiting_for_blocks -= 1
