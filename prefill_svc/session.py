@@ -61,6 +61,7 @@ from shared.rpc.manifest_message import manifest_message
 from shared.rpc.proto_time import duration
 from shared.rpc.status import code_number, to_rpc_status
 from shared.runtime.engine_host import EngineHost
+from shared.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class PrefillSession:
     async def stream(self, requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[pb.SessionResponse]:
         self.lifecycle.check_accepting("new sessions")
         try:
-            first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_SECONDS)
+            first = await within(anext(requests), HELLO_TIMEOUT_SECONDS)
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -305,7 +306,7 @@ class PrefillSession:
         REUSED_ID_WAIT_SECONDS; else the job fails ALREADY_EXISTS, as a running duplicate would."""
         rid = message.request_id
         try:
-            await asyncio.wait_for(asyncio.shield(ended), REUSED_ID_WAIT_SECONDS)
+            await within(asyncio.shield(ended), REUSED_ID_WAIT_SECONDS)
         except TimeoutError:
             work.close()
             self._jobs.pop(rid, None)
@@ -348,8 +349,8 @@ class PrefillSession:
             now = loop.time()
             left = None if deadline is None else max(0.0, wait_deadline(deadline, now) - now)
             try:
-                if self._credits.locked():  # (wait_for with no time left would not even try)
-                    await asyncio.wait_for(self._credits.acquire(), left)
+                if self._credits.locked():  # (with no time left it would not even try)
+                    await within(self._credits.acquire(), left)
                 else:
                     await self._credits.acquire()
             except TimeoutError:

@@ -39,6 +39,7 @@ from shared.pb.hybridpd.v1 import layout_pb2 as pb
 from shared.runtime.block_line import BlockLine, Claim
 from shared.runtime.compute_thread import ComputeThread
 from shared.runtime.layout_message import RankMemory, engine_layout_message
+from shared.timeouts import within
 from shared.transport.agent import RankAgent
 from shared.transport.loopback import loopback_read
 from shared.transport.notifications import UnknownHandler
@@ -62,12 +63,10 @@ EngineFactory = Callable[[EngineLayout, Sequence[RankCache]], Engine]
 
 
 async def _until_set(event: asyncio.Event, timeout: float) -> None:
-    """Wait for `event` at most `timeout` seconds; the caller looks again either way. Not
-    `asyncio.wait_for`: on Python 3.11 it drops a cancel that comes as the event is set, and a
-    cancelled request would then go on waiting for blocks, or take them."""
+    """Wait for `event` at most `timeout` seconds; the caller looks again either way (`within`:
+    a cancel that comes as the event is set still cancels)."""
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(max(0.0, timeout)):
-            await event.wait()
+        await within(event.wait(), timeout)
 
 
 def new_incarnation() -> int:

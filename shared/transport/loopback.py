@@ -17,6 +17,7 @@ import torch
 
 from shared.cache.regions import RankCache
 from shared.errors import Unavailable
+from shared.timeouts import within
 from shared.transport.agent import PreppedList, RankAgent
 from shared.transport.poller import CompletionPoller
 from shared.transport.read_fence import ReadFence
@@ -55,7 +56,7 @@ async def loopback_read(agent: RankAgent, cache: RankCache, poller: CompletionPo
     finally:
         wait.cancel()
         # Lists are released and the bytes zeroed only once the READ cannot land any more.
-        await asyncio.wait_for(reads.wait(), timeout)
+        await within(reads.wait(), timeout)
         for p in prepped:
             await agent.release_prepped(p)
         source.zero_()
@@ -68,7 +69,7 @@ async def _notification(agent: RankAgent, poller: CompletionPoller, wait: asynci
     meanwhile (a stuck owner thread) or was pumped and still received nothing (lost in UCX)."""
     pumps, received = agent.pumps, poller.stats.notifs_received
     try:
-        await asyncio.wait_for(asyncio.shield(wait), timeout)
+        await within(asyncio.shield(wait), timeout)
     except TimeoutError:
         raise RuntimeError(
             f"the READ completed but its notification did not arrive within {timeout:g} s; meanwhile the "

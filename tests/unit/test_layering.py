@@ -2,7 +2,7 @@
 
 Layers, bottom to top: the library (shared/), the services (prefill_svc, decode_svc), the
 benchmarks (hybridpd_tools/bench), the CLI (hybridpd_tools/cli). Inside the library, floors of
-their own, bottom to top: the base (errors, limits, version, token_logprobs, logs, observe, otel, telemetry),
+their own, bottom to top: the base (errors, limits, version, timeouts, token_logprobs, logs, observe, otel, telemetry),
 layout, cache, transport, engine, config, runtime, http, rpc (`LIBRARY_FLOORS`). A module may
 import its own layer and the layers below it, never above; the two services never import each
 other; scripts/ uses the library only. Every import counts, also one inside a function body or
