@@ -101,13 +101,12 @@ class Mamba2:
         xbc = F.silu(mixed).transpose(0, 1)  # [T, C]
         x, b, c = self._split(xbc)
         dt = F.softplus(dt + self.dt_bias).clamp(self.dt_limit[0], self.dt_limit[1])
-        rep = self.num_heads // self.n_groups
         y, new_ssm = ssd_scan(
             x.reshape(t, self.num_heads, self.head_dim).float(),
             dt,
             self.A,
-            b.reshape(t, self.n_groups, self.d_state).float().repeat_interleave(rep, dim=1),
-            c.reshape(t, self.n_groups, self.d_state).float().repeat_interleave(rep, dim=1),
+            b.reshape(t, self.n_groups, self.d_state),
+            c.reshape(t, self.n_groups, self.d_state),
             self.D,
             ssm,
             min(self.chunk_size, SCAN_BLOCK),
@@ -161,46 +160,62 @@ def ssd_scan(
 ) -> tuple[Tensor, Tensor]:
     """The chunked SSD form of the Mamba2 recurrence for one request, in fp32.
 
-    x [T, H, P], dt [T, H], A [H], B and C [T, H, N] (per head), D [H], state [H, P, N] entering
-    the first token. Returns y [T, H, P] (D skip included) and the state after the last token.
-    Within a chunk the output is a masked, decay-weighted matmul; between chunks the state
-    carries over by its total decay."""
+    x [T, H, P], dt [T, H], A [H], B and C [T, G, N] (per group: head h reads group
+    h // (H // G)), D [H], state [H, P, N] entering the first token. Returns y [T, H, P] (D skip
+    included) and the state after the last token. Within a chunk the output is a masked,
+    decay-weighted matmul; between chunks the state carries over by its total decay.
+
+    Everything runs head-major ([H, chunks, L, ...], contiguous), so every product is a plain
+    batched matmul over whole matrices and nothing is copied through strided views; C B^T is
+    taken once per group, not per head."""
     t, heads, p = x.shape
-    pad = (-t) % chunk
-    xd = x * dt[..., None].float()
-    a = A[None, :] * dt.float()  # [T, H] log-decays
-    if pad:
-        xd, a = F.pad(xd, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
-        B, C = F.pad(B, (0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, pad))
-    n_chunks = (t + pad) // chunk
-    xd = xd.view(n_chunks, chunk, heads, p)
-    a = a.view(n_chunks, chunk, heads).permute(0, 2, 1)  # [c, H, L]
-    Bc = B.view(n_chunks, chunk, heads, -1)
-    Cc = C.view(n_chunks, chunk, heads, -1)
-    cum = torch.cumsum(a, dim=-1)  # [c, H, L]
+    groups, n = B.shape[1], B.shape[2]
+    rep = heads // groups
+    count = -(-t // chunk)
+    dth = _head_major(dt, count * chunk).view(heads, count, chunk)
+    a = dth * A[:, None, None]  # [H, c, L] log-decays
+    xh = _head_major(x, count * chunk).view(heads, count, chunk, p)
+    xd = xh * dth[..., None]
+    bg = _head_major(B, count * chunk).view(groups, count, chunk, n)
+    cg = _head_major(C, count * chunk).view(groups, count, chunk, n)
+    cum = torch.cumsum(a, dim=-1)  # [H, c, L]
     # decay from position j to position i (j <= i) inside a chunk: exp(sum_{j < r <= i} a_r)
-    seg = _segment_sum(a)  # [c, H, L, L]
-    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * torch.exp(seg)
-    y_diag = torch.einsum("chls,cshp->clhp", scores, xd)
-    to_end = torch.exp(cum[:, :, -1:] - cum)  # [c, H, L]
-    local = torch.einsum("clhn,chl,clhp->chpn", Bc, to_end, xd)  # each chunk's own contribution
-    total = torch.exp(cum[:, :, -1])  # [c, H]
-    starts = []
+    scores = _segment_decay(a).view(groups, rep, count, chunk, chunk)
+    scores.mul_(torch.matmul(cg, bg.transpose(-1, -2))[:, None])  # (C_i . B_j) decay(j -> i)
+    y = torch.matmul(scores.view(heads, count, chunk, chunk), xd)  # [H, c, L, P]: within each chunk
+    to_end = torch.exp(cum[..., -1:] - cum)  # [H, c, L]
+    local = torch.matmul((xd * to_end[..., None]).transpose(-1, -2), _per_head(bg, rep))  # [H, c, P, N]
+    total = torch.exp(cum[..., -1])  # [H, c]
+    starts = torch.empty_like(local)  # the state entering each chunk
     s = state.to(torch.float32)
-    for i in range(n_chunks):
-        starts.append(s)
-        s = total[i][:, None, None] * s + local[i]
-    start_states = torch.stack(starts)  # [c, H, P, N]
-    y_off = torch.einsum("clhn,chpn->clhp", Cc, start_states) * torch.exp(cum).permute(0, 2, 1)[..., None]
-    y = (y_diag + y_off).reshape(n_chunks * chunk, heads, p)[:t]
-    return y + x * D.float()[None, :, None], s
+    for i in range(count):
+        starts[:, i] = s
+        s = total[:, i, None, None] * s + local[:, i]
+    y.addcmul_(torch.matmul(_per_head(cg, rep), starts.transpose(-1, -2)), torch.exp(cum)[..., None])
+    y.addcmul_(xh, D.float()[:, None, None, None])  # the D skip
+    return y.view(heads, count * chunk, p)[:, :t].transpose(0, 1), s  # [T, H, P]
 
 
-def _segment_sum(a: Tensor) -> Tensor:
-    """[..., L] -> [..., L, L]: out[..., i, j] = sum_{j < r <= i} a[r] for j <= i, -inf above."""
+def _head_major(v: Tensor, rows: int) -> Tensor:
+    """[T, H, ...] -> [H, rows, ...] in fp32, contiguous, zero after token T (padding tokens have
+    dt = 0: decay 1 and no input, so they leave the state as it was)."""
+    out = v.new_zeros((v.shape[1], rows, *v.shape[2:]), dtype=torch.float32)
+    out[:, : v.shape[0]] = v.transpose(0, 1)
+    return out
+
+
+def _per_head(g: Tensor, rep: int) -> Tensor:
+    """[G, ...] -> [G * rep, ...]: each head its group's tensor."""
+    return g[:, None].expand(g.shape[0], rep, *g.shape[1:]).reshape(g.shape[0] * rep, *g.shape[1:])
+
+
+def _segment_decay(a: Tensor) -> Tensor:
+    """[..., L] -> [..., L, L]: out[..., i, j] = exp(sum_{j < r <= i} a[r]) for j <= i, 0 above.
+    The sums are cumulative sums of the masked log-decays (never a difference of two cumulative
+    sums, which would lose the small ones next to large ones)."""
     length = a.shape[-1]
     expanded = a[..., None].expand(*a.shape, length)  # [..., r, j] = a[r]
     strict = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
     summed = torch.cumsum(expanded.masked_fill(~strict, 0), dim=-2)
-    keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
-    return summed.masked_fill(~keep, float("-inf"))
+    above = torch.triu(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=1)
+    return summed.exp_().masked_fill_(above, 0.0)
