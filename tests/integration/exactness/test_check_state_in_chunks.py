@@ -3,8 +3,10 @@ their bits depend on the chunking, so decode recomputes the prompt in the chunks
 ran (the handshake's prefill_chunk_tokens), not in one forward of its own.
 
 Real services in this process (grpc.aio on port 0, NIXL READs over UCX on DRAM), tiny seeded
-checkpoints. Negative control: the same state checked as one forward reports mismatches, so the
-chunks the check uses decide its answer.
+checkpoints. Negative control: the same state checked in other chunks (OTHER_CHUNK tokens, which
+cut the SSD scan's blocks elsewhere) reports mismatches, so the chunks the check uses decide its
+answer. (One forward is no control for the paged engine here: its chunks of CHUNK tokens are
+whole scan blocks, and it gives them the bits of one forward.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.integration.services.hf_services import generate_ids, hf_pair
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 CHUNK = 16
+OTHER_CHUNK = 12  # the tiny checkpoint's SSD scan blocks are 8 tokens: 12 cuts them elsewhere
 FAMILY = "nemotron_h"
 
 
@@ -45,6 +48,6 @@ def test_the_check_recomputes_in_the_chunks_it_is_given(engine: str) -> None:
         n = colocated.engine.num_prefill_tokens(len(prompt))
         assert colocated.engine.check_state(prompt, n, blocks) == []  # the engine's own chunks
         assert colocated.engine.check_state(prompt, n, blocks, chunk_tokens=CHUNK) == []
-        assert colocated.engine.check_state(prompt, n, blocks, chunk_tokens=0) != []  # one forward: other bits
+        assert colocated.engine.check_state(prompt, n, blocks, chunk_tokens=OTHER_CHUNK) != []  # other chunks: other bits
     finally:
         colocated.close()
