@@ -320,9 +320,10 @@ class EngineHost:
 
     def take(self, key: str, n: int, claim: Claim = Claim.RUNNING) -> np.ndarray:
         """`n` more blocks for `key`, of those `claim` may take (`BlockLine`); decode's caches
-        give up blocks first if too few are."""
+        give up blocks first if too few are (not for a newcomer behind a line: what they gave
+        up would go to the line)."""
         short = n - self.line.usable(claim, self.allocator.num_free)
-        if short > 0 and self.reclaim is not None:
+        if short > 0 and self.reclaim is not None and not (claim is Claim.NEWCOMER and self.line):
             self.reclaim(short)
         free = self.allocator.num_free
         usable = self.line.usable(claim, free)

@@ -154,3 +154,35 @@ async def test_a_waiter_leaving_passes_its_turn_on(host: EngineHost) -> None:
     assert (await asyncio.wait_for(small, 10)).request_id == "small"
     assert len(host.line) == 0 and host.line.reserved == 0 and host.waiting_for_blocks == 0
     empty(host, [*held[1:], "small"])
+
+
+async def test_a_newcomer_behind_the_line_makes_the_caches_give_up_nothing(host: EngineHost) -> None:
+    """Blocks the caches give up while requests wait go to the line, so a newcomer that cannot
+    start does not make them give any up; the first in line does. The caches are stood for by
+    the host's reclaim hook (what decode's prefix cache and state checkpoints install), freeing
+    requests held as cache entries."""
+    loop = asyncio.get_running_loop()
+    held = fill(host)
+    cache = [k for k in held if k.startswith("hog")][1:]
+    asked: list[int] = []
+
+    def reclaim(n: int) -> int:
+        asked.append(n)
+        freed = 0
+        while freed < n and cache:
+            freed += host.free(cache.pop())
+        return freed
+
+    big = asyncio.ensure_future(host.allocate_queued("big", 2 * ONE + 64, loop.time() + 30))
+    await until(lambda: host.waiting_for_blocks == 1, timeout=10)
+    host.reclaim = reclaim
+    try:
+        with pytest.raises(ResourceExhausted, match="cache full"):
+            host.allocate("newcomer", ONE)
+        assert asked == [] and not big.done()
+        host.free("hog0")  # the first in line wakes, and its caches give up the rest
+        got = await asyncio.wait_for(big, 10)
+        assert asked and sum(map(len, got.block_ids)) == blocks(host, 2 * ONE + 64)
+    finally:
+        host.reclaim = None
+    empty(host, [*held, "big"])  # freeing a key twice frees nothing
