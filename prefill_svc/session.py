@@ -307,15 +307,13 @@ class PrefillSession:
         rid = message.request_id
         try:
             await within(asyncio.shield(ended), REUSED_ID_WAIT_SECONDS)
-        except TimeoutError:
+        except BaseException as e:  # the job never starts: nothing of it to undo but its entry
             work.close()
             self._jobs.pop(rid, None)
+            if not isinstance(e, TimeoutError):
+                raise
             self._already_in_flight(rid)
             return
-        except BaseException:
-            work.close()
-            self._jobs.pop(rid, None)
-            raise
         await work
 
     async def _traced_job(self, message: pb.PrefillJob) -> None:

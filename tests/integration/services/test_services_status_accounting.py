@@ -78,6 +78,18 @@ async def test_a_request_cut_by_the_end_of_the_drain_grace_gets_our_unavailable(
     assert finished(decode, "UNAVAILABLE") == 1 and finished(decode, "CANCELLED") == 0
 
 
+def handle_notifications_late(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Test-only: prefill handles each READ notification `seconds` late (its pin ends that late)."""
+    from prefill_svc.pins import PinTable
+
+    on_time = PinTable._on_wait_done
+
+    def late(self: PinTable, pin: Any, wait: Any) -> None:
+        asyncio.get_running_loop().call_later(seconds, on_time, self, pin, wait)
+
+    monkeypatch.setattr(PinTable, "_on_wait_done", late)
+
+
 @pytest.mark.parametrize("notifications_late", [False, True], ids=["notified-at-once", "notified-late"])
 async def test_a_request_id_reused_the_moment_its_request_ended_is_served(
     start_prefill: Any, start_decode: Any, channel_to: Any, monkeypatch: pytest.MonkeyPatch, notifications_late: bool
@@ -87,14 +99,7 @@ async def test_a_request_id_reused_the_moment_its_request_ended_is_served(
     ALREADY_EXISTS. The late case (test-only: prefill handles each notification half a second
     late) refused the second request every time before."""
     if notifications_late:
-        from prefill_svc.pins import PinTable
-
-        on_time = PinTable._on_wait_done
-
-        def late(self: PinTable, pin: Any, wait: Any) -> None:
-            asyncio.get_running_loop().call_later(0.5, on_time, self, pin, wait)
-
-        monkeypatch.setattr(PinTable, "_on_wait_done", late)
+        handle_notifications_late(monkeypatch, 0.5)
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)
     stub = dpb_grpc.DecodeServiceStub(channel_to(decode.port))
@@ -111,14 +116,8 @@ async def test_a_reused_id_whose_earlier_pin_does_not_end_is_already_exists(
     """The wait for an earlier pin of the id is bounded (shortened here; test-only: prefill
     handles the notifications 5 s late), then the job fails as a running duplicate would."""
     from prefill_svc import session
-    from prefill_svc.pins import PinTable
 
-    on_time = PinTable._on_wait_done
-
-    def late(self: PinTable, pin: Any, wait: Any) -> None:
-        asyncio.get_running_loop().call_later(5.0, on_time, self, pin, wait)
-
-    monkeypatch.setattr(PinTable, "_on_wait_done", late)
+    handle_notifications_late(monkeypatch, 5.0)
     monkeypatch.setattr(session, "REUSED_ID_WAIT_SECONDS", 0.2)
     prefill = await start_prefill()
     decode = await start_decode(prefill.port)

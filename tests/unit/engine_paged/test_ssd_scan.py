@@ -1,6 +1,7 @@
 """Mamba2's chunked SSD scan gives the recurrence token by token at any block size: at the
 engine's `SCAN_BLOCK` and at a checkpoint's larger chunk_size alike, across block boundaries,
-from a non-zero state (negative control: from another state it differs)."""
+from a non-zero state, with B and C per head or per group (negative controls: from another
+state, or with the heads given other groups, it differs)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,20 @@ def test_any_block_size_gives_the_recurrence(t: int, block: int) -> None:
     assert y.shape == want_y.shape == (t, HEADS, P)
     assert _relative(y, want_y) <= TOLERANCE
     assert _relative(final, want_final) <= TOLERANCE
+
+
+def test_heads_read_their_groups_b_and_c() -> None:
+    """B and C given per group (2 groups of 2 heads): head h reads group h // 2, as if each head
+    had its group's copy (negative control: the other order of heads differs)."""
+    x, dt, a, b, c, d, state = _inputs(2 * SCAN_BLOCK + 3)
+    groups = 2
+    bg, cg = b[:, :groups], c[:, :groups]
+    y, final = ssd_scan(x, dt, a, bg, cg, d, state, SCAN_BLOCK)
+    rep = HEADS // groups
+    want_y, want_final = _recurrence(x, dt, a, bg.repeat_interleave(rep, 1), cg.repeat_interleave(rep, 1), d, state)
+    assert _relative(y, want_y) <= TOLERANCE and _relative(final, want_final) <= TOLERANCE
+    other_y, _ = _recurrence(x, dt, a, bg.repeat(1, rep, 1), cg.repeat(1, rep, 1), d, state)
+    assert _relative(y, other_y) > TOLERANCE
 
 
 def test_negative_control_the_starting_state_shows() -> None:
