@@ -6,11 +6,14 @@ Decode keeps nothing per request between steps: each step reads K/V and SSM stat
 request's blocks (the bytes a transfer moves) and writes the new token's K/V and the new SSM
 state back. `step_batch` steps many requests in one forward (`BatchedDecode`).
 
-Batch invariance (`batch_invariant`, on by default): the requests of a step are padded to whole
-tiles of `TILE_ROWS` rows, every GEMM gives each row the bits of its own tile (tiles.py,
-call_sizes.py), row-wise kernels treat every row alike, and attention runs per request on its
-own K/V: a request's logits are the same bits whatever shares its step. Off, one forward covers
-the unpadded requests with plain GEMMs (faster, not invariant).
+Batch invariance (`batch_invariant`, on by default): every GEMM gives each row the bits of its
+own tile of `TILE_ROWS` rows (tiles.py, call_sizes.py), row-wise kernels treat every row alike,
+and attention runs per request on its own K/V: a request's logits are the same bits whatever
+shares its step. A step's requests are padded to whole units of rows that leave no row-wise
+kernel a scalar tail: the engine's first invariant step runs on a traced stack and finds the
+fewest rows this model's ops need (stack_unit.py); a few requests then compute a few rows, not a
+whole stack. Off, one forward covers the unpadded requests with plain GEMMs (faster, not
+invariant).
 
 Shares of whole tiles are independent forwards (each writes only its own requests' blocks), so
 with `decode_threads` N > 1 a step's tiles are split into N shares on N threads at once (torch
@@ -44,6 +47,7 @@ from shared.engine.paged.checkpoint import PagedCheckpoint
 from shared.engine.paged.chunk_groups import balanced_groups
 from shared.engine.paged.mamba2 import Mamba2
 from shared.engine.paged.model import SSM_MIXERS, ChunkInput, ChunkOutput, Parallel, SsmStates
+from shared.engine.paged.stack_unit import stack_unit, step_rows, trace_rows
 from shared.engine.paged_state import PagedStateStore
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.prompt_logprobs import score_rows
@@ -101,6 +105,7 @@ class PagedEngine:
         self.batch_invariant = batch_invariant
         self.decode_threads = decode_threads
         self._tile_workers: ThreadPoolExecutor | None = None  # made at the first step with tiles to share
+        self._stack_unit: int | None = None  # found by the first invariant decode step (stack_unit.py)
         self.prefill_threads = prefill_threads
         self._group_workers: ThreadPoolExecutor | None = None  # made at the first step with groups to share
         # As the hf engine's: prefill runs these chunks itself, so only they give its bits.
@@ -337,6 +342,12 @@ class PagedEngine:
         positions = [s._pos for s in batch]
         if not self.batch_invariant:
             return self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False)
+        if self._stack_unit is None:  # the first step: on a traced stack, which finds the unit
+            rows = trace_rows(len(batch), self.model.dtype)
+            logits, self._stack_unit = stack_unit(
+                lambda r: self.model.forward_step(ids, stores, positions, rows=r, invariant=True), rows
+            )
+            return logits
         # Thread t runs one forward over a contiguous share of whole tiles, as even a share as
         # whole tiles allow; with one thread, the whole step is one forward.
         n_tiles = -(-len(batch) // tiles.TILE_ROWS)
@@ -353,9 +364,16 @@ class PagedEngine:
     @torch.no_grad()  # grad mode is per thread: a worker's too
     def _share(self, share: slice, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int]) -> Tensor:
         """The logits of the requests of `share`, computed on this thread in one forward over a
-        stack of whole rows (tiles.stack_rows)."""
-        rows = tiles.stack_rows(share.stop - share.start, self.model.dtype)
+        stack of whole units (stack_unit.step_rows)."""
+        assert self._stack_unit is not None
+        rows = step_rows(share.stop - share.start, self._stack_unit)
         return self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True)
+
+    @property
+    def decode_stack_unit(self) -> int | None:
+        """The rows an invariant decode step's stack is a multiple of (stack_unit.py); None until
+        the first such step has found it."""
+        return self._stack_unit
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._tile_workers is None:

@@ -108,8 +108,8 @@ class GatedDeltaNet:
         del fresh  # no clamp in this recurrence
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         qkv, z, b, a = self._project(h, invariant)
-        window = torch.cat([conv.to(dtype), qkv[:, :, None]], dim=2)
-        mixed = F.silu(conv_step(window, self.conv_weight, None))
+        window = torch.cat([conv.to(dtype), qkv[:n, :, None]], dim=2)
+        mixed = F.silu(conv_step(window, self.conv_weight, None, r))
         q, k, v, decay, beta = self._inputs(mixed, b, a)
         new_ssm, o_real = _delta_step(ssm, q[:n], k[:n], v[:n], decay[:n], beta[:n])
         o = o_real.new_zeros((r, self.num_v_heads, self.head_v_dim))

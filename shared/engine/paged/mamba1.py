@@ -79,8 +79,8 @@ class Mamba1:
         del fresh
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         x, z = linear(h, self.in_proj, self.in_bias, invariant=invariant).chunk(2, dim=-1)
-        window = torch.cat([conv.to(dtype), x[:, :, None]], dim=2)  # [R, D, K]
-        x = F.silu(conv_step(window, self.conv_weight, self.conv_bias))
+        window = torch.cat([conv.to(dtype), x[:n, :, None]], dim=2)  # [n, D, K]
+        x = F.silu(conv_step(window, self.conv_weight, self.conv_bias, r))
         dt, b, c = self._selective(x, invariant)
         dt = F.softplus(dt)  # [R, D] fp32
         decay = torch.exp(dt[:, :, None] * self.A[None])[:n]  # exp on the tile's shape

@@ -128,8 +128,8 @@ class Mamba2:
         and sums, exact elementwise whatever the shape, and a sum over N per output."""
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
-        window = torch.cat([conv.to(dtype), xbc[:, :, None]], dim=2)  # [R, C, K]
-        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias)))
+        window = torch.cat([conv.to(dtype), xbc[:n, :, None]], dim=2)  # [n, C, K]
+        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias, r)))
         x = x.reshape(r, self.num_heads, self.head_dim)
         b, c = self._per_head(b, r), self._per_head(c, r)
         dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)

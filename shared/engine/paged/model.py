@@ -281,9 +281,10 @@ class Model:
         """One token of each request (`ids[b]` at `positions[b]`, state in `stores[b]`), computed
         on `rows` rows (the requests, then zero padding): logits `[len(ids), vocab]`.
 
-        Every op but attention runs on the whole `[rows, ...]` tensors; attention runs per
-        request on its own K/V. With `invariant` and `rows` whole stacks (tiles.stack_rows), a
-        request's bits cannot depend on the other rows."""
+        Every op but attention (and the mixers' products and sums on the requests' own rows)
+        runs on the whole `[rows, ...]` tensors; attention runs per request on its own K/V. With
+        `invariant` and `rows` whole stacks (tiles.stack_rows), or whole units of this model's
+        step (stack_unit.py), a request's bits cannot depend on the other rows."""
         with padding_after(len(ids), rows):
             return self._step_stack(ids, stores, positions, rows, invariant)
 
@@ -344,8 +345,7 @@ class Model:
         invariant: bool,
         lookups: StepIndex,
     ) -> Tensor:
-        n, rows = len(stores), x.shape[0]
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
-        y, conv, ssm = mixer.step(x, pad_rows(conv, rows), ssm, fresh, invariant=invariant)
-        write_ssm_many(stores, index, conv[:n], ssm, lookups)
+        y, conv, ssm = mixer.step(x, conv, ssm, fresh, invariant=invariant)
+        write_ssm_many(stores, index, conv, ssm, lookups)
         return y

@@ -93,7 +93,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, invariant: 
     real = padding.real if padding is not None and padding.total == rows else rows
     calls = exact_calls(weight, bias, TILE_ROWS)
     computed = calls.rows_for(real)
-    padded = pad_rows(x[:real], computed).contiguous()
+    padded = (x[:computed] if rows >= computed else pad_rows(x, computed)).contiguous()
     step = calls.largest
     if computed <= step:
         out = F.linear(padded, weight, bias)

@@ -1,6 +1,6 @@
 """A step's tiles on several decode threads (`decode_threads`): the logits of every request and
-every byte of the caches are the same with 1 and with N threads, from the first step (fresh
-worker threads) on; and the negative control: the same comparison sees the difference that one
+every byte of the caches are the same with 1 and with N threads, from the first step that
+uses the workers (fresh worker threads) on; and the negative control: the same comparison sees the difference that one
 GEMM over the batch makes (so it could see a thread's)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from shared.engine.paged.engine import PagedEngine
 from shared.engine.paged.families import SUPPORTED_FAMILIES
-from shared.engine.paged.tiles import stack_rows
+from shared.engine.paged.stack_unit import step_rows, trace_rows
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
 
 REQUESTS = 40  # three tiles: 16, 16 and 8 requests
@@ -69,7 +69,8 @@ def test_a_step_is_one_forward_per_thread_share(
     threads: int, shares: list[int], hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each thread's share of whole tiles is one forward over one stack (tiles.py), not one
-    forward per tile."""
+    forward per tile; the engine's first step is one forward on the calling thread over a traced
+    stack (stack_unit.py)."""
     engine = paged_engine(hf_checkpoint("nemotron_h"), decode_threads=threads)
     forwards: list[tuple[int, int]] = []
     forward = engine.model.forward_step
@@ -80,7 +81,9 @@ def test_a_step_is_one_forward_per_thread_share(
 
     monkeypatch.setattr(engine.model, "forward_step", counted)
     _run(engine)
-    assert sorted(forwards[: len(shares)], reverse=True) == sorted(
-        ((n, stack_rows(n, torch.float32)) for n in shares), reverse=True
-    )
-    assert len(forwards) == STEPS * len(shares)
+    unit = engine.decode_stack_unit
+    assert unit is not None
+    assert forwards[0] == (REQUESTS, trace_rows(REQUESTS, torch.float32))
+    later = forwards[1:]
+    assert sorted(later[: len(shares)], reverse=True) == sorted(((n, step_rows(n, unit)) for n in shares), reverse=True)
+    assert len(later) == (STEPS - 1) * len(shares)
