@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.conv_step import conv_step
 from shared.engine.paged.tiles import TILE_ROWS, stack_rows
 
 FUNCTIONS: list[Callable[[Tensor], Tensor]] = [torch.sigmoid, F.silu, F.softplus, torch.exp, torch.tanh]
@@ -50,3 +51,19 @@ def test_negative_control_stacks_of_tiles_do_not() -> None:
 def test_stack_rows_rounds_up_to_whole_stacks() -> None:
     assert [stack_rows(n, torch.float32) for n in (1, 32, 33)] == [32, 32, 64]
     assert [stack_rows(n, torch.bfloat16) for n in (1, 64, 65)] == [64, 64, 128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_conv_steps_products_and_sums_need_no_stack(dtype: torch.dtype) -> None:
+    """A decode step's conv multiplies and sums on the requests' rows only (conv_step.py): each
+    row gets the bits it gets beside any number of other rows, at widths with scalar tails too,
+    and the rows after them are zero up to the stack."""
+    torch.manual_seed(4)
+    for channels, taps in ((384, 4), (648, 4), (7, 4), (5, 3), (33, 2)):
+        weight, bias = torch.randn(channels, taps).to(dtype), torch.randn(channels).to(dtype)
+        window = torch.randn(64, channels, taps).to(dtype)
+        full = conv_step(window, weight, bias, 64)
+        for n in range(1, 65):
+            out = conv_step(window[:n], weight, bias, stack_rows(n, dtype))
+            assert torch.equal(out[:n], full[:n]), (channels, taps, n)
+            assert not out[n:].any()
