@@ -2,8 +2,9 @@
 
 Experts run on the rows routed to them, gathered per expert (one pass per expert); in decode
 those row counts depend on the batch, so every expert matmul goes through `linear`'s tiles
-(tiles.py), and each token sums its experts' outputs in its own top-k order, which no other row
-changes.
+(tiles.py), an invariant expert's rows are padded to a whole stack (its activation then has no
+scalar tail whatever the count), and each token sums its experts' outputs in its own top-k
+order, which no other row changes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.engine.paged.routers import Router
-from shared.engine.paged.tiles import linear
+from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_rows
 
 Activation = Callable[[Tensor], Tensor]
 
@@ -89,7 +90,7 @@ class Moe:
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(index == e)
             if token.numel():
-                outs[token, slot] = expert(x[token], invariant=invariant) * weights[token, slot, None]
+                outs[token, slot] = _routed(expert, x[token], invariant) * weights[token, slot, None]
         out = outs[:, 0]
         for k in range(1, top_k):
             out = out + outs[:, k]
@@ -102,3 +103,15 @@ class Moe:
                 s = torch.sigmoid(linear(h, self.shared_gate, invariant=invariant)) * s
             out = out + s
         return out
+
+
+def _routed(expert: Mlp, x: Tensor, invariant: bool) -> Tensor:
+    """`expert(x)` on the rows routed to it. Their count follows the batch, so with `invariant`
+    they are padded to a whole stack (tiles.stack_rows), which leaves the expert's activation no
+    scalar tail at any width, and its GEMMs skip the tiles of only padding."""
+    if not invariant:
+        return expert(x, invariant=False)
+    count = x.shape[0]
+    rows = stack_rows(count, x.dtype)
+    with padding_after(count, rows):
+        return expert(pad_rows(x, rows), invariant=True)[:count]

@@ -2,8 +2,8 @@
 and beside 1..63 other requests of other prompt lengths, at any place in the batch, step after
 step, for every family and for the checkpoint variants it serves (Nemotron-H's routed experts,
 scaled RoPE); and the negative controls: with `batch_invariant=False`, or with only the routed
-experts' GEMMs untiled, the same comparison finds a difference (one GEMM rounds differently
-with its row count)."""
+experts' GEMMs untiled and their rows unpadded, the same comparison finds a difference (one
+GEMM rounds differently with its row count)."""
 
 from __future__ import annotations
 
@@ -67,13 +67,15 @@ def test_routed_experts_and_scaled_rope_do_not_depend_on_the_batch(
 def test_negative_control_experts_in_one_gemm_depend_on_their_other_rows(
     variant: str, variant_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The feed-forward GEMMs untiled (ffn.linear: one GEMM over the rows each call gets): the
-    target's logits then depend on which requests share its step. A step of at most TILE_ROWS
-    requests is one stack whose GEMMs compute one tile of TILE_ROWS rows, so the shared experts
-    and latent projections see one shape whatever the batch: only the routed experts, whose row
-    counts follow the batch, can make the difference (these variants have no dense MLP layer)."""
+    """The feed-forward GEMMs untiled (ffn.linear: one GEMM over the rows each call gets) and
+    the routed experts' rows unpadded (ffn.stack_rows: the rows routed, as many as there are):
+    the target's logits then depend on which requests share its step. A step of at most
+    TILE_ROWS requests is one stack, so the shared experts and latent projections see one shape
+    whatever the batch: only the routed experts, whose row counts follow the batch, can make the
+    difference (these variants have no dense MLP layer)."""
     directory = variant_checkpoint(variant)
     monkeypatch.setattr(ffn, "linear", lambda x, w, b=None, *, invariant=False: F.linear(x, w, b))
+    monkeypatch.setattr(ffn, "stack_rows", lambda rows, dtype: rows)
     alone = _target_logits(directory, "fp32", 1, True)
     differs = []
     for batch in (2, 7, TILE_ROWS):
