@@ -1,5 +1,6 @@
 """The row shapes that make a forward batch-invariant: every matmul over tokens goes through
-`linear`, and every invariant forward pads its rows to whole stacks (`stack_rows`).
+`linear`, and every invariant forward pads its rows to whole stacks (`stack_rows`), or a
+decode step to the fewer rows its model's ops are shown to need (stack_unit.py).
 
 GEMMs. torch's CPU GEMM picks its kernel (and with it the summation order) by the number of
 rows: a row's bits at M = 1 differ from the same row's at M = 2 or 64. For one fixed call shape,
@@ -14,9 +15,10 @@ vectors at a time and the remainder through a scalar loop, and the two round som
 differently (fp32 sigmoid, SiLU, softplus): an element's bits then depend on the tensor's
 length. A stack's rows (`stack_rows`) are a multiple of `STEP_BYTES` over the model's element
 size, so every tensor of any width has a length that is a whole number of those steps and every
-element takes the vector loop, whatever the batch. Padding rows are zero and come after the real
-ones; `padding_after` tells `linear` where they start so that its calls skip the tiles that
-hold only padding.
+element takes the vector loop, whatever the batch. Padding rows come after the real ones (zero
+where a stack starts; row-wise ops and biases may make them anything, which no real row sees);
+`padding_after` tells `linear` where they start so that its calls skip the tiles that hold only
+padding.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ _padding: ContextVar[_Padding | None] = ContextVar("stack_padding", default=None
 def padding_after(rows: int, total: int) -> Iterator[None]:
     """Within it, a tensor of `total` rows is a stack whose rows from `rows` on are padding, in
     order (a row-wise op keeps them so, and so does a gather of rows in order): `linear`
-    computes only the calls its real rows need and gives zeros after them. Set per thread (a
+    computes only the calls its real rows need and gives zeros after those calls. Set per thread (a
     context variable)."""
     token = _padding.set(_Padding(total, rows))
     try:
@@ -93,6 +95,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, invariant: 
     real = padding.real if padding is not None and padding.total == rows else rows
     calls = exact_calls(weight, bias, TILE_ROWS)
     computed = calls.rows_for(real)
+    # A stack already holds rows after its real ones: the call takes them as they are (a row's
+    # bits in a call do not depend on the other rows), so only a shorter tensor is padded.
     padded = (x[:computed] if rows >= computed else pad_rows(x, computed)).contiguous()
     step = calls.largest
     if computed <= step:
