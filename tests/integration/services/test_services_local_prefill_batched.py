@@ -83,16 +83,22 @@ async def replies(stub: pb_grpc.DecodeServiceAsyncStub, request: pb.GenerateRequ
 async def together_and_alone(
     app: DecodeApp, requests: Sequence[pb.GenerateRequest]
 ) -> tuple[list[dict[str, list[bytes]]], list[dict[str, list[bytes]]], int]:
-    """The requests sent together while the compute thread is held, so that their prompts queue
-    and share steps; then each again alone. Returns both replies and the steps the together run took."""
+    """The requests sent while the compute thread is held, so that their prompts queue and share
+    steps; then each again alone. Returns both replies and the steps the together run took.
+
+    The loop takes waiting prompts into a step as soon as it can, and that step then waits for the
+    held thread with whatever had arrived: so the first request goes alone and is in its step
+    before the others are sent, and the others all wait for the next step."""
     steps = local_steps(app)
     gate = threading.Event()
     held = app.host.submit_compute(lambda: gate.wait(60))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
-        calls = [asyncio.ensure_future(replies(stub, r)) for r in requests]
         try:
-            await until(lambda: steps.waiting + steps.in_step == len(requests), "every prompt to queue for a step", timeout=60)
+            calls = [asyncio.ensure_future(replies(stub, requests[0]))]
+            await until(lambda: steps.in_step == 1, "the first prompt to be in a step", timeout=60)
+            calls += [asyncio.ensure_future(replies(stub, r)) for r in requests[1:]]
+            await until(lambda: steps.waiting == len(requests) - 1, "the other prompts to queue for a step", timeout=60)
         finally:
             gate.set()
         await held
@@ -107,9 +113,8 @@ async def test_prompts_computed_on_decode_share_steps_and_keep_their_bits(hf_che
     async with decode_alone(hf_checkpoint("nemotron_h")) as app:
         together, alone, taken = await together_and_alone(app, REQUESTS)
         steps = local_steps(app)
-        # The first prompt may have been taken into a step before the others came; every one
-        # after it shares the next step (the budget holds them all).
-        assert taken <= 2 and steps.largest_batch >= len(REQUESTS) - 1, (taken, steps.largest_batch)
+        # The first prompt's step, then one step for all the others (the budget holds them all).
+        assert (taken, steps.largest_batch) == (2, len(REQUESTS) - 1)
         for i, (a, b) in enumerate(zip(together, alone, strict=True)):
             assert a == b, f"request {i}: replies beside the others differ from alone"
         assert set(together[1]) == {"prompt", "sequence 0"} and set(together[2]) == {"sequence 0", "sequence 1"}
