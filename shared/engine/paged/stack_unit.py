@@ -114,6 +114,13 @@ def _widths(t: Tensor, rows: int) -> Iterator[int]:
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing compiled runs under the recorder, so torch need not wrap its dispatch in the
+        # compiler's "disable", whose first call imports the compiler: hundreds of modules, tens
+        # of MB resident for the process's life.
+        return False
+
     def __init__(self, rows: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.rows = rows

@@ -5,6 +5,8 @@ traced unit makes a request's logits depend on its batch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -152,3 +154,20 @@ def test_negative_control_sigmoid_rounds_otherwise_in_the_tail() -> None:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("measured on AVX-512's 32-value steps")
     assert _first_rows_change(torch.sigmoid, torch.float32)
+
+
+FRESH_PROCESS = """
+import sys
+import torch
+from shared.engine.paged.stack_unit import stack_unit
+x = torch.randn(224, 8)
+stack_unit(lambda rows: torch.exp(x), 224)
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_the_recorder_does_not_import_the_compiler() -> None:
+    """A dispatch mode's first op imports torch's compiler (hundreds of modules, tens of MB kept
+    for the process's life) unless the mode opts out of its wrapping: the recorder does."""
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
