@@ -104,7 +104,7 @@ class GatedDeltaNet:
     def step(
         self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """`h` [R, hidden] (the first n = len(ssm) rows real), `conv` [R, C, K-1], `ssm` [n, Hv, Dv, Dk]."""
+        """`h` [R, hidden] (the first n = len(ssm) rows real), `conv` [n, C, K-1], `ssm` [n, Hv, Dv, Dk]."""
         del fresh  # no clamp in this recurrence
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         qkv, z, b, a = self._project(h, invariant)

@@ -73,7 +73,7 @@ class Mamba1:
     def step(
         self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """`h` [R, hidden] (the first n = len(ssm) rows real, then padding), `conv` [R, D, K-1],
+        """`h` [R, hidden] (the first n = len(ssm) rows real, then padding), `conv` [n, D, K-1],
         `ssm` [n, D, N] (the caller's own copy, updated in place). The recurrence has no dt
         clamp, so `fresh` changes nothing here."""
         del fresh

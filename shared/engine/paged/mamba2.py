@@ -118,14 +118,15 @@ class Mamba2:
         self, h: Tensor, conv: Tensor, ssm: Tensor, fresh: Tensor | None, *, invariant: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`h` [R, hidden], one token of each of R rows (the first n = len(ssm) requests, then
-        padding); `conv` [R, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
+        padding); `conv` [n, C, K-1], `ssm` [n, H, P, N]. `fresh` [R] marks requests with no token
         computed yet (None: none): transformers runs their first token through the chunked form,
         which clamps dt to `dt_limit`, so they are clamped alike. Returns the output [R, hidden] and the n
-        requests' new states (`ssm`, the caller's own copy, updated in place; conv [R, C, K-1]).
+        requests' new states (`ssm`, the caller's own copy, updated in place; conv [n, C, K-1]).
 
-        The per-head work (projections, conv, dt, exp) runs on all R rows: its shapes are the
-        tile's. The state update, the large part, runs on the n real rows only: it is products
-        and sums, exact elementwise whatever the shape, and a sum over N per output."""
+        The per-head work (projections, SiLU, dt, exp) runs on all R rows: its shapes are the
+        stack's. The conv's products and sums and the state update, the large part, run on the n
+        real rows only: products and sums, exact elementwise whatever the shape, and a sum over
+        K or N per output."""
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), xbc[:n, :, None]], dim=2)  # [n, C, K]

@@ -1,7 +1,7 @@
 """A step's tiles on several decode threads (`decode_threads`): the logits of every request and
 every byte of the caches are the same with 1 and with N threads, from the first step that
-uses the workers (fresh worker threads) on; and the negative control: the same comparison sees the difference that one
-GEMM over the batch makes (so it could see a thread's)."""
+uses the workers (fresh worker threads) on; and the negative control: the same comparison sees
+the difference that one GEMM over the batch makes (so it could see a thread's)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,9 @@ def test_the_first_invariant_step_finds_the_unit(hf_checkpoint: Callable[[str], 
     assert engine.decode_stack_unit is None
     engine.step_batch([session])
     unit = engine.decode_stack_unit
-    assert unit is not None and 32 % unit == 0
+    # Its narrowest tensors that may round otherwise are [rows, heads] time steps: fewer rows
+    # than a whole fp32 stack, and a power of two of them.
+    assert unit is not None and unit < 32 and 32 % unit == 0
 
 
 TARGET = prompt_of(11, salt=99)
