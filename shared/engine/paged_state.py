@@ -12,7 +12,8 @@ fill many positions at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -327,59 +328,56 @@ def read_kv_heads(
     lengths: Sequence[int],
     dtype: torch.dtype,
     index: StepIndex | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> list[tuple[Tensor, Tensor]]:
     """K and V of positions 0..lengths[b]-1 of every request b, head-major (`[kv_heads, T_b,
-    head_dim]`, in `dtype`): what a decode step's attention multiplies by, request by request.
+    head_dim]`, in `dtype`): what a decode step's attention multiplies by, with no copy per request.
 
-    At TP 1 each request's K/V is gathered when its turn comes, so that it is still in the
-    core's cache when its attention reads it (a gather of every request's K/V before the first
-    request's attention goes out to memory and back). A kernel block holds each head's K, then
-    V, as `kb` consecutive token rows, so the gather moves whole `[kb, head_dim]` pieces into a
-    tensor of the request's own (allocations start on 64 bytes): its strides and alignment
-    depend on its own length only (a GEMM's rounding may depend on them). Elsewhere the general
-    read, transposed."""
+    At TP 1 one gather of token rows lays every request's K then V out in its own span, which
+    starts on a 64-byte boundary: a request's tensors have the same strides and alignment
+    whatever the other requests (a GEMM's rounding may depend on alignment). Elsewhere the
+    general read, transposed."""
     if not stores:
-        return iter(())
+        return []
     first = stores[0]
     if not first._whole_kv:
-        return ((k.transpose(0, 1), v.transpose(0, 1)) for k, v in read_kv_many(stores, layer, lengths, dtype, index))
+        return [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in read_kv_many(stores, layer, lengths, dtype, index)]
     lay = first.layout
     fa = first.ranks[0].fa[lay.region_of("attention", layer)]  # [kernel blocks, 2, heads, kb, hd]
-    key = ("pieces", lay.group_of("attention", layer))
+    heads, hd = fa.shape[2], fa.shape[4]
+    key = ("rows", lay.group_of("attention", layer))
     if index is not None and key in index.rows:
-        pieces, starts = index.rows[key]
+        rows, starts = index.rows[key]
     else:
-        pieces, starts = _kv_pieces(stores, layer, fa, lengths, index)
+        rows, starts = _span_rows(stores, layer, fa, np.asarray(lengths, dtype=np.int64), dtype)
         if index is not None:
-            index.rows[key] = pieces, starts
-    return _gather_pieces(fa, pieces.to(fa.device), starts, lengths, first._device, dtype)
+            index.rows[key] = rows, starts
+    got = fa.view(-1, hd).index_select(0, rows.to(fa.device)).to(first._device, dtype)
+    out = []
+    for at, n in zip(starts, lengths):
+        span = got[at : at + 2 * heads * n].view(2, heads, n, hd)
+        out.append((span[0], span[1]))
+    return out
 
 
-def _gather_pieces(
-    fa: Tensor, pieces: Tensor, starts: list[int], lengths: Sequence[int], device: torch.device, dtype: torch.dtype
-) -> Iterator[tuple[Tensor, Tensor]]:
-    _, _, heads, kb, hd = fa.shape
-    flat = fa.view(-1, kb * hd)
-    for at, end, n in zip(starts, starts[1:], lengths):
-        got = flat.index_select(0, pieces[at:end]).to(device, dtype)
-        kv = got.view(2, heads, (end - at) // (2 * heads) * kb, hd)[:, :, :n]
-        yield kv[0], kv[1]
-
-
-def _kv_pieces(
-    stores: Sequence[PagedStateStore], layer: int, fa: Tensor, lengths: Sequence[int], index: StepIndex | None
+def _span_rows(
+    stores: Sequence[PagedStateStore], layer: int, fa: Tensor, lengths: np.ndarray, dtype: torch.dtype
 ) -> tuple[Tensor, list[int]]:
-    """The `[kb, head_dim]` pieces of `fa` (seen as `[-1, kb * head_dim]`) that `read_kv_heads`
-    gathers, and where each request's pieces start (and, last, where the last one's end):
-    request b's are its kernel blocks' K heads, then V heads, each head's blocks in order."""
-    _, _, heads, kb, _ = fa.shape
-    _, kernel, _ = _kv_blocks(stores, layer, lengths, index)
-    counts = np.array([-(-n // kb) for n in lengths], dtype=np.int64)
-    head = np.arange(2 * heads, dtype=np.int64)[:, None]
-    per_request = np.split(kernel.numpy(), np.cumsum(counts)[:-1])
-    pieces = np.concatenate([(blocks[None, :] * (2 * heads) + head).reshape(-1) for blocks in per_request])
-    starts = np.concatenate([[0], np.cumsum(2 * heads * counts)])
-    return torch.from_numpy(pieces), [int(a) for a in starts]
+    """The `fa` rows `read_kv_heads` gathers, and where each request's span starts: request b's
+    span is [2 * heads, lengths[b]] rows (K's heads, then V's, each its tokens in order)."""
+    hd = fa.shape[4]
+    align = 64 // math.gcd(64, hd * torch.empty((), dtype=dtype).element_size())  # rows per 64 bytes
+    spans = len(_head_rows(fa)) * lengths
+    padded = -(-spans // align) * align
+    starts = np.cumsum(padded) - padded
+    request = np.repeat(np.arange(len(stores)), lengths)
+    firsts = np.cumsum(lengths) - lengths
+    token = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(firsts, lengths)
+    kernel, slot = _kernel_slots(stores, layer, request, token)
+    hh = np.arange(len(_head_rows(fa)), dtype=np.int64)[:, None]
+    dest = starts[request][None, :] + hh * lengths[request][None, :] + token[None, :]
+    rows = np.zeros(int(padded.sum()), dtype=np.int64)  # the padding reads row 0, never used
+    rows[dest.reshape(-1)] = (_fa_row(fa, kernel, slot)[None, :] + _head_rows(fa)[:, None]).reshape(-1)
+    return torch.from_numpy(rows), [int(a) for a in starts]
 
 
 def _whole_kv(

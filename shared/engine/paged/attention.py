@@ -8,7 +8,7 @@ requests share a decode step: that is what keeps decode batch-invariant here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,15 +103,14 @@ class Attention:
         out = torch.matmul(probs, v.transpose(0, 1))  # [kv, rep * t, hd]
         return out.view(kv, rep, t, hd).permute(2, 0, 1, 3).reshape(t, self.num_heads * hd)
 
-    def attend_tokens(self, q: Tensor, kv: Iterable[tuple[Tensor, Tensor]], n: int) -> Tensor:
+    def attend_tokens(self, q: Tensor, kv: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         """A decode step's attention: request b's query token `q[b]` ([heads, hd]) over its own
-        K/V of positions 0.. (the b-th of `kv`, head-major [kv_heads, S_b, hd], taken when its
-        turn comes): [n, heads * hd].
+        K/V of positions 0.. (`kv[b]`, head-major [kv_heads, S_b, hd]): [len(kv), heads * hd].
 
         No mask (every key is in the past) and no copies: each KV head's `rep` queries are one
         [rep, hd] matrix against its keys. Each request's products have its own shapes only. The
         scaling goes on the queries (every row alike), not on each request's scores."""
-        kv_heads, hd = self.num_kv_heads, self.head_dim
+        n, kv_heads, hd = len(kv), self.num_kv_heads, self.head_dim
         queries = (q * self.scaling)[:n].reshape(n, kv_heads, self.num_heads // kv_heads, hd).unbind(0)
         outs = []
         for qb, (kb, vb) in zip(queries, kv):

@@ -333,7 +333,7 @@ class Model:
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
         kv = read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups)
-        return mixer.output(pad_rows(mixer.attend_tokens(q, kv, n), rows), gate, invariant=invariant)
+        return mixer.output(pad_rows(mixer.attend_tokens(q, kv), rows), gate, invariant=invariant)
 
     def _mamba_step(
         self,

@@ -251,10 +251,9 @@ def test_the_one_rank_kv_read_equals_the_general_one(hf_checkpoint: Callable[[st
 
 
 def test_the_head_major_step_read_equals_the_general_one(hf_checkpoint: Callable[[str], str]) -> None:
-    """A step's attention reads K/V head-major (`read_kv_heads`): at TP 1 a gather per request of
-    its kernel blocks' head pieces (K, then V), which must hold the general read's values, start
-    on 64 bytes and have strides of the request's own length only (the other requests change
-    neither)."""
+    """A step's attention reads K/V head-major (`read_kv_heads`): at TP 1 one gather of token rows
+    into a span per request (K, then V), which must hold the general read's values, start on 64 bytes and
+    have strides of the request's own length only (the other requests change neither)."""
     from shared.engine.paged_state import read_kv_heads, read_kv_many
 
     engine = paged_engine(hf_checkpoint("nemotron_h"))
@@ -262,14 +261,11 @@ def test_the_head_major_step_read_equals_the_general_one(hf_checkpoint: Callable
     sessions = [start(engine, pool, prompt_of(3 + 17 * i, salt=i), f"r{i}")[0] for i in range(5)]
     stores, lengths = [s._store for s in sessions], [s.num_tokens for s in sessions]
     layer = engine.spec.attention_layers[0]
-    kb = engine.layout.kernel_block_size
-    assert any(n % kb for n in lengths)  # a request whose last kernel block is part full
-    heads = list(read_kv_heads(stores, layer, lengths, engine.model.dtype))
+    heads = read_kv_heads(stores, layer, lengths, engine.model.dtype)
     general = read_kv_many(stores, layer, lengths, engine.model.dtype)
     for (k, v), (gk, gv), n in zip(heads, general, lengths):
         assert torch.equal(k, gk.transpose(0, 1)) and torch.equal(v, gv.transpose(0, 1))
-        whole = -(-n // kb) * kb  # the request's kernel blocks' tokens
-        assert k.data_ptr() % 64 == 0 and v.data_ptr() - k.data_ptr() == k.shape[0] * whole * k.shape[2] * k.element_size()
-        assert k.stride() == v.stride() == (whole * k.shape[2], k.shape[2], 1)
-    alone = next(read_kv_heads(stores[2:3], layer, lengths[2:3], engine.model.dtype))
+        assert k.data_ptr() % 64 == 0 and v.data_ptr() - k.data_ptr() == k.numel() * k.element_size()
+        assert k.stride() == v.stride() == (n * k.shape[2], k.shape[2], 1)
+    alone = read_kv_heads(stores[2:3], layer, lengths[2:3], engine.model.dtype)[0]
     assert torch.equal(alone[0], heads[2][0]) and alone[0].stride() == heads[2][0].stride()
