@@ -20,7 +20,9 @@ failure or interruption):
 For every setup and level the same client runs (`vllm bench serve`, random dataset, the same
 seed, `--ignore-eos`) with N concurrent users; its JSON lands in DIR/raw/. One table follows:
 output tokens/s, TTFT p50 / p99, TPOT p50, and each against vLLM colocated at the same level,
-plus the decode side's resident memory at the highest level (sampled every 0.2 s).
+plus the decode side's CPU time per output token at each level (all its processes and threads,
+and its first process's main thread alone: ours, the event loop) and its resident memory at the
+highest level (sampled every 0.2 s).
 """
 
 from __future__ import annotations
@@ -190,8 +192,8 @@ def warm_up(base: str, model: str) -> None:
         http_post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
 
 
-def tree_rss_kib(pid: int) -> int:
-    """VmRSS of `pid` and of every process below it (shared pages count once per process)."""
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -200,12 +202,17 @@ def tree_rss_kib(pid: int) -> int:
             stat = Path(f"/proc/{entry}/stat").read_text()
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    tree, todo = [], [pid]
     while todo:
         current = todo.pop()
-        total += rss_kib(current)
+        tree.append(current)
         todo.extend(children.get(current, []))
-    return total
+    return tree
+
+
+def tree_rss_kib(pid: int) -> int:
+    """VmRSS of `pid` and of every process below it (shared pages count once per process)."""
+    return sum(rss_kib(p) for p in process_tree(pid))
 
 
 def rss_kib(pid: int) -> int:
@@ -214,6 +221,19 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    """CPU ticks (user + system) used so far by `pid` and every process below it, all threads,
+    and by `pid`'s main thread alone (ours: the event loop; vLLM: the API server's)."""
+
+    def ticks(stat_path: str) -> int:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+        return 0
+
+    return sum(ticks(f"/proc/{p}/stat") for p in process_tree(pid)), ticks(f"/proc/{pid}/task/{pid}/stat")
 
 
 class RssSampler:
@@ -452,6 +472,11 @@ class Row:
     rss_mib: float | None = None
     rss_what: str = ""
     note: str = ""
+    # Decode side's CPU ms per output token: all its processes and threads, and its first
+    # process's main thread alone (ours: the event loop, which shares the interpreter lock with
+    # the engine's compute thread).
+    cpu_ms_per_token: float | None = None
+    main_thread_cpu_ms_per_token: float | None = None
 
 
 def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
@@ -466,9 +491,16 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
             before = running.counts()
             highest = level == max(o.levels)
             sampler = RssSampler(running.rss_pid, running.rss_tree)
+            cpu_before = cpu_ticks(running.rss_pid)
             with sampler if highest else contextlib.nullcontext(sampler):
                 result = run_client(o, servers, setup, running, level)
+            cpu_after = cpu_ticks(running.rss_pid)
             row = Row(setup, level, result)
+            tokens = int(result.get("total_output_tokens", 0) or 0)
+            if tokens:
+                per_token = 1000 / os.sysconf("SC_CLK_TCK") / tokens
+                row.cpu_ms_per_token = (cpu_after[0] - cpu_before[0]) * per_token
+                row.main_thread_cpu_ms_per_token = (cpu_after[1] - cpu_before[1]) * per_token
             if highest:
                 row.rss_mib, row.rss_what = sampler.peak_kib / 1024, running.rss_what
             failed = int(result.get("failed", 0) or 0)
@@ -520,6 +552,7 @@ def table(rows: Sequence[Row]) -> str:
         "tok/s vs vLLM",
         "TTFT p50 vs vLLM",
         "TPOT p50 vs vLLM",
+        "decode CPU ms/token (main thread)",
         "decode RSS MiB",
     ]
     lines = [head]
@@ -548,6 +581,7 @@ def table(rows: Sequence[Row]) -> str:
                 ratio(tput, metric(b, "output_throughput")),
                 ratio(ttft, metric(b, "median_ttft_ms")),
                 ratio(tpot, metric(b, "median_tpot_ms")) if (metric(b, "median_tpot_ms") or 0.0) >= BURST_TPOT_MS else "-",
+                f"{fmt(r.cpu_ms_per_token, 2)} ({fmt(r.main_thread_cpu_ms_per_token, 2)})",
                 fmt(r.rss_mib) + (f" ({r.rss_what})" if r.rss_what else "") if r.rss_mib is not None else "",
             ]
         )
@@ -669,6 +703,8 @@ def main(argv: Sequence[str]) -> int:
                 "median_e2el_ms": metric(r, "median_e2el_ms"),
                 "completed": metric(r, "completed"),
                 "failed": metric(r, "failed"),
+                "decode_cpu_ms_per_token": r.cpu_ms_per_token,
+                "decode_main_thread_cpu_ms_per_token": r.main_thread_cpu_ms_per_token,
                 "decode_rss_mib": r.rss_mib,
                 "rss_of": r.rss_what or None,
                 "note": r.note or None,
