@@ -9,7 +9,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,30 @@ pytestmark = pytest.mark.timeout(120)
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_vs_vllm.py"
 SPIN_SECONDS = 0.5
 TICK = 1 / os.sysconf("SC_CLK_TCK")
+WHERE = ("main thread", "other thread", "child process")
+
+# Burns SPIN_SECONDS of CPU where argv[1] says, prints "spun", then sleeps until killed. A child
+# process is this same program run again with "main thread" (argv[2] is the program's text).
+SPINNER = f"""
+import subprocess, sys, threading, time
+
+def spin(clock):
+    while clock() < {SPIN_SECONDS}:
+        pass
+
+where, program = sys.argv[1], sys.argv[2]
+if where == "main thread":
+    spin(time.thread_time)
+elif where == "other thread":
+    worker = threading.Thread(target=spin, args=(time.thread_time,))
+    worker.start()
+    worker.join()
+else:
+    child = subprocess.Popen([sys.executable, "-c", program, "main thread", program], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "spun"
+print("spun", flush=True)
+time.sleep(60)
+"""
 
 
 def bench_script() -> ModuleType:
@@ -33,43 +56,12 @@ def bench_script() -> ModuleType:
     return module
 
 
-SPIN = f"""
-import time
-def spin(clock):
-    while clock() < {SPIN_SECONDS}:
-        pass
-"""
-
-SPIN_IN_MAIN = SPIN + "spin(time.thread_time)\nprint('spun', flush=True)\ntime.sleep(60)\n"
-
-# Where the CPU is burnt: the main thread, another thread, or a child process.
-PROGRAMS = {
-    "main thread": SPIN_IN_MAIN,
-    "other thread": SPIN
-    + textwrap.dedent(
-        """
-        import threading
-        worker = threading.Thread(target=spin, args=(time.thread_time,))
-        worker.start(); worker.join()
-        print('spun', flush=True)
-        time.sleep(60)
-        """
-    ),
-    "child process": textwrap.dedent(
-        f"""
-        import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, '-c', {SPIN_IN_MAIN!r}], stdout=subprocess.PIPE, text=True)
-        print(child.stdout.readline().strip(), flush=True)
-        time.sleep(60)
-        """
-    ),
-}
-
-
 @contextmanager
 def spun(where: str) -> Iterator[int]:
     """A process that has burnt SPIN_SECONDS of CPU `where`; its pid."""
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAMS[where]], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPINNER, where, SPINNER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "spun"
@@ -79,7 +71,7 @@ def spun(where: str) -> Iterator[int]:
         proc.wait()
 
 
-@pytest.mark.parametrize("where", list(PROGRAMS))
+@pytest.mark.parametrize("where", WHERE)
 def test_cpu_ticks_counts_every_thread_and_child_and_the_main_thread_apart(where: str) -> None:
     cpu_ticks = bench_script().cpu_ticks
     with spun(where) as pid:
