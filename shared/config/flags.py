@@ -33,8 +33,19 @@ DEFAULT_READ_TIMEOUT_SECONDS = 10.0
 DEFAULT_DECODE_THREADS = 1
 # Threads a paged batched prefill step's chunks run on (see the flag's help for the choice).
 DEFAULT_PREFILL_THREADS = 1
-# Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays).
+# Batched prefill's token budget per step (the part vLLM's max_num_batched_tokens plays), by the
+# device the engine computes on. An accelerator computes a step of many chunks in little more
+# time than one, so a large budget serves a burst of prompts in few steps. A CPU core computes
+# a step's tokens one after another (a step of 8 prompts takes 8 prompts' time), so there a
+# large budget only makes a burst's first prompts wait for its last; two 128-token prompts a
+# step keep what batching saves on a CPU and answer each prompt about as soon as it is computed.
 DEFAULT_MAX_BATCHED_TOKENS = 2048
+CPU_MAX_BATCHED_TOKENS = 256
+
+
+def default_max_batched_tokens(device: str) -> int:
+    """--max-batched-tokens when none is given, for an engine on `device` (cpu or cuda)."""
+    return CPU_MAX_BATCHED_TOKENS if device == "cpu" else DEFAULT_MAX_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -312,8 +323,10 @@ FLAGS: tuple[Flag, ...] = (
         "meanwhile share its steps. Jobs sent in manifest parts share steps too, but with --layer-parts their "
         "last chunk computes alone. On decode: the prompts it computes itself (--local-prefill) share steps "
         "the same way, taking turns with decode steps on the compute thread. A prompt's bits do not depend on "
-        "what shares its steps",
-        DEFAULT_MAX_BATCHED_TOKENS,
+        f"what shares its steps. Default: {CPU_MAX_BATCHED_TOKENS} with --device cpu, where a step's prompts compute "
+        f"one after another and a larger budget only delays a burst's first tokens; {DEFAULT_MAX_BATCHED_TOKENS} "
+        "with --device cuda",
+        None,
         roles=("prefill", "decode"),
         metavar="N",
     ),
