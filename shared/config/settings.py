@@ -349,7 +349,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
-        max_batched_tokens=_opt(values, "max_batched_tokens", int) or default_max_batched_tokens(values["device"]),
+        max_batched_tokens=_opt(values, "max_batched_tokens", int) or default_max_batched_tokens(_req(values, "device", str)),
         manifest_part_tokens=(
             _needs_chunks(values, "manifest_part_tokens", "parts leave only between the chunks a prefill computes")
             if role == "prefill"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import build_parser, parse_settings
+from shared.config import Role, build_parser, parse_settings
 from shared.config.flags import CPU_MAX_BATCHED_TOKENS, DEFAULT_MAX_BATCHED_TOKENS
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_the_default_follows_the_device(role: str) -> None:
+def test_the_default_follows_the_device(role: Role) -> None:
     assert CPU_MAX_BATCHED_TOKENS < DEFAULT_MAX_BATCHED_TOKENS
     assert parse_settings(role, [], environ={}).max_batched_tokens == CPU_MAX_BATCHED_TOKENS
     assert parse_settings(role, ["--device", "cpu"], environ={}).max_batched_tokens == CPU_MAX_BATCHED_TOKENS
