@@ -25,7 +25,11 @@ def configure_determinism() -> None:
     matmul, so the environment variable is set (unless the user set one) before any use.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    # The same process-wide switch as `torch.use_deterministic_algorithms(True)` ("error": an op
+    # without a deterministic kernel raises), without the compiler's config that call also sets:
+    # importing it loads torch's whole compiler stack, seconds at every start-up of a service
+    # running this engine, for a setting only compiled code reads.
+    torch.set_deterministic_debug_mode("error")
     # Deterministic mode would also NaN-fill every torch.empty, touching every page of large
     # cache allocations elsewhere in the process; the engine never reads uninitialised memory.
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
