@@ -39,6 +39,8 @@ DEFAULT_PREFILL_THREADS = 1
 # a step's tokens one after another (a step of 8 prompts takes 8 prompts' time), so there a
 # large budget only makes a burst's first prompts wait for its last; two 128-token prompts a
 # step keep what batching saves on a CPU and answer each prompt about as soon as it is computed.
+# The services resolve it from --device (`default_max_batched_tokens`); the step loops' own
+# default, where a caller passes no budget (tests, library use), is the accelerator's.
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_BATCHED_TOKENS = 256
 

@@ -308,11 +308,12 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
     # each prefill engine from the request's kv_transfer_params).
     prefill = tuple(str(p) for p in _req(values, "prefill", tuple)) if role == "decode" else ()
     engine = _engine(values["engine"], _req(values, "model", str))
+    device: Literal["cpu", "cuda"] = "cuda" if values["device"] == "cuda" else "cpu"
     return ServiceSettings(
         role=role,
         model=_req(values, "model", str),
         tp=_req(values, "tp", int),
-        device="cuda" if values["device"] == "cuda" else "cpu",
+        device=device,
         engine=engine,
         engine_from_model=values["engine"] is None,
         boundary=_boundary(values["boundary"], sources["boundary"], engine),
@@ -349,7 +350,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         reconnect_max_seconds=_own(values, "reconnect_max_seconds", float),
         advertise_address=_opt(values, "advertise_address", str) if role == "prefill" else None,
         prefill_chunk_tokens=(_opt(values, "prefill_chunk_tokens", int) or 0) if role == "prefill" else 0,
-        max_batched_tokens=_opt(values, "max_batched_tokens", int) or default_max_batched_tokens(_req(values, "device", str)),
+        max_batched_tokens=_opt(values, "max_batched_tokens", int) or default_max_batched_tokens(device),
         manifest_part_tokens=(
             _needs_chunks(values, "manifest_part_tokens", "parts leave only between the chunks a prefill computes")
             if role == "prefill"
