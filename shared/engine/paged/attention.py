@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -46,6 +47,7 @@ class Rope:
 
 @dataclass
 class Attention:
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
     q_proj: Tensor
     k_proj: Tensor
     v_proj: Tensor

@@ -9,6 +9,7 @@ import torch
 from shared.cache.model_views import torch_dtype
 from shared.engine.hf.checkpoint import _eos_ids
 from shared.engine.paged.families import check_family
+from shared.engine.paged.gemm_layout import lay_out
 from shared.engine.paged.model import Model
 from shared.engine.paged.weights import Weights, load_config
 
@@ -22,5 +23,6 @@ class PagedCheckpoint:
         # The family is checked before any tensor is read: an unsupported one fails fast.
         builder = check_family(str(self.config.model_type))
         self.model: Model = builder(self.config, Weights(directory, self.dtype, self.device))
+        lay_out(self.model)
         self.vocab_size = self.model.vocab_size
         self.eos_token_ids = _eos_ids(directory, self.config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,8 @@ class Mlp:
     """`down(act(up x))`, or gated `down(act(gate x) * up x)` when `gate` is set. A fused
     `up` of both halves (Granite's input_linear: [gate | up]) is split with `fused_gate`."""
 
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("up", "gate", "down")
+
     up: Tensor
     down: Tensor
     act: Activation
@@ -68,6 +71,8 @@ class Moe:
     """Top-k routed experts (the `router` picks them, routers.py) plus optional shared experts
     (with an optional sigmoid gate, Qwen3-Next). Nemotron-H weighs and sums the routed outputs in
     fp32 and may run its experts in a smaller latent width (`latent_in`, `latent_out`)."""
+
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("latent_in", "latent_out", "shared_gate")
 
     router: Router
     experts: list[Mlp]

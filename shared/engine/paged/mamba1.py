@@ -9,6 +9,7 @@ flow follows transformers' torch paths.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from shared.engine.paged.tiles import linear
 
 @dataclass
 class Mamba1:
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("in_proj", "x_proj", "dt_proj", "out_proj")
     in_proj: Tensor  # [2D, hidden]: [x | z]
     conv_weight: Tensor  # [D, K]
     conv_bias: Tensor | None

@@ -10,6 +10,7 @@ transformers' torch paths (recurrent state fp32, step outputs in the compute dty
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ NO_DT_LIMIT = (0.0, float("inf"))
 
 @dataclass
 class Mamba2:
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("in_proj", "out_proj")
     in_proj: Tensor
     conv_weight: Tensor  # [C, K]
     conv_bias: Tensor | None

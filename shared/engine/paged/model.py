@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -108,6 +109,7 @@ class Layer:
 
 @dataclass
 class Model:
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("lm_head",)
     family: str
     dtype: torch.dtype
     device: torch.device

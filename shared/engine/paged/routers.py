@@ -8,7 +8,7 @@ the `Moe` (ffn.py) decides in which dtype they multiply the experts' outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -26,6 +26,8 @@ class Router(Protocol):
 class SoftmaxRouter:
     """Softmax over the router logits then top-k, or top-k then softmax (Granite); Qwen
     renormalises the top-k probabilities."""
+
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("weight",)
 
     weight: Tensor  # [E, hidden]
     top_k: int
@@ -49,6 +51,8 @@ class GroupedSigmoidRouter:
     by the scores plus a correction bias, first the `topk_group` best groups (a group scores the
     sum of its best two), then the best `top_k` experts inside them; a chosen expert weighs its
     uncorrected score, optionally renormalised, times `scaling`."""
+
+    GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("weight",)
 
     weight: Tensor  # [E, hidden], fp32 (transformers keeps it in fp32 in any dtype)
     correction_bias: Tensor  # [E], fp32
