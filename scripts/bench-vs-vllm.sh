@@ -58,6 +58,8 @@ Benchmark options (passed to scripts/bench_vs_vllm.py):
   --checkpoint DIR      another checkpoint directory (default: the built one)
   --startup-timeout S   seconds a setup may take to become ready (default: 600)
   --seed N              dataset seed (default: 0)
+  --rounds N            run every setup N times in turn; the table gives medians and the median
+                        of each round's ratio to vLLM (default: 1; 3 on a shared, noisy machine)
   -h, --help            this help
 
 Environment: PYTHON (interpreter the vLLM venv is made from, default python3), VLLM_VENV.
@@ -100,7 +102,7 @@ while (($#)); do
 		OUT="$2"
 		shift 2
 		;;
-	--levels | --input-len | --output-len | --num-prompts | --setups | --engine | --checkpoint | --startup-timeout | --seed)
+	--levels | --input-len | --output-len | --num-prompts | --setups | --engine | --checkpoint | --startup-timeout | --seed | --rounds)
 		(($# >= 2)) || die "$1 needs a value"
 		DRIVER_ARGS+=("$1" "$2")
 		shift 2

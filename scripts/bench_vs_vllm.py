@@ -23,17 +23,23 @@ output tokens/s, TTFT p50 / p99, TPOT p50, and each against vLLM colocated at th
 plus the decode side's CPU time per output token at each level (all its processes and threads,
 and its first process's main thread alone: ours, the event loop) and its resident memory at the
 highest level (sampled every 0.2 s).
+
+With `--rounds N` the setups run in turn N times (vllm, ours, ... then again); each figure is
+the median over the rounds, each ratio the median of the rounds' own ratios, so drift of a
+shared machine between one setup's runs and another's does not pass for a difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -292,6 +298,7 @@ class Options:
     engine: str | None
     startup_timeout: float
     seed: int
+    rounds: int = 1
 
     def prompts_for(self, level: int) -> int:
         return self.num_prompts if self.num_prompts else max(16, 4 * level)
@@ -412,9 +419,15 @@ def start_ours_colocated(o: Options, servers: Servers) -> Running:
 STARTERS = {"vllm": start_vllm, "vllm-pd": start_vllm_pd, "ours": start_ours, "ours-colocated": start_ours_colocated}
 
 
-def run_client(o: Options, servers: Servers, setup: str, running: Running, level: int) -> dict[str, Any]:
+def raw_name(setup: str, level: int, round_index: int) -> str:
+    """The file name (no suffix) of one client run's JSON and log: round 1 keeps the name of a
+    run of one round."""
+    return f"{setup}-c{level}" + (f"-r{round_index + 1}" if round_index else "")
+
+
+def run_client(o: Options, servers: Servers, setup: str, running: Running, level: int, round_index: int) -> dict[str, Any]:
     raw = o.out / "raw"
-    name = f"{setup}-c{level}.json"
+    name = raw_name(setup, level, round_index) + ".json"
     cmd = [
         o.vllm_python,
         str(CLIENT),
@@ -456,8 +469,8 @@ def run_client(o: Options, servers: Servers, setup: str, running: Running, level
         "--result-filename",
         name,
     ]
-    rc = servers.run(f"client-{setup}-c{level}", cmd)
-    log = o.out / "logs" / f"client-{setup}-c{level}.log"
+    rc = servers.run(f"client-{raw_name(setup, level, round_index)}", cmd)
+    log = o.out / "logs" / f"client-{raw_name(setup, level, round_index)}.log"
     if rc != 0 or not (raw / name).is_file():
         raise RuntimeError(f"vllm bench serve failed against {setup} at {level} users (exit {rc}); see {log}")
     result: dict[str, Any] = json.loads((raw / name).read_text())
@@ -477,9 +490,10 @@ class Row:
     # the engine's compute thread).
     cpu_ms_per_token: float | None = None
     main_thread_cpu_ms_per_token: float | None = None
+    round: int = 0  # which of the run's rounds (from 0)
 
 
-def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
+def measure_setup(o: Options, setup: str, servers: Servers, round_index: int = 0) -> list[Row]:
     rows: list[Row] = []
     try:
         print(f"[{setup}] starting", flush=True)
@@ -493,9 +507,9 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
             sampler = RssSampler(running.rss_pid, running.rss_tree)
             cpu_before = cpu_ticks(running.rss_pid)
             with sampler if highest else contextlib.nullcontext(sampler):
-                result = run_client(o, servers, setup, running, level)
+                result = run_client(o, servers, setup, running, level, round_index)
             cpu_after = cpu_ticks(running.rss_pid)
-            row = Row(setup, level, result)
+            row = Row(setup, level, result, round=round_index)
             tokens = int(result.get("total_output_tokens", 0) or 0)
             if tokens:
                 per_token = 1000 / os.sysconf("SC_CLK_TCK") / tokens
@@ -515,10 +529,10 @@ def measure_setup(o: Options, setup: str, servers: Servers) -> list[Row]:
             )
     except SetupSkipped as e:
         print(f"[{setup}] skipped: {e}", flush=True)
-        rows = [Row(setup, 0, note=f"skipped: {e}")]
+        rows = [Row(setup, 0, note=f"skipped: {e}", round=round_index)]
     except Exception as e:  # one setup failing must not lose the others' results
         print(f"[{setup}] FAILED: {e}", flush=True)
-        rows.append(Row(setup, 0, note=f"failed: {e}"))
+        rows.append(Row(setup, 0, note=f"failed: {e}", round=round_index))
     finally:
         servers.stop_all()
     return rows
@@ -528,10 +542,6 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}"
-
-
 def metric(row: Row | None, key: str) -> float | None:
     if row is None or row.result is None:
         return None
@@ -539,8 +549,37 @@ def metric(row: Row | None, key: str) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the values there are (None: none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+class Rounds:
+    """Every round's rows of one run; a setup's figure at a level is the median over its rounds,
+    and its ratio to the baseline the median of each round's ratio (the baseline of the same
+    round: a shared machine's drift between rounds cancels out)."""
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self.groups: dict[tuple[str, int], list[Row]] = {}
+        for r in rows:
+            if r.result is not None:
+                self.groups.setdefault((r.setup, r.level), []).append(r)
+        self.base = {(r.level, r.round): r for r in rows if r.setup == BASELINE and r.result is not None}
+
+    def value(self, setup: str, level: int, key: str) -> float | None:
+        return median([metric(r, key) for r in self.groups.get((setup, level), [])])
+
+    def ratio(self, setup: str, level: int, key: str) -> float | None:
+        ratios: list[float | None] = []
+        for r in self.groups.get((setup, level), []):
+            mine, theirs = metric(r, key), metric(self.base.get((level, r.round)), key)
+            ratios.append(mine / theirs if mine is not None and theirs else None)
+        return median(ratios)
+
+
 def table(rows: Sequence[Row]) -> str:
-    base = {r.level: r for r in rows if r.setup == BASELINE and r.result is not None}
+    rounds = Rounds(rows)
     head = [
         "setup",
         "users",
@@ -557,36 +596,44 @@ def table(rows: Sequence[Row]) -> str:
     ]
     lines = [head]
     notes: list[str] = []
-    for level, baseline in base.items():
-        if (metric(baseline, "median_tpot_ms") or 0.0) < BURST_TPOT_MS:
-            notes.append(
-                f"{BASELINE} at {level} users: TPOT p50 ~0, its tokens arrived in one burst (a loaded machine); "
-                "no TPOT ratio, compare E2E"
-            )
+    burst = {
+        (level, r.round)
+        for (setup, level), group in rounds.groups.items()
+        if setup == BASELINE
+        for r in group
+        if (metric(r, "median_tpot_ms") or 0.0) < BURST_TPOT_MS
+    }
+    for level, index in sorted(burst):
+        notes.append(
+            f"{BASELINE} at {level} users (round {index + 1}): TPOT p50 ~0, its tokens arrived in one burst (a loaded "
+            "machine); no TPOT ratio at that level, compare E2E"
+        )
     for r in rows:
         if r.result is None:
             notes.append(f"{r.setup}: {r.note}")
-            continue
-        b = base.get(r.level)
-        tput, ttft, tpot = metric(r, "output_throughput"), metric(r, "median_ttft_ms"), metric(r, "median_tpot_ms")
+        elif r.note:
+            notes.append(f"{r.setup} at {r.level} users (round {r.round + 1}): {r.note}")
+    for (setup, level), group in rounds.groups.items():
+        v = functools.partial(rounds.value, setup, level)
+        x = functools.partial(rounds.ratio, setup, level)
+        rss = [r for r in group if r.rss_mib is not None]
         lines.append(
             [
-                r.setup,
-                str(r.level),
-                fmt(tput),
-                fmt(ttft),
-                fmt(metric(r, "p99_ttft_ms")),
-                fmt(tpot, 1),
-                fmt(metric(r, "median_e2el_ms")),
-                ratio(tput, metric(b, "output_throughput")),
-                ratio(ttft, metric(b, "median_ttft_ms")),
-                ratio(tpot, metric(b, "median_tpot_ms")) if (metric(b, "median_tpot_ms") or 0.0) >= BURST_TPOT_MS else "-",
-                f"{fmt(r.cpu_ms_per_token, 2)} ({fmt(r.main_thread_cpu_ms_per_token, 2)})",
-                fmt(r.rss_mib) + (f" ({r.rss_what})" if r.rss_what else "") if r.rss_mib is not None else "",
+                setup,
+                str(level),
+                fmt(v("output_throughput")),
+                fmt(v("median_ttft_ms")),
+                fmt(v("p99_ttft_ms")),
+                fmt(v("median_tpot_ms"), 1),
+                fmt(v("median_e2el_ms")),
+                fmt(x("output_throughput"), 2),
+                fmt(x("median_ttft_ms"), 2),
+                "-" if any(level == b for b, _ in burst) else fmt(x("median_tpot_ms"), 2),
+                f"{fmt(median([r.cpu_ms_per_token for r in group]), 2)} "
+                f"({fmt(median([r.main_thread_cpu_ms_per_token for r in group]), 2)})",
+                f"{fmt(max(r.rss_mib or 0.0 for r in rss))} ({rss[0].rss_what})" if rss else "",
             ]
         )
-        if r.note:
-            notes.append(f"{r.setup} at {r.level} users: {r.note}")
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -606,6 +653,16 @@ def parse_setups(text: str) -> list[str]:
     if unknown or not setups:
         raise argparse.ArgumentTypeError(f"unknown setup(s) {unknown}; choose from {', '.join(SETUPS)}")
     return setups
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -639,6 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a setup may take to become ready (default: 600)")
     p.add_argument("--seed", type=int, default=0, help="random dataset seed: the same prompts for every setup (default: 0)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every setup this many times, in turn (vllm, ours, ... then again): the table gives medians over "
+        "the rounds and the median of each round's ratio, so a shared machine's drift between setups cancels out (default: 1)",
+    )
     return p
 
 
@@ -664,6 +728,7 @@ def main(argv: Sequence[str]) -> int:
         engine=args.engine,
         startup_timeout=args.startup_timeout,
         seed=args.seed,
+        rounds=args.rounds,
     )
     print(f"checkpoint: {o.checkpoint}", flush=True)
     # A SIGTERM (the shell script's trap) unwinds like Ctrl-C, through every `finally`.
@@ -676,14 +741,19 @@ def main(argv: Sequence[str]) -> int:
         setups.insert(0, BASELINE)
     rows: list[Row] = []
     try:
-        for setup in setups:
-            rows.extend(measure_setup(o, setup, servers))
+        for index in range(o.rounds):
+            if o.rounds > 1:
+                print(f"== round {index + 1} of {o.rounds}", flush=True)
+            for setup in setups:
+                rows.extend(measure_setup(o, setup, servers, index))
     finally:
         servers.stop_all()
     text = table(rows)
     settings = f"random {o.input_len} in / {o.output_len} out, --ignore-eos, prompts per level: " + (
         str(o.num_prompts) if o.num_prompts else "max(16, 4 x users)"
     )
+    if o.rounds > 1:
+        settings += f"; {o.rounds} rounds: medians over the rounds, ratios the median of each round's"
     print(f"\n{settings}; ratios are setup / vLLM colocated at the same level (this run)\n{text}")
     (out / "table.md").write_text(f"{settings}\n\n{text}\n", encoding="utf-8")
     summary = {
@@ -696,6 +766,7 @@ def main(argv: Sequence[str]) -> int:
             {
                 "setup": r.setup,
                 "users": r.level,
+                "round": r.round + 1,
                 "output_throughput": metric(r, "output_throughput"),
                 "median_ttft_ms": metric(r, "median_ttft_ms"),
                 "p99_ttft_ms": metric(r, "p99_ttft_ms"),
@@ -708,7 +779,7 @@ def main(argv: Sequence[str]) -> int:
                 "decode_rss_mib": r.rss_mib,
                 "rss_of": r.rss_what or None,
                 "note": r.note or None,
-                "raw": f"raw/{r.setup}-c{r.level}.json" if r.result is not None else None,
+                "raw": f"raw/{raw_name(r.setup, r.level, r.round)}.json" if r.result is not None else None,
             }
             for r in rows
         ],
