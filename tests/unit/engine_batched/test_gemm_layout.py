@@ -62,9 +62,7 @@ def test_every_fp32_gemm_weight_is_stored_transposed(
         assert not left, (directory, left)
 
 
-def test_bf16_weights_keep_the_checkpoint_layout(
-    hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bf16_weights_keep_the_checkpoint_layout(hf_checkpoint: Callable[[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
     weights = _weights_multiplied(hf_checkpoint("nemotron_h"), "bf16", monkeypatch)
     assert all(w.is_contiguous() for w in weights)
 
