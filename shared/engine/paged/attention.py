@@ -48,6 +48,7 @@ class Rope:
 @dataclass
 class Attention:
     GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
     q_proj: Tensor
     k_proj: Tensor
     v_proj: Tensor

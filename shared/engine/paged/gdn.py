@@ -24,6 +24,7 @@ from shared.engine.paged.tiles import linear
 @dataclass
 class GatedDeltaNet:
     GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("in_qkvz", "in_ba", "in_qkv", "in_z", "in_b", "in_a", "out_proj")
+
     conv_weight: Tensor  # [C, K], no bias
     A_log: Tensor  # fp32 [Hv]
     dt_bias: Tensor  # [Hv]

@@ -30,7 +30,11 @@ def gemm_weight(weight: Tensor) -> Tensor:
 
 def lay_out(root: Any) -> None:
     """Re-lay out, in place, every field named in a `GEMM_WEIGHTS` of `root` or of a dataclass
-    reachable from it through fields and lists (each object once)."""
+    reachable from it through fields and lists (each object once). A GEMM weight that is also a
+    field that is not one (an LM head tied to the embedding: the same memory) keeps its layout:
+    laying it out would hold the matrix twice."""
+    gemm: list[tuple[Any, str, Tensor]] = []
+    other: set[int] = set()  # where the tensors that are not GEMM weights start in memory
     seen: set[int] = set()
     pending: list[Any] = [root]
     while pending:
@@ -46,8 +50,12 @@ def lay_out(root: Any) -> None:
         names = getattr(obj, "GEMM_WEIGHTS", ())
         for field in dataclasses.fields(obj):
             value = getattr(obj, field.name)
-            if isinstance(value, Tensor):
-                if field.name in names:
-                    setattr(obj, field.name, gemm_weight(value))
-            else:
+            if not isinstance(value, Tensor):
                 pending.append(value)
+            elif field.name in names:
+                gemm.append((obj, field.name, value))
+            else:
+                other.add(value.data_ptr())
+    for obj, name, weight in gemm:
+        if weight.data_ptr() not in other:
+            setattr(obj, name, gemm_weight(weight))

@@ -24,6 +24,7 @@ from shared.engine.paged.tiles import linear
 @dataclass
 class Mamba1:
     GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("in_proj", "x_proj", "dt_proj", "out_proj")
+
     in_proj: Tensor  # [2D, hidden]: [x | z]
     conv_weight: Tensor  # [D, K]
     conv_bias: Tensor | None

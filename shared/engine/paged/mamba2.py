@@ -31,6 +31,7 @@ NO_DT_LIMIT = (0.0, float("inf"))
 @dataclass
 class Mamba2:
     GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("in_proj", "out_proj")
+
     in_proj: Tensor
     conv_weight: Tensor  # [C, K]
     conv_bias: Tensor | None

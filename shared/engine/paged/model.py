@@ -110,6 +110,7 @@ class Layer:
 @dataclass
 class Model:
     GEMM_WEIGHTS: ClassVar[tuple[str, ...]] = ("lm_head",)
+
     family: str
     dtype: torch.dtype
     device: torch.device

@@ -85,3 +85,12 @@ def test_the_layout_keeps_values_and_shape(hf_checkpoint: Callable[[str], str]) 
     assert torch.equal(checkpoint.model.lm_head, head) and checkpoint.model.lm_head.shape == head.shape
     assert gemm_weight(head.to(torch.bfloat16)).is_contiguous()
     assert gemm_weight(torch.ones(3)).is_contiguous()
+
+
+def test_a_head_tied_to_the_embedding_is_held_once(hf_checkpoint: Callable[[str], str]) -> None:
+    directory = hf_checkpoint("nemotron_h")
+    config = load_config(directory)
+    model: Any = check_family(str(config.model_type))(config, Weights(directory, torch.float32, torch.device("cpu")))
+    model.lm_head = model.embed  # as a checkpoint with tie_word_embeddings builds it
+    lay_out(model)
+    assert model.lm_head is model.embed
