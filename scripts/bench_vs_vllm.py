@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpd_tools.cli.bench_cmd.args import positive
 from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,7 +428,8 @@ def raw_name(setup: str, level: int, round_index: int) -> str:
 
 def run_client(o: Options, servers: Servers, setup: str, running: Running, level: int, round_index: int) -> dict[str, Any]:
     raw = o.out / "raw"
-    name = raw_name(setup, level, round_index) + ".json"
+    run = raw_name(setup, level, round_index)
+    name = run + ".json"
     cmd = [
         o.vllm_python,
         str(CLIENT),
@@ -469,8 +471,8 @@ def run_client(o: Options, servers: Servers, setup: str, running: Running, level
         "--result-filename",
         name,
     ]
-    rc = servers.run(f"client-{raw_name(setup, level, round_index)}", cmd)
-    log = o.out / "logs" / f"client-{raw_name(setup, level, round_index)}.log"
+    rc = servers.run(f"client-{run}", cmd)
+    log = o.out / "logs" / f"client-{run}.log"
     if rc != 0 or not (raw / name).is_file():
         raise RuntimeError(f"vllm bench serve failed against {setup} at {level} users (exit {rc}); see {log}")
     result: dict[str, Any] = json.loads((raw / name).read_text())
@@ -603,6 +605,7 @@ def table(rows: Sequence[Row]) -> str:
         for r in group
         if (metric(r, "median_tpot_ms") or 0.0) < BURST_TPOT_MS
     }
+    burst_levels = {level for level, _ in burst}
     for level, index in sorted(burst):
         notes.append(
             f"{BASELINE} at {level} users (round {index + 1}): TPOT p50 ~0, its tokens arrived in one burst (a loaded "
@@ -628,7 +631,7 @@ def table(rows: Sequence[Row]) -> str:
                 fmt(v("median_e2el_ms")),
                 fmt(x("output_throughput"), 2),
                 fmt(x("median_ttft_ms"), 2),
-                "-" if any(level == b for b, _ in burst) else fmt(x("median_tpot_ms"), 2),
+                "-" if level in burst_levels else fmt(x("median_tpot_ms"), 2),
                 f"{fmt(median([r.cpu_ms_per_token for r in group]), 2)} "
                 f"({fmt(median([r.main_thread_cpu_ms_per_token for r in group]), 2)})",
                 f"{fmt(max(r.rss_mib or 0.0 for r in rss))} ({rss[0].rss_what})" if rss else "",
@@ -653,16 +656,6 @@ def parse_setups(text: str) -> list[str]:
     if unknown or not setups:
         raise argparse.ArgumentTypeError(f"unknown setup(s) {unknown}; choose from {', '.join(SETUPS)}")
     return setups
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -698,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random dataset seed: the same prompts for every setup (default: 0)")
     p.add_argument(
         "--rounds",
-        type=positive_int,
+        type=positive,
         default=1,
         help="run every setup this many times, in turn (vllm, ours, ... then again): the table gives medians over "
         "the rounds and the median of each round's ratio, so a shared machine's drift between setups cancels out (default: 1)",
