@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridpd_tools.cli.bench_cmd.args import positive
 from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -658,6 +657,17 @@ def parse_setups(text: str) -> list[str]:
     return setups
 
 
+def positive_int(text: str) -> int:
+    """An argument of at least 1 (scripts sit below the CLI package and may not import its types)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_vs_vllm.py",
@@ -691,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random dataset seed: the same prompts for every setup (default: 0)")
     p.add_argument(
         "--rounds",
-        type=positive,
+        type=positive_int,
         default=1,
         help="run every setup this many times, in turn (vllm, ours, ... then again): the table gives medians over "
         "the rounds and the median of each round's ratio, so a shared machine's drift between setups cancels out (default: 1)",
