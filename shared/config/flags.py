@@ -116,6 +116,16 @@ FLAGS: tuple[Flag, ...] = (
         metavar="on|off",
     ),
     Flag(
+        "native-kernels",
+        boolean,
+        "--engine paged: on runs the decode step's Mamba2 state update (fp32 models, CPU) as a C kernel built "
+        "once per machine with the system's C compiler, in place in the state pages; off (or no compiler) runs "
+        "the torch path, which gathers and scatters the states. Both are batch-invariant; a step's outputs differ "
+        "between them in the last bits (the order of one sum), so compare runs made with the same setting",
+        True,
+        metavar="on|off",
+    ),
+    Flag(
         "boundary",
         choice("n-1", "full"),
         "where prefill stops; both services of a pair must use the same. full: prefill computes all N prompt "

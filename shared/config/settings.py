@@ -83,6 +83,7 @@ class ServiceSettings:
     http_port: int | None = None  # OpenAI-compatible HTTP API (shared/http); None: off
     dtype: str | None = None  # --engine hf: compute dtype (None: the checkpoint's)
     batch_invariant: bool = True  # --engine paged: batches in fixed tiles (off: one GEMM, bits depend on the batch)
+    native_kernels: bool = True  # --engine paged: the C kernels where they build (off: the torch path everywhere)
     discovery_seconds: float = 5.0  # decode only: re-resolve --prefill names this often (0: never)
     reconnect_max_seconds: float = 2.0  # decode only: cap of the reconnect backoff to a prefill
     advertise_address: str | None = None  # prefill only: HOST or HOST:PORT decode dials (P/D legs)
@@ -364,6 +365,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         manifest_parts=bool(values.get("manifest_parts", True)) if role == "decode" else True,
         stream_interval=_own(values, "stream_interval", int),
         batch_invariant=bool(values.get("batch_invariant", True)),
+        native_kernels=bool(values.get("native_kernels", True)),
         kv_dtype=_opt(values, "kv_dtype", str),
         conv_dtype=_opt(values, "conv_dtype", str),
         ssm_dtype=_opt(values, "ssm_dtype", str),

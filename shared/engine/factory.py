@@ -30,6 +30,7 @@ def make_engine(
     prefill_chunk_tokens: int = 0,
     batch_invariant: bool = True,
     decode_threads: int = 1,
+    native_kernels: bool = True,
     prefill_threads: int = 1,
 ) -> Engine:
     """`ranks`: typed views of every rank's cache, in rank order. The hf engine also needs the
@@ -37,7 +38,8 @@ def make_engine(
     cuda:0). `boundary` "full" (prefill samples the first token) only the hf engine can run.
     `prefill_chunk_tokens`: the hf engine prefills in chunks of that many tokens (0: one forward).
     The paged engine takes the hf engine's arguments, plus `batch_invariant` (off: one GEMM over
-    a decode step's requests, faster, bits depending on the batch), `decode_threads` (threads
+    a decode step's requests, faster, bits depending on the batch), `native_kernels` (the C kernels
+    where they build, mamba2_kernel.py), `decode_threads` (threads
     a decode step's tiles run on) and `prefill_threads` (threads a batched prefill step's chunks
     run on, in groups); the other engines compute on the caller's thread only."""
     if boundary != "n-1" and kind not in CHECKPOINT_ENGINES:
@@ -74,6 +76,7 @@ def make_engine(
                 prefill_chunk_tokens=prefill_chunk_tokens,
                 batch_invariant=batch_invariant,
                 decode_threads=decode_threads,
+                native_kernels=native_kernels,
                 prefill_threads=prefill_threads,
             )
         return HfEngine.load(

@@ -118,7 +118,7 @@ def engine_line(settings: ServiceSettings, model_name: str) -> tuple[int, str]:
         text = f"engine reference{why}: the tiny seeded model {model_name}"
     else:
         text = f"engine {settings.engine}{why}: checkpoint {settings.model}"
-    return level, text + _invariance(settings) + _threads(settings)
+    return level, text + _invariance(settings) + _threads(settings) + _kernels(settings)
 
 
 def _threads(settings: ServiceSettings) -> str:
@@ -129,6 +129,19 @@ def _threads(settings: ServiceSettings) -> str:
     if settings.role == "decode":
         return f"; decode threads {settings.decode_threads}"
     return f"; prefill threads {settings.prefill_threads}"
+
+
+def _kernels(settings: ServiceSettings) -> str:
+    """Which path a paged decode step's Mamba2 state update takes (built here, once per machine)."""
+    if settings.engine != "paged" or settings.role != "decode":
+        return ""
+    if not settings.native_kernels:
+        return "; Mamba2 decode steps: torch path (--native-kernels off)"
+    from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
+
+    if mamba2_state_kernel() is None:
+        return "; Mamba2 decode steps: torch path (the C kernel did not build: see the log)"
+    return "; Mamba2 decode steps: C kernel (fp32 models on a CPU)"
 
 
 def _invariance(settings: ServiceSettings) -> str:
@@ -520,6 +533,7 @@ def engine_factory_for(kind: str, settings: ServiceSettings | None = None) -> En
                 prefill_chunk_tokens=settings.prefill_chunk_tokens,
                 batch_invariant=settings.batch_invariant,
                 decode_threads=settings.decode_threads,
+                native_kernels=settings.native_kernels,
                 prefill_threads=settings.prefill_threads,
             )
         except ValueError as e:

@@ -89,6 +89,7 @@ class PagedEngine:
         batch_invariant: bool = True,
         decode_threads: int = 1,
         prefill_threads: int = 1,
+        native_kernels: bool = True,
     ) -> None:
         if boundary not in BOUNDARIES:
             raise ValueError(f"boundary must be one of {', '.join(BOUNDARIES)}, got {boundary!r}")
@@ -103,6 +104,7 @@ class PagedEngine:
         self.model = checkpoint.model
         self.boundary: Boundary = boundary
         self.batch_invariant = batch_invariant
+        self.native_kernels = native_kernels
         self.decode_threads = decode_threads
         self._tile_workers: ThreadPoolExecutor | None = None  # made at the first step with tiles to share
         self._stack_unit: int | None = None  # found by the first invariant decode step (stack_unit.py)
@@ -135,6 +137,7 @@ class PagedEngine:
         batch_invariant: bool = True,
         decode_threads: int = 1,
         prefill_threads: int = 1,
+        native_kernels: bool = True,
     ) -> PagedEngine:
         checkpoint = PagedCheckpoint(directory, dtype=dtype, device=device)
         return cls(
@@ -146,6 +149,7 @@ class PagedEngine:
             batch_invariant=batch_invariant,
             decode_threads=decode_threads,
             prefill_threads=prefill_threads,
+            native_kernels=native_kernels,
         )
 
     def prefix_stable_unit(self, prefill_chunk_tokens: int) -> int | None:
@@ -341,11 +345,11 @@ class PagedEngine:
         stores = [s._store for s in batch]
         positions = [s._pos for s in batch]
         if not self.batch_invariant:
-            return self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False)
+            return self.model.forward_step(ids, stores, positions, rows=len(batch), invariant=False, native=self.native_kernels)
         if self._stack_unit is None:  # the first step: on a traced stack, which finds the unit
             rows = trace_rows(len(batch), self.model.dtype)
             logits, self._stack_unit = stack_unit(
-                lambda r: self.model.forward_step(ids, stores, positions, rows=r, invariant=True), rows
+                lambda r: self.model.forward_step(ids, stores, positions, rows=r, invariant=True, native=self.native_kernels), rows
             )
             return logits
         # Thread t runs one forward over a contiguous share of whole tiles, as even a share as
@@ -367,7 +371,9 @@ class PagedEngine:
         stack of whole units (stack_unit.step_rows)."""
         assert self._stack_unit is not None
         rows = step_rows(share.stop - share.start, self._stack_unit)
-        return self.model.forward_step(ids[share], stores[share], positions[share], rows=rows, invariant=True)
+        return self.model.forward_step(
+            ids[share], stores[share], positions[share], rows=rows, invariant=True, native=self.native_kernels
+        )
 
     @property
     def decode_stack_unit(self) -> int | None:

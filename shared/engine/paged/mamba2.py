@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.engine.paged.conv_step import conv_step
+from shared.engine.paged.mamba2_kernel import Mamba2StateKernel
 from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
 from shared.engine.paged.tiles import linear
 
@@ -131,14 +132,8 @@ class Mamba2:
         real rows only: products and sums, exact elementwise whatever the shape, and a sum over
         K or N per output."""
         r, n, dtype = h.shape[0], ssm.shape[0], h.dtype
-        z, xbc, dt = self._project(h, invariant)
-        window = torch.cat([conv.to(dtype), xbc[:n, :, None]], dim=2)  # [n, C, K]
-        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias, r)))
-        x = x.reshape(r, self.num_heads, self.head_dim)
+        z, window, x, b, c, dt = self._step_inputs(h, conv, fresh, invariant)
         b, c = self._per_head(b, r), self._per_head(c, r)
-        dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
-        if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
-            dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
         decay = torch.exp(dt.float() * self.A)[:n, :, None, None]
         # state * decay + (dt * B) x, in place in this step's own copy of the blocks' state. In
         # fp32 the product [n, H, P, N] is not materialised; in 16-bit it is rounded to the
@@ -151,6 +146,54 @@ class Mamba2:
         y = torch.zeros_like(x)
         y[:n] = (new_ssm.to(dtype) * c[:n, :, None, :]).sum(-1) + x[:n] * self.D[:, None]
         return self._finish(y.reshape(r, self.intermediate), z, dtype, invariant), window[:, :, 1:], new_ssm
+
+    def step_in_pages(
+        self,
+        h: Tensor,
+        conv: Tensor,
+        pages: Tensor,
+        page_ids: Tensor,
+        fresh: Tensor | None,
+        kernel: Mamba2StateKernel,
+        *,
+        invariant: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """`step` for an fp32 model with the SSM states in `pages` [pages, H, P, N] (request i's
+        in page `page_ids[i]`), updated there in place by the C kernel (mamba2_kernel.py), with
+        the products and sums in the kernel's order (last bits apart from `step`'s). Returns the
+        output [R, hidden] and the n requests' new conv states."""
+        r, n = h.shape[0], page_ids.shape[0]
+        if h.dtype != torch.float32:
+            raise ValueError(f"the Mamba2 kernel computes fp32 models only, not {h.dtype}")
+        z, window, x, b, c, dt = self._step_inputs(h, conv, fresh, invariant)
+        groups = (n, self.n_groups, self.d_state)
+        y = torch.zeros_like(x)
+        kernel(
+            pages,
+            page_ids,
+            torch.exp(dt * self.A)[:n],  # on every row, as the torch path: a stack's shape (tiles.py)
+            dt[:n].contiguous(),
+            x[:n].contiguous(),
+            b[:n].reshape(groups).contiguous(),
+            c[:n].reshape(groups).contiguous(),
+            self.D.float().contiguous(),
+            y[:n],
+        )
+        return self._finish(y.reshape(r, self.intermediate), z, h.dtype, invariant), window[:, :, 1:]
+
+    def _step_inputs(
+        self, h: Tensor, conv: Tensor, fresh: Tensor | None, invariant: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """A step's inputs to the recurrence: the gate z [R, I], the conv windows [n, C, K], x
+        [R, H, P], B and C per group [R, G * N] and dt [R, H]."""
+        r, n, dtype = h.shape[0], conv.shape[0], h.dtype
+        z, xbc, dt = self._project(h, invariant)
+        window = torch.cat([conv.to(dtype), xbc[:n, :, None]], dim=2)  # [n, C, K]
+        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias, r)))
+        dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
+        if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
+            dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
+        return z, window, x.reshape(r, self.num_heads, self.head_dim), b, c, dt
 
     def _per_head(self, t: Tensor, rows: int) -> Tensor:
         """[rows, G * N] -> [rows, H, N]: each head gets its group's vector."""

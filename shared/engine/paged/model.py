@@ -20,13 +20,17 @@ from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
+from shared.engine.paged.mamba2_kernel import Mamba2StateKernel, mamba2_state_kernel
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_rows, tile_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
+    read_conv_many,
     read_kv_heads,
     read_ssm_many,
+    ssm_pages,
+    write_conv_many,
     write_kv_tokens,
     write_ssm_many,
 )
@@ -279,7 +283,14 @@ class Model:
 
     # --- many requests, one token each --------------------------------------------------
     def forward_step(
-        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], *, rows: int, invariant: bool
+        self,
+        ids: Sequence[int],
+        stores: Sequence[PagedStateStore],
+        positions: Sequence[int],
+        *,
+        rows: int,
+        invariant: bool,
+        native: bool = True,
     ) -> Tensor:
         """One token of each request (`ids[b]` at `positions[b]`, state in `stores[b]`), computed
         on `rows` rows (the requests, then zero padding): logits `[len(ids), vocab]`.
@@ -287,12 +298,14 @@ class Model:
         Every op but attention (and the mixers' products and sums on the requests' own rows)
         runs on the whole `[rows, ...]` tensors; attention runs per request on its own K/V. With
         `invariant` and `rows` whole stacks (tiles.stack_rows), or whole units of this model's
-        step (stack_unit.py), a request's bits cannot depend on the other rows."""
+        step (stack_unit.py), a request's bits cannot depend on the other rows. `native`: fp32
+        Mamba2 layers update their states through the C kernel where it builds (mamba2_kernel.py);
+        False: the torch path everywhere."""
         with padding_after(len(ids), rows):
-            return self._step_stack(ids, stores, positions, rows, invariant)
+            return self._step_stack(ids, stores, positions, rows, invariant, native)
 
     def _step_stack(
-        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], rows: int, invariant: bool
+        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], rows: int, invariant: bool, native: bool
     ) -> Tensor:
         n = len(ids)
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)
@@ -307,9 +320,9 @@ class Model:
                 if isinstance(mixer, Attention):
                     y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, lookups)
                 elif isinstance(mixer, SSM_MIXERS):
-                    y = self._mamba_step(mixer, index, x, fresh, stores, invariant, lookups)
+                    y = self._mamba_step(mixer, index, x, fresh, stores, invariant, native, lookups)
                 elif isinstance(mixer, Parallel):
-                    ssm_y = self._mamba_step(mixer.mamba, index, x, fresh, stores, invariant, lookups)
+                    ssm_y = self._mamba_step(mixer.mamba, index, x, fresh, stores, invariant, native, lookups)
                     attn_y = self._attend_step(
                         mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, lookups
                     )
@@ -346,9 +359,24 @@ class Model:
         fresh: Tensor | None,
         stores: Sequence[PagedStateStore],
         invariant: bool,
+        native: bool,
         lookups: StepIndex,
     ) -> Tensor:
+        kernel = self._mamba2_kernel(mixer) if native else None
+        pages = ssm_pages(stores, index, lookups) if kernel is not None else None
+        if kernel is not None and pages is not None:
+            assert isinstance(mixer, Mamba2)
+            conv = read_conv_many(stores, index, self.dtype, lookups)
+            y, conv = mixer.step_in_pages(x, conv, *pages, fresh, kernel, invariant=invariant)
+            write_conv_many(stores, index, conv, lookups)
+            return y
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
         y, conv, ssm = mixer.step(x, conv, ssm, fresh, invariant=invariant)
         write_ssm_many(stores, index, conv, ssm, lookups)
         return y
+
+    def _mamba2_kernel(self, mixer: Ssm) -> Mamba2StateKernel | None:
+        """The C kernel for this mixer's decode steps, where it applies: an fp32 Mamba2 on a CPU."""
+        if not isinstance(mixer, Mamba2) or self.dtype != torch.float32:
+            return None
+        return mamba2_state_kernel() if self.device.type == "cpu" else None

@@ -37,6 +37,7 @@ def paged_engine(
     num_blocks: int = NUM_BLOCKS,
     decode_threads: int = 1,
     prefill_threads: int = 1,
+    native: bool = True,
 ) -> PagedEngine:
     layout = build_engine_layout(spec_of(directory, dtype), tp)
     ranks = [RankViews(layout, RankCache(layout.num_regions, num_blocks, layout.page_bytes, huge_pages=False)) for _ in range(tp)]
@@ -49,6 +50,7 @@ def paged_engine(
         prefill_chunk_tokens=chunk,
         decode_threads=decode_threads,
         prefill_threads=prefill_threads,
+        native_kernels=native,
     )
 
 

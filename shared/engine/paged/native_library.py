@@ -1,0 +1,69 @@
+"""The paged engine's C kernels: built from their source once per machine, loaded with ctypes.
+
+A kernel is one C file beside this one, built by the system's C compiler into a shared library
+kept in the user's cache directory under a name that carries a digest of the source, the flags
+and the compiler's version, so a changed source or compiler builds anew and concurrent builds
+never read a half-written file (each writes its own temporary file and renames it into place).
+A machine without a C compiler, or a failed build, gets None: the caller keeps its torch path.
+
+The flags forbid contracting a product and a sum into one fused multiply-add and any
+reassociation, so a kernel's bits follow its source's order of operations on every machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hybrid-pd" / "kernels"
+
+
+@cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The built kernel `name` (`name`.c beside this file), or None where it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler found: the paged engine runs its torch path for %s", name)
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    try:
+        path = _built(compiler, source)
+        return ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as e:
+        log.warning("building the %s kernel failed: the paged engine runs its torch path\n%s", name, e.stderr)
+        return None
+    except OSError as e:
+        log.warning("the %s kernel cannot be built or loaded (%s): the paged engine runs its torch path", name, e)
+        return None
+
+
+def _built(compiler: str, source: Path) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, os.uname().machine]).encode()).hexdigest()
+    target = cache_dir() / f"{source.stem}-{digest[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(source)], capture_output=True, text=True, check=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
