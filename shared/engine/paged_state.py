@@ -454,9 +454,7 @@ def write_ssm_many(
         dst_ssm[ids.to(dst_ssm.device)] = ssm[:, srow].to(dst_ssm.device, dst_ssm.dtype)
 
 
-def ssm_pages(
-    stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None
-) -> tuple[Tensor, Tensor] | None:
+def ssm_pages(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[Tensor, Tensor] | None:
     """Where one rank holds every request's whole state and its SSM pages are fp32 with each
     page's state contiguous: those pages `[pages, *ssm_shape]` (the cache's own memory) and
     the requests' page ids, for a kernel that updates the states in place. None otherwise."""
@@ -470,9 +468,7 @@ def ssm_pages(
     return pages, ids.to(pages.device)
 
 
-def read_conv_many(
-    stores: Sequence[PagedStateStore], layer: int, dtype: torch.dtype, index: StepIndex | None = None
-) -> Tensor:
+def read_conv_many(stores: Sequence[PagedStateStore], layer: int, dtype: torch.dtype, index: StepIndex | None = None) -> Tensor:
     """Every request's conv state `[B, C, K-1]` in `dtype` (whole pages only: see `ssm_pages`)."""
     region, ids = _mamba_blocks(stores, layer, index)
     pages = stores[0].ranks[0].conv[region]

@@ -349,7 +349,8 @@ class PagedEngine:
         if self._stack_unit is None:  # the first step: on a traced stack, which finds the unit
             rows = trace_rows(len(batch), self.model.dtype)
             logits, self._stack_unit = stack_unit(
-                lambda r: self.model.forward_step(ids, stores, positions, rows=r, invariant=True, native=self.native_kernels), rows
+                lambda r: self.model.forward_step(ids, stores, positions, rows=r, invariant=True, native=self.native_kernels),
+                rows,
             )
             return logits
         # Thread t runs one forward over a contiguous share of whole tiles, as even a share as

@@ -28,7 +28,16 @@ class Mamba2StateKernel:
         self._fn.restype = None
 
     def __call__(
-        self, pages: Tensor, page_ids: Tensor, decay: Tensor, dt: Tensor, x: Tensor, b: Tensor, c: Tensor, d_skip: Tensor, y: Tensor
+        self,
+        pages: Tensor,
+        page_ids: Tensor,
+        decay: Tensor,
+        dt: Tensor,
+        x: Tensor,
+        b: Tensor,
+        c: Tensor,
+        d_skip: Tensor,
+        y: Tensor,
     ) -> None:
         """One step of n requests: `pages` [pages, H, P, N] fp32 (request r's state in page
         `page_ids[r]`, updated in place), `decay` and `dt` [n, H], `x` [n, H, P], `b` and `c`
@@ -36,7 +45,9 @@ class Mamba2StateKernel:
         n, heads, head_dim = x.shape
         groups, d_state = b.shape[1], b.shape[2]
         if pages.shape[1:] != (heads, head_dim, d_state) or page_ids.shape != (n,) or heads % groups:
-            raise ValueError(f"mamba2 kernel: pages {tuple(pages.shape)}, ids {tuple(page_ids.shape)}, x {tuple(x.shape)}, b {tuple(b.shape)}")
+            raise ValueError(
+                f"mamba2 kernel: pages {tuple(pages.shape)}, ids {tuple(page_ids.shape)}, x {tuple(x.shape)}, b {tuple(b.shape)}"
+            )
         inputs = (decay, dt, x, b, c, d_skip, y)
         if pages.dtype != torch.float32 or not pages[0].is_contiguous() or pages.device.type != "cpu":
             raise ValueError("mamba2 kernel: pages must be fp32 CPU memory, each page contiguous")

@@ -305,7 +305,13 @@ class Model:
             return self._step_stack(ids, stores, positions, rows, invariant, native)
 
     def _step_stack(
-        self, ids: Sequence[int], stores: Sequence[PagedStateStore], positions: Sequence[int], rows: int, invariant: bool, native: bool
+        self,
+        ids: Sequence[int],
+        stores: Sequence[PagedStateStore],
+        positions: Sequence[int],
+        rows: int,
+        invariant: bool,
+        native: bool,
     ) -> Tensor:
         n = len(ids)
         token_ids = pad_rows(torch.tensor(list(ids), dtype=torch.long, device=self.device), rows)

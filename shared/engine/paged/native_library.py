@@ -35,19 +35,23 @@ def cache_dir() -> Path:
 @cache
 def load(name: str) -> ctypes.CDLL | None:
     """The built kernel `name` (`name`.c beside this file), or None where it cannot be built."""
+    return build(Path(__file__).with_name(f"{name}.c"))
+
+
+def build(source: Path) -> ctypes.CDLL | None:
+    """The shared library of the C file `source`, built now or found built; None (said in the
+    log) where there is no C compiler or the build fails."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler found: the paged engine runs its torch path for %s", name)
+        log.info("no C compiler found: the paged engine runs its torch path for %s", source.stem)
         return None
-    source = Path(__file__).with_name(f"{name}.c")
     try:
-        path = _built(compiler, source)
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(_built(compiler, source)))
     except subprocess.CalledProcessError as e:
-        log.warning("building the %s kernel failed: the paged engine runs its torch path\n%s", name, e.stderr)
+        log.warning("building the %s kernel failed: the paged engine runs its torch path\n%s", source.stem, e.stderr)
         return None
     except OSError as e:
-        log.warning("the %s kernel cannot be built or loaded (%s): the paged engine runs its torch path", name, e)
+        log.warning("the %s kernel cannot be built or loaded (%s): the paged engine runs its torch path", source.stem, e)
         return None
 
 
