@@ -118,10 +118,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "native-kernels",
         boolean,
-        "--engine paged: on runs the decode step's Mamba2 state update (fp32 models, CPU) as a C kernel built "
-        "once per machine with the system's C compiler, in place in the state pages; off (or no compiler) runs "
-        "the torch path, which gathers and scatters the states. Both are batch-invariant; a step's outputs differ "
-        "between them in the last bits (the order of one sum), so compare runs made with the same setting",
+        "--engine paged, fp32 models on a CPU: on runs two parts of a decode step as C kernels, built once per "
+        "machine with the system's C compiler: the Mamba2 state update in place in the state pages, and "
+        "attention reading K/V where they lie in the blocks (one rank holding every head); off (or no compiler) "
+        "runs the torch path, which gathers states and K/V out of the pages first. Both are batch-invariant; "
+        "their outputs differ in the last bits (orders of sums), so compare runs made with the same setting",
         True,
         metavar="on|off",
     ),

@@ -164,6 +164,7 @@ class StepIndex:
         self.kv: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}
         self.mamba: dict[int, Tensor] = {}
         self.rows: dict[tuple[str, int], tuple[Tensor, list[int]]] = {}
+        self.tables: dict[int, Tensor] = {}
 
 
 def _kv_slots(
@@ -480,3 +481,27 @@ def write_conv_many(stores: Sequence[PagedStateStore], layer: int, conv: Tensor,
     region, ids = _mamba_blocks(stores, layer, index)
     pages = stores[0].ranks[0].conv[region]
     pages.index_copy_(0, ids.to(pages.device), conv.to(pages.device, pages.dtype))
+
+
+def kv_pages(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[Tensor, Tensor] | None:
+    """Where one rank holds every KV head of fp32 K/V, each kernel block contiguous: the
+    layer's cache `[kernel blocks, 2, heads, kernel_block_size, head_dim]` (its own memory) and
+    the requests' block tables `[n, most blocks]` (logical block ids, zero after a request's
+    own), for a kernel that reads K/V where they lie. None otherwise."""
+    first = stores[0]
+    if not first._whole_kv:
+        return None
+    lay = first.layout
+    fa = first.ranks[0].fa[lay.region_of("attention", layer)]
+    if fa.dtype != torch.float32 or not fa[0].is_contiguous():
+        return None
+    group = lay.group_of("attention", layer)
+    if index is not None and group in index.tables:
+        return fa, index.tables[group]
+    tables = [s.blocks.block_ids[group] for s in stores]
+    table = torch.zeros((len(stores), max(1, max(len(t) for t in tables))), dtype=torch.int64)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    if index is not None:
+        index.tables[group] = table
+    return fa, table

@@ -132,16 +132,18 @@ def _threads(settings: ServiceSettings) -> str:
 
 
 def _kernels(settings: ServiceSettings) -> str:
-    """Which path a paged decode step's Mamba2 state update takes (built here, once per machine)."""
+    """Which path a paged decode step's Mamba2 state update and attention take (the C kernels
+    are built here, once per machine)."""
     if settings.engine != "paged" or settings.role != "decode":
         return ""
     if not settings.native_kernels:
-        return "; Mamba2 decode steps: torch path (--native-kernels off)"
+        return "; decode kernels: torch path (--native-kernels off)"
+    from shared.engine.paged.attention_kernel import attention_kernel
     from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
 
-    if mamba2_state_kernel() is None:
-        return "; Mamba2 decode steps: torch path (the C kernel did not build: see the log)"
-    return "; Mamba2 decode steps: C kernel (fp32 models on a CPU)"
+    if mamba2_state_kernel() is None or attention_kernel() is None:
+        return "; decode kernels: torch path (a C kernel did not build: see the log)"
+    return "; decode kernels: C (Mamba2 state update, attention; fp32 models on a CPU)"
 
 
 def _invariance(settings: ServiceSettings) -> str:

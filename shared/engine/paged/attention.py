@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from shared.engine.paged.attention_kernel import AttentionKernel
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear
 
@@ -120,6 +121,25 @@ class Attention:
             probs = torch.softmax(torch.bmm(qb, kb.transpose(1, 2)), dim=-1, dtype=torch.float32)
             outs.append(torch.bmm(probs if q.dtype == torch.float32 else probs.to(q.dtype), vb))
         return torch.stack(outs).view(n, self.num_heads * hd)
+
+    def attend_in_pages(
+        self,
+        q: Tensor,
+        fa: Tensor,
+        table: Tensor,
+        lengths: Tensor,
+        kernel: AttentionKernel,
+        *,
+        block_size: int,
+        kernels_per_block: int,
+    ) -> Tensor:
+        """`attend_tokens` for an fp32 model by the C kernel (attention_kernel.py), K/V read where
+        they lie in `fa` through the requests' block `table` (`lengths[b]` tokens each): [n,
+        heads * hd], in the kernel's order (last bits apart from `attend_tokens`)."""
+        n = table.shape[0]
+        queries = (q * self.scaling)[:n].reshape(n, self.num_heads, self.head_dim).contiguous()
+        out = kernel(fa, table, lengths, queries, block_size=block_size, kernels_per_block=kernels_per_block)
+        return out.view(n, self.num_heads * self.head_dim)
 
     def output(self, attn: Tensor, gate: Tensor | None, *, invariant: bool) -> Tensor:
         if gate is not None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from shared.engine.paged.attention import Attention
+from shared.engine.paged.attention_kernel import attention_kernel
 from shared.engine.paged.chunk_attention import causal_chunk_attention
 from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
@@ -26,6 +27,7 @@ from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_row
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
+    kv_pages,
     read_conv_many,
     read_kv_heads,
     read_ssm_many,
@@ -324,13 +326,13 @@ class Model:
                 x = sub.norm(h)
                 mixer = sub.mixer
                 if isinstance(mixer, Attention):
-                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, lookups)
+                    y = self._attend_step(mixer, index, x, pos, stores, positions, invariant, native, lookups)
                 elif isinstance(mixer, SSM_MIXERS):
                     y = self._mamba_step(mixer, index, x, fresh, stores, invariant, native, lookups)
                 elif isinstance(mixer, Parallel):
                     ssm_y = self._mamba_step(mixer.mamba, index, x, fresh, stores, invariant, native, lookups)
                     attn_y = self._attend_step(
-                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, lookups
+                        mixer.attention, index, _scaled(x, mixer.attn_in), pos, stores, positions, invariant, native, lookups
                     )
                     y = _scaled(ssm_y, mixer.ssm_out) + _scaled(attn_y, mixer.attn_out)
                 else:
@@ -347,15 +349,26 @@ class Model:
         stores: Sequence[PagedStateStore],
         positions: Sequence[int],
         invariant: bool,
+        native: bool,
         lookups: StepIndex,
     ) -> Tensor:
-        """The new tokens' K/V go to the blocks; each request then attends over its own K/V,
-        read back from them."""
+        """The new tokens' K/V go to the blocks; each request then attends over its own K/V:
+        read where it lies by the C kernel (fp32 on a CPU, `native`), else read back from the
+        blocks into spans for the torch path."""
         n, rows = len(stores), x.shape[0]
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
-        kv = read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups)
-        return mixer.output(pad_rows(mixer.attend_tokens(q, kv), rows), gate, invariant=invariant)
+        kernel = attention_kernel() if native and self.dtype == torch.float32 and self.device.type == "cpu" else None
+        pages = kv_pages(stores, index, lookups) if kernel is not None else None
+        if kernel is not None and pages is not None:
+            lay = stores[0].layout
+            lengths = torch.tensor([p + 1 for p in positions], dtype=torch.int64)
+            attn = mixer.attend_in_pages(
+                q, *pages, lengths, kernel, block_size=lay.block_size, kernels_per_block=lay.physical_per_logical
+            )
+        else:
+            attn = mixer.attend_tokens(q, read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups))
+        return mixer.output(pad_rows(attn, rows), gate, invariant=invariant)
 
     def _mamba_step(
         self,

@@ -25,6 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+LIBS = ("-lm",)  # after the source: the linker takes a library for what comes before it
 
 
 def cache_dir() -> Path:
@@ -57,7 +58,7 @@ def build(source: Path) -> ctypes.CDLL | None:
 
 def _built(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, os.uname().machine]).encode()).hexdigest()
+    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBS, version, os.uname().machine]).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{digest[:16]}.so"
     if target.exists():
         return target
@@ -65,7 +66,7 @@ def _built(compiler: str, source: Path) -> Path:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(source)], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(source), *LIBS], capture_output=True, text=True, check=True)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -75,9 +75,9 @@ def test_a_step_is_one_forward_per_thread_share(
     forwards: list[tuple[int, int]] = []
     forward = engine.model.forward_step
 
-    def counted(ids, stores, positions, *, rows, invariant):  # type: ignore[no-untyped-def]
+    def counted(ids, stores, positions, *, rows, invariant, native):  # type: ignore[no-untyped-def]
         forwards.append((len(ids), rows))
-        return forward(ids, stores, positions, rows=rows, invariant=invariant)
+        return forward(ids, stores, positions, rows=rows, invariant=invariant, native=native)
 
     monkeypatch.setattr(engine.model, "forward_step", counted)
     _run(engine)

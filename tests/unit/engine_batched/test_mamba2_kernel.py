@@ -3,10 +3,9 @@ compiler) against the torch path it replaces: the new states are the bits of tra
 (state * dA, then + dB x, each rounded), in the pages themselves, with every other byte of the
 cache untouched; the torch path's fused multiply-add differs from them in last bits only; the
 outputs equal a float64 reference within rounding; a request's bits do not depend on the other requests, their count or
-their order; bad arguments are refused before any memory is touched. Through the engine, on the
-Mamba2 families: greedy tokens equal to transformers' with logits within the fp32 tolerance,
-and equal to the torch path's with logits within rounding; the torch path, still what a
-checkpoint in 16 bits or TP > 1 runs, stays batch-invariant on its own."""
+their order; bad arguments are refused before any memory is touched. The torch path, still what a checkpoint
+in 16 bits or at TP > 1 runs, stays batch-invariant on its own (test_native_kernels.py runs the
+engine with and without the kernels)."""
 
 from __future__ import annotations
 
@@ -18,10 +17,7 @@ from torch import Tensor
 
 from shared.engine.paged.mamba2_kernel import Mamba2StateKernel, mamba2_state_kernel
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
-from tests.unit.engine_hf.helpers import disaggregated
-from tests.unit.engine_hf.helpers import engine as hf_engine
 
-MAMBA2_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
 HEADS, HEAD_DIM, D_STATE, GROUPS = 6, 5, 19, 2  # d_state 19: whole lanes of 8 and a tail of 3
 PAGES = 9
 
@@ -129,41 +125,6 @@ def test_bad_arguments_are_refused_before_memory_is_touched(kernel: Mamba2StateK
     with pytest.raises(ValueError, match="mamba2 kernel: pages"):
         _run(kernel, pages, [0, 1, 2], inputs, d_skip)  # three ids, two requests' inputs
     assert torch.equal(buffer, before)
-
-
-def _greedy(directory: str, native: bool, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[Tensor]]:
-    """Every prompt's greedy tokens and last logits, decoded together in one batch."""
-    engine = paged_engine(directory, native=native)
-    pool = BlockPool(engine.layout)
-    sessions, tokens = [], []
-    for i, prompt in enumerate(prompts):
-        session, first = start(engine, pool, prompt, f"r{i}")
-        sessions.append(session)
-        tokens.append([] if first is None else [first])
-    for _ in range(steps):
-        for out, token in zip(tokens, engine.step_batch(sessions)):
-            out.append(token)
-    return tokens, [logits_of(s) for s in sessions]
-
-
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_the_kernel_path_decodes_as_the_torch_path_and_transformers(family: str, hf_checkpoint: Callable[[str], str]) -> None:
-    directory = hf_checkpoint(family)
-    prompts = [prompt_of(n, salt=n) for n in (1, 9, 21)]
-    native_tokens, native_logits = _greedy(directory, True, prompts, 12)
-    torch_tokens, torch_logits = _greedy(directory, False, prompts, 12)
-    assert native_tokens == torch_tokens
-    for a, b in zip(native_logits, torch_logits):
-        assert torch.allclose(a, b, rtol=0, atol=1e-4)  # the fp32 tolerance against transformers
-    # Against transformers, one request through a TP 1 decode engine (the kernel's path).
-    hf_p, hf_d = hf_engine(directory, 1), hf_engine(directory, 1)
-    pg_p, pg_d = paged_engine(directory, num_blocks=24), paged_engine(directory, num_blocks=24)
-    want = disaggregated(hf_p, hf_d, prompts[1], 12)
-    got = disaggregated(pg_p, pg_d, prompts[1], 12)  # type: ignore[arg-type]
-    assert want.tokens == got.tokens
-    for w, g in zip(want.logits, got.logits):
-        if w is not None and g is not None:
-            assert float((w.float() - g.float()).abs().max()) <= 1e-4
 
 
 def test_the_torch_path_stays_batch_invariant(hf_checkpoint: Callable[[str], str]) -> None:

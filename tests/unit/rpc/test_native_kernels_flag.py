@@ -1,11 +1,12 @@
 """--native-kernels (both services): on by default, off from the flag or the environment; it
-reaches the paged engine, and decode's start-up line says which path its Mamba2 steps take."""
+reaches the paged engine, and decode's start-up line says which path its steps take."""
 
 from __future__ import annotations
 
 import pytest
 
 from shared.config import Role, build_parser, parse_settings
+from shared.engine.paged.attention_kernel import attention_kernel
 from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
 from shared.runtime.engine_host import engine_line
 
@@ -22,7 +23,8 @@ def test_on_by_default_and_off_by_flag_or_env(role: Role, capsys: pytest.Capture
 
 def test_help_says_what_it_changes() -> None:
     text = " ".join(build_parser("decode").format_help().split())
-    assert "Mamba2 state update (fp32 models, CPU) as a C kernel" in text
+    assert "the Mamba2 state update in place in the state pages" in text
+    assert "attention reading K/V where they lie in the blocks" in text
     assert "off (or no compiler) runs the torch path" in text
 
 
@@ -30,9 +32,10 @@ def test_decode_start_up_line_says_the_path() -> None:
     def line(*argv: str) -> str:
         return engine_line(parse_settings("decode", ["--engine", "paged", "--model", "ckpt", *argv], environ={}), "m")[1]
 
-    assert line("--native-kernels", "off").endswith("; Mamba2 decode steps: torch path (--native-kernels off)")
-    built = "C kernel (fp32 models on a CPU)" if mamba2_state_kernel() is not None else "torch path (the C kernel did not build"
-    assert "; Mamba2 decode steps: " + built in line()
+    assert line("--native-kernels", "off").endswith("; decode kernels: torch path (--native-kernels off)")
+    built = mamba2_state_kernel() is not None and attention_kernel() is not None
+    said = "C (Mamba2 state update, attention; fp32 models on a CPU)" if built else "torch path (a C kernel did not build"
+    assert "; decode kernels: " + said in line()
     # Prefill runs no decode steps, and the other engines have no kernels: nothing is said.
-    assert "Mamba2" not in engine_line(parse_settings("prefill", ["--engine", "paged", "--model", "ckpt"], environ={}), "m")[1]
-    assert "Mamba2" not in engine_line(parse_settings("decode", ["--engine", "hf", "--model", "ckpt"], environ={}), "m")[1]
+    assert "kernels" not in engine_line(parse_settings("prefill", ["--engine", "paged", "--model", "ckpt"], environ={}), "m")[1]
+    assert "kernels" not in engine_line(parse_settings("decode", ["--engine", "hf", "--model", "ckpt"], environ={}), "m")[1]

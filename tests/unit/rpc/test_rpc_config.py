@@ -237,12 +237,12 @@ def test_start_up_line_says_the_paged_engines_threads_of_its_role(role: Role, ar
     from shared.runtime.engine_host import engine_line
 
     _, line = engine_line(parse_settings(role, ["--engine", "paged", "--model", "ckpt", *argv], environ={}), "ckpt")
-    line, _, kernel = line.partition("; Mamba2 decode steps: ")
+    line, _, kernel = line.partition("; decode kernels: ")
     assert line == "engine paged: checkpoint ckpt" + said  # only its own role's count
-    assert bool(kernel) == (role == "decode")  # decode's line also says its Mamba2 steps' path
+    assert bool(kernel) == (role == "decode")  # decode's line also says its kernels' path
     off = parse_settings(role, ["--engine", "paged", "--model", "ckpt", "--batch-invariant", "off", *argv], environ={})
     _, line = engine_line(off, "ckpt")
-    line = line.partition("; Mamba2 decode steps: ")[0]
+    line = line.partition("; decode kernels: ")[0]
     assert line.startswith("engine paged: checkpoint ckpt; batch invariance off:") and line.endswith(said)
     # Engines that compute on one thread say nothing of threads.
     _, line = engine_line(parse_settings(role, ["--engine", "hf", "--model", "ckpt"], environ={}), "ckpt")

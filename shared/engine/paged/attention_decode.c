@@ -1,0 +1,71 @@
+/* A decode step's attention, reading each request's K/V straight from its kernel blocks.
+
+   fa: one attention layer's cache, kernel blocks of [2 (K, V), kv_heads, kernel_block_size,
+   head_dim] fp32, `block_stride` floats apart. Request r's token t lies in logical block
+   table[r][t / block_size], kernel block (that id) * kernels_per_block + (t % block_size) /
+   kernel_block_size, slot t % kernel_block_size. For each request r and query head h (KV head
+   h / (heads / kv_heads)), with its query q (already scaled) over tokens 0..lengths[r]-1:
+
+       s_t = dot(q, k_t),  p_t = exp(s_t - max s) / sum_t exp(s_t - max s),  out = sum_t p_t v_t
+
+   Every product and sum rounds once in the order written (built with -ffp-contract=off): dot
+   products keep LANES partial sums (element i to sum i % LANES) added in a fixed tree, the
+   softmax's sum and the output's sum run over t in order. A request's bits depend on its own
+   query and K/V only: not on the other requests, their count or where its blocks lie. */
+
+#include <math.h>
+#include <stdint.h>
+
+#define LANES 8
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++)
+            acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i + j < n; j++)
+        acc[j] += a[i + j] * b[i + j];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void attention_decode(const float *fa, int64_t block_stride, const int64_t *table, int64_t table_width,
+                      const int64_t *lengths, int64_t requests, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t kernels_per_block, int64_t kernel_block_size, const float *q,
+                      float *out, float *scores) {
+    int64_t rep = heads / kv_heads;
+    int64_t head_stride = kernel_block_size * head_dim;
+    for (int64_t r = 0; r < requests; r++) {
+        const int64_t *blocks = table + r * table_width;
+        int64_t length = lengths[r];
+        for (int64_t h = 0; h < heads; h++) {
+            const float *query = q + (r * heads + h) * head_dim;
+            float *o = out + (r * heads + h) * head_dim;
+            int64_t key_head = h / rep, value_head = kv_heads + h / rep;
+            float top = -INFINITY;
+            for (int64_t t = 0; t < length; t++) {
+                int64_t within = t % block_size;
+                const float *block = fa + (blocks[t / block_size] * kernels_per_block + within / kernel_block_size) * block_stride;
+                float s = dot(query, block + key_head * head_stride + (t % kernel_block_size) * head_dim, head_dim);
+                scores[t] = s;
+                if (s > top)
+                    top = s;
+            }
+            float total = 0.0f;
+            for (int64_t t = 0; t < length; t++) {
+                scores[t] = expf(scores[t] - top);
+                total += scores[t];
+            }
+            for (int64_t d = 0; d < head_dim; d++)
+                o[d] = 0.0f;
+            for (int64_t t = 0; t < length; t++) {
+                int64_t within = t % block_size;
+                const float *block = fa + (blocks[t / block_size] * kernels_per_block + within / kernel_block_size) * block_stride;
+                const float *v = block + value_head * head_stride + (t % kernel_block_size) * head_dim;
+                float p = scores[t] / total;
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += p * v[d];
+            }
+        }
+    }
+}

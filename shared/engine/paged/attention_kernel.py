@@ -1,0 +1,84 @@
+"""A decode step's attention read straight from the requests' kernel blocks (attention_decode.c).
+
+The torch path gathers every request's K/V out of its blocks into spans (one index_select of
+every token row) and then runs two small matmuls and a softmax per request. The kernel reads
+each key and value where it lies, through the requests' block tables, and computes each
+request's attention in its own fixed order: the same bits for a request whatever shares its
+step; last bits apart from the torch path's (its own sum orders and exp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from shared.engine.paged import native_library
+
+_ptr, _int = ctypes.c_void_p, ctypes.c_int64
+
+
+class AttentionKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.attention_decode
+        self._fn.argtypes = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr]
+        self._fn.restype = None
+
+    def __call__(
+        self, fa: Tensor, table: Tensor, lengths: Tensor, q: Tensor, *, block_size: int, kernels_per_block: int
+    ) -> Tensor:
+        """`fa` [kernel blocks, 2, kv_heads, kernel_block_size, head_dim] fp32, each kernel block
+        contiguous; `table` [n, width] int64, request r's logical block ids; `lengths` [n] int64,
+        the tokens each request attends over; `q` [n, heads, head_dim] fp32, scaled. Returns
+        [n, heads, head_dim]."""
+        n, heads, head_dim = q.shape
+        kv_heads, kernel_block_size = fa.shape[2], fa.shape[3]
+        if fa.shape[1] != 2 or fa.shape[4] != head_dim or heads % kv_heads or block_size % kernel_block_size:
+            raise ValueError(f"attention kernel: fa {tuple(fa.shape)}, q {tuple(q.shape)}, block size {block_size}")
+        if table.shape[0] != n or lengths.shape != (n,):
+            raise ValueError(f"attention kernel: table {tuple(table.shape)} and lengths {tuple(lengths.shape)} for {n} queries")
+        if fa.dtype != torch.float32 or not fa[0].is_contiguous() or fa.device.type != "cpu":
+            raise ValueError("attention kernel: the cache must be fp32 CPU memory, each kernel block contiguous")
+        if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+            raise ValueError("attention kernel: q must be a contiguous fp32 CPU tensor")
+        table = table.to(torch.int64).contiguous()
+        lengths = lengths.to(torch.int64).contiguous()
+        if n:
+            needed = (lengths + block_size - 1) // block_size
+            if int(lengths.min()) < 1 or bool((needed > table.shape[1]).any()):
+                raise IndexError(
+                    f"attention kernel: lengths {lengths.tolist()} need more blocks than the table's {table.shape[1]}"
+                )
+            used = torch.arange(table.shape[1])[None, :] < needed[:, None]
+            ids = table[used]
+            if int(ids.min()) < 0 or (int(ids.max()) + 1) * kernels_per_block > fa.shape[0]:
+                raise IndexError(f"attention kernel: block ids outside the cache's {fa.shape[0] // kernels_per_block} blocks")
+        out = torch.empty_like(q)
+        scores = torch.empty(int(lengths.max()) if n else 1, dtype=torch.float32)
+        self._fn(
+            fa.data_ptr(),
+            fa.stride(0),
+            table.data_ptr(),
+            table.shape[1],
+            lengths.data_ptr(),
+            n,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            kernels_per_block,
+            kernel_block_size,
+            q.data_ptr(),
+            out.data_ptr(),
+            scores.data_ptr(),
+        )
+        return out
+
+
+@cache
+def attention_kernel() -> AttentionKernel | None:
+    """The built kernel, or None where it cannot be built (the torch path runs)."""
+    library = native_library.load("attention_decode")
+    return None if library is None else AttentionKernel(library)
