@@ -10,6 +10,7 @@ step; last bits apart from the torch path's (its own sum orders and exp).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 
 import torch
@@ -75,6 +76,29 @@ class AttentionKernel:
             scores.data_ptr(),
         )
         return out
+
+
+BLOCK_TOKENS = 16  # tokens per block of `blocks_of`' copies
+
+
+def blocks_of(kv: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, int]:
+    """Requests' K/V gathered head-major (`[kv_heads, S_b, hd]` each, as `read_kv_heads` gives
+    them) laid out as a cache of blocks of BLOCK_TOKENS tokens, for the kernel where the heads
+    lie on several ranks: (cache, block table, tokens per block). The kernel's bits do not
+    depend on where a request's blocks lie, so this gives what the pages themselves would."""
+    counts = [-(-k.shape[1] // BLOCK_TOKENS) for k, _ in kv]
+    kv_heads, hd = kv[0][0].shape[0], kv[0][0].shape[2]
+    fa = torch.zeros(sum(counts), 2, kv_heads, BLOCK_TOKENS, hd, dtype=torch.float32)
+    table = torch.zeros(len(kv), max(counts), dtype=torch.int64)
+    first = 0
+    for b, ((k, v), count) in enumerate(zip(kv, counts)):
+        for half, t in enumerate((k, v)):
+            padded = torch.zeros(kv_heads, count * BLOCK_TOKENS, hd, dtype=torch.float32)
+            padded[:, : t.shape[1]] = t
+            fa[first : first + count, half] = padded.view(kv_heads, count, BLOCK_TOKENS, hd).transpose(0, 1)
+        table[b, :count] = torch.arange(first, first + count)
+        first += count
+    return fa, table, BLOCK_TOKENS
 
 
 @cache

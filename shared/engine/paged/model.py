@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from shared.engine.paged.attention import Attention
-from shared.engine.paged.attention_kernel import attention_kernel
+from shared.engine.paged.attention_kernel import attention_kernel, blocks_of
 from shared.engine.paged.chunk_attention import causal_chunk_attention
 from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
@@ -358,16 +358,19 @@ class Model:
         n, rows = len(stores), x.shape[0]
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
+        lengths = [p + 1 for p in positions]
         kernel = attention_kernel() if native and self.dtype == torch.float32 and self.device.type == "cpu" else None
         pages = kv_pages(stores, index, lookups) if kernel is not None else None
-        if kernel is not None and pages is not None:
+        if kernel is None:
+            attn = mixer.attend_tokens(q, read_kv_heads(stores, index, lengths, self.dtype, lookups))
+        elif pages is not None:  # K/V read where they lie
             lay = stores[0].layout
-            lengths = torch.tensor([p + 1 for p in positions], dtype=torch.int64)
             attn = mixer.attend_in_pages(
-                q, *pages, lengths, kernel, block_size=lay.block_size, kernels_per_block=lay.physical_per_logical
+                q, *pages, torch.tensor(lengths), kernel, block_size=lay.block_size, kernels_per_block=lay.physical_per_logical
             )
-        else:
-            attn = mixer.attend_tokens(q, read_kv_heads(stores, index, [p + 1 for p in positions], self.dtype, lookups))
+        else:  # heads split over ranks: the kernel on gathered copies laid out as blocks, the same bits
+            fa, table, size = blocks_of(read_kv_heads(stores, index, lengths, self.dtype, lookups))
+            attn = mixer.attend_in_pages(q, fa, table, torch.tensor(lengths), kernel, block_size=size, kernels_per_block=1)
         return mixer.output(pad_rows(attn, rows), gate, invariant=invariant)
 
     def _mamba_step(
@@ -383,14 +386,18 @@ class Model:
     ) -> Tensor:
         kernel = self._mamba2_kernel(mixer) if native else None
         pages = ssm_pages(stores, index, lookups) if kernel is not None else None
-        if kernel is not None and pages is not None:
+        if kernel is not None and pages is not None:  # the states updated in their pages
             assert isinstance(mixer, Mamba2)
             conv = read_conv_many(stores, index, self.dtype, lookups)
             y, conv = mixer.step_in_pages(x, conv, *pages, fresh, kernel, invariant=invariant)
             write_conv_many(stores, index, conv, lookups)
             return y
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
-        y, conv, ssm = mixer.step(x, conv, ssm, fresh, invariant=invariant)
+        if kernel is not None:  # states split over ranks: the kernel on a gathered copy, the same bits
+            assert isinstance(mixer, Mamba2)
+            y, conv = mixer.step_in_pages(x, conv, ssm, torch.arange(len(stores)), fresh, kernel, invariant=invariant)
+        else:
+            y, conv, ssm = mixer.step(x, conv, ssm, fresh, invariant=invariant)
         write_ssm_many(stores, index, conv, ssm, lookups)
         return y
 

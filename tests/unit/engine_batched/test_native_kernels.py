@@ -78,3 +78,21 @@ def test_the_kernels_decode_as_the_torch_path_and_transformers(
     for w, g in zip(want.logits, got.logits):
         if w is not None and g is not None:
             assert float((w.float() - g.float()).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next", "falcon_h1"])
+def test_the_kernels_give_the_same_bits_at_any_decode_tp(family: str, hf_checkpoint: Callable[[str], str]) -> None:
+    """At TP 2 the heads lie on two ranks: the kernels run on gathered copies, and a request's
+    logits are the TP 1 engine's bits (disaggregated == colocated across TP degrees). Negative
+    control: a TP 2 decode on the torch path gives other bits."""
+    directory = hf_checkpoint(family)
+    prompt = prompt_of(13, salt=4)
+    prefill = paged_engine(directory, num_blocks=24)
+
+    def logits(tp: int, native: bool) -> list[Tensor]:
+        run = disaggregated(prefill, paged_engine(directory, tp, num_blocks=24, native=native), prompt, STEPS)  # type: ignore[arg-type]
+        return [t for t in run.logits if t is not None]
+
+    one = logits(1, True)
+    assert all(torch.equal(a, b) for a, b in zip(one, logits(2, True), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(one, logits(2, False), strict=True))
