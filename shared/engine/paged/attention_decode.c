@@ -32,24 +32,31 @@ static float dot(const float *a, const float *b, int64_t n) {
 void attention_decode(const float *fa, int64_t block_stride, const int64_t *table, int64_t table_width,
                       const int64_t *lengths, int64_t requests, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t kernels_per_block, int64_t kernel_block_size, const float *q,
-                      float *out, float *scores) {
+                      float *out, float *scores, int64_t *kernel_blocks) {
+    /* scores: room for the longest request's tokens; kernel_blocks: for its kernel blocks */
     int64_t rep = heads / kv_heads;
     int64_t head_stride = kernel_block_size * head_dim;
     for (int64_t r = 0; r < requests; r++) {
         const int64_t *blocks = table + r * table_width;
         int64_t length = lengths[r];
+        int64_t used = (length + kernel_block_size - 1) / kernel_block_size;
+        for (int64_t c = 0; c < used; c++) { /* where the request's kernel blocks start, in token order */
+            int64_t within = c * kernel_block_size % block_size;
+            kernel_blocks[c] = (blocks[c * kernel_block_size / block_size] * kernels_per_block + within / kernel_block_size) * block_stride;
+        }
         for (int64_t h = 0; h < heads; h++) {
             const float *query = q + (r * heads + h) * head_dim;
             float *o = out + (r * heads + h) * head_dim;
-            int64_t key_head = h / rep, value_head = kv_heads + h / rep;
+            int64_t key_at = (h / rep) * head_stride, value_at = (kv_heads + h / rep) * head_stride;
             float top = -INFINITY;
-            for (int64_t t = 0; t < length; t++) {
-                int64_t within = t % block_size;
-                const float *block = fa + (blocks[t / block_size] * kernels_per_block + within / kernel_block_size) * block_stride;
-                float s = dot(query, block + key_head * head_stride + (t % kernel_block_size) * head_dim, head_dim);
-                scores[t] = s;
-                if (s > top)
-                    top = s;
+            for (int64_t c = 0, t = 0; c < used; c++) {
+                const float *key = fa + kernel_blocks[c] + key_at;
+                for (int64_t slot = 0; slot < kernel_block_size && t < length; slot++, t++) {
+                    float s = dot(query, key + slot * head_dim, head_dim);
+                    scores[t] = s;
+                    if (s > top)
+                        top = s;
+                }
             }
             float total = 0.0f;
             for (int64_t t = 0; t < length; t++) {
@@ -58,13 +65,14 @@ void attention_decode(const float *fa, int64_t block_stride, const int64_t *tabl
             }
             for (int64_t d = 0; d < head_dim; d++)
                 o[d] = 0.0f;
-            for (int64_t t = 0; t < length; t++) {
-                int64_t within = t % block_size;
-                const float *block = fa + (blocks[t / block_size] * kernels_per_block + within / kernel_block_size) * block_stride;
-                const float *v = block + value_head * head_stride + (t % kernel_block_size) * head_dim;
-                float p = scores[t] / total;
-                for (int64_t d = 0; d < head_dim; d++)
-                    o[d] += p * v[d];
+            for (int64_t c = 0, t = 0; c < used; c++) {
+                const float *value = fa + kernel_blocks[c] + value_at;
+                for (int64_t slot = 0; slot < kernel_block_size && t < length; slot++, t++) {
+                    float p = scores[t] / total;
+                    const float *v = value + slot * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        o[d] += p * v[d];
+                }
             }
         }
     }

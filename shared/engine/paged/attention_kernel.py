@@ -24,7 +24,7 @@ _ptr, _int = ctypes.c_void_p, ctypes.c_int64
 class AttentionKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.attention_decode
-        self._fn.argtypes = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr]
+        self._fn.argtypes = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr]
         self._fn.restype = None
 
     def __call__(
@@ -57,7 +57,9 @@ class AttentionKernel:
             if int(ids.min()) < 0 or (int(ids.max()) + 1) * kernels_per_block > fa.shape[0]:
                 raise IndexError(f"attention kernel: block ids outside the cache's {fa.shape[0] // kernels_per_block} blocks")
         out = torch.empty_like(q)
-        scores = torch.empty(int(lengths.max()) if n else 1, dtype=torch.float32)
+        longest = int(lengths.max()) if n else 1
+        scores = torch.empty(longest, dtype=torch.float32)
+        kernel_blocks = torch.empty(-(-longest // kernel_block_size), dtype=torch.int64)
         self._fn(
             fa.data_ptr(),
             fa.stride(0),
@@ -74,6 +76,7 @@ class AttentionKernel:
             q.data_ptr(),
             out.data_ptr(),
             scores.data_ptr(),
+            kernel_blocks.data_ptr(),
         )
         return out
 

@@ -24,7 +24,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+# -march=native: the widest vectors this CPU has (a library's name carries the CPU's features, so
+# a cache shared by other CPUs never hands one a library it cannot run); the results do not
+# change with the vector width, as nothing may be contracted or reassociated.
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 LIBS = ("-lm",)  # after the source: the linker takes a library for what comes before it
 
 
@@ -58,7 +61,8 @@ def build(source: Path) -> ctypes.CDLL | None:
 
 def _built(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBS, version, os.uname().machine]).encode()).hexdigest()
+    key = [source.read_text(), *FLAGS, *LIBS, version, os.uname().machine, _cpu_features()]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{digest[:16]}.so"
     if target.exists():
         return target
@@ -72,3 +76,12 @@ def _built(compiler: str, source: Path) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux: /proc/cpuinfo), what -march=native builds for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
