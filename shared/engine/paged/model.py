@@ -21,7 +21,7 @@ from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.mamba2_kernel import Mamba2StateKernel, mamba2_state_kernel
+from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_rows, tile_rows
 from shared.engine.paged_state import (
@@ -300,9 +300,9 @@ class Model:
         Every op but attention (and the mixers' products and sums on the requests' own rows)
         runs on the whole `[rows, ...]` tensors; attention runs per request on its own K/V. With
         `invariant` and `rows` whole stacks (tiles.stack_rows), or whole units of this model's
-        step (stack_unit.py), a request's bits cannot depend on the other rows. `native`: fp32
-        Mamba2 layers update their states through the C kernel where it builds (mamba2_kernel.py);
-        False: the torch path everywhere."""
+        step (stack_unit.py), a request's bits cannot depend on the other rows. `native`: an fp32
+        model on a CPU runs its Mamba2 state updates and attention through the C kernels where
+        they build (mamba2_kernel.py, attention_kernel.py); False: the torch path everywhere."""
         with padding_after(len(ids), rows):
             return self._step_stack(ids, stores, positions, rows, invariant, native)
 
@@ -359,7 +359,7 @@ class Model:
         q, k, v, gate = mixer.qkv(x, pos, invariant=invariant)
         write_kv_tokens(stores, index, positions, k[:n], v[:n], lookups)
         lengths = [p + 1 for p in positions]
-        kernel = attention_kernel() if native and self.dtype == torch.float32 and self.device.type == "cpu" else None
+        kernel = attention_kernel() if self._kernels_apply(native) else None
         pages = kv_pages(stores, index, lookups) if kernel is not None else None
         if kernel is None:
             attn = mixer.attend_tokens(q, read_kv_heads(stores, index, lengths, self.dtype, lookups))
@@ -384,7 +384,7 @@ class Model:
         native: bool,
         lookups: StepIndex,
     ) -> Tensor:
-        kernel = self._mamba2_kernel(mixer) if native else None
+        kernel = mamba2_state_kernel() if isinstance(mixer, Mamba2) and self._kernels_apply(native) else None
         pages = ssm_pages(stores, index, lookups) if kernel is not None else None
         if kernel is not None and pages is not None:  # the states updated in their pages
             assert isinstance(mixer, Mamba2)
@@ -401,8 +401,6 @@ class Model:
         write_ssm_many(stores, index, conv, ssm, lookups)
         return y
 
-    def _mamba2_kernel(self, mixer: Ssm) -> Mamba2StateKernel | None:
-        """The C kernel for this mixer's decode steps, where it applies: an fp32 Mamba2 on a CPU."""
-        if not isinstance(mixer, Mamba2) or self.dtype != torch.float32:
-            return None
-        return mamba2_state_kernel() if self.device.type == "cpu" else None
+    def _kernels_apply(self, native: bool) -> bool:
+        """Whether this model's decode steps run the C kernels: asked for, fp32, on a CPU."""
+        return native and self.dtype == torch.float32 and self.device.type == "cpu"
