@@ -54,19 +54,28 @@ def measure(directory: str, steps: int, rounds: int) -> list[tuple[int, float, f
     out = []
     for batch in BATCHES:
         engine, sessions = bench_engine(directory, batch, 2 * steps * rounds + 4)
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for invariant in (True, False):  # warm-up
-            engine.batch_invariant = invariant
-            engine.step_batch(sessions)
-        for _ in range(rounds):
-            for invariant in (True, False):
-                engine.batch_invariant = invariant
-                start = time.perf_counter()
-                for _ in range(steps):
-                    engine.step_batch(sessions)
-                times[invariant].append((time.perf_counter() - start) / steps * 1e3)
-        out.append((batch, statistics.median(times[True]), statistics.median(times[False])))
+        times = interleaved(engine, sessions, "batch_invariant", steps, rounds)
+        out.append((batch, times[True], times[False]))
     return out
+
+
+def interleaved(
+    engine: PagedEngine, sessions: list[PagedDecodeSession], switch: str, steps: int, rounds: int
+) -> dict[bool, float]:
+    """Median ms per `step_batch` with the engine's boolean attribute `switch` on and off, the
+    two taking turns for `rounds` rounds of `steps` steps (after one warm-up step each)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False):
+        setattr(engine, switch, on)
+        engine.step_batch(sessions)
+    for _ in range(rounds):
+        for on in (True, False):
+            setattr(engine, switch, on)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step_batch(sessions)
+            times[on].append((time.perf_counter() - start) / steps * 1e3)
+    return {on: statistics.median(t) for on, t in times.items()}
 
 
 def main() -> None:
