@@ -15,18 +15,7 @@
 
 #include <stdint.h>
 
-#define LANES 8
-
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++)
-            acc[j] += a[i + j] * b[i + j];
-    for (int j = 0; i + j < n; j++)
-        acc[j] += a[i + j] * b[i + j];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
+#include "lanes_dot.h"
 
 void mamba2_state_step(float *pages, int64_t page_stride, const int64_t *page_ids, int64_t requests,
                        int64_t heads, int64_t head_dim, int64_t d_state, int64_t heads_per_group,

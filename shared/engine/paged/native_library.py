@@ -61,7 +61,8 @@ def build(source: Path) -> ctypes.CDLL | None:
 
 def _built(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = [source.read_text(), *FLAGS, *LIBS, version, os.uname().machine, _cpu_features()]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = [source.read_text(), *headers, *FLAGS, *LIBS, version, os.uname().machine, _cpu_features()]
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{digest[:16]}.so"
     if target.exists():

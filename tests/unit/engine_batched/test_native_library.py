@@ -55,3 +55,11 @@ def test_a_failed_build_gives_none_and_leaves_nothing(tmp_path: Path, own_cache:
     assert native_library.build(source) is None
     assert "building the broken kernel failed" in caplog.text and "error" in caplog.text
     assert list(own_cache.iterdir()) == []  # no partial file left behind
+
+
+def test_a_changed_header_beside_the_source_builds_anew(tmp_path: Path, own_cache: Path) -> None:
+    (tmp_path / "probe.c").write_text('#include "probe.h"\nint answer(void) { return VALUE; }\n')
+    (tmp_path / "probe.h").write_text("#define VALUE 7\n")
+    assert _answer(native_library.build(tmp_path / "probe.c")) == 7
+    (tmp_path / "probe.h").write_text("#define VALUE 8\n")
+    assert _answer(native_library.build(tmp_path / "probe.c")) == 8
