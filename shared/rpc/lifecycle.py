@@ -10,7 +10,9 @@ Drain sequence, on the first SIGTERM or SIGINT:
 4. past the grace, requests still running (those registered with `track()`) are cancelled and
    end with our own UNAVAILABLE (reason DRAIN_GRACE_ENDED: "retry on another instance"), not
    gRPC's "Cancelling all calls"; then `server.stop(...)`: the listener closes; what is left
-   (health Watch streams, Session streams) gets at most FINAL_GRACE_SECONDS;
+   (health Watch streams, Session streams) gets at most FINAL_GRACE_SECONDS, and after a cut
+   exactly that: a cut request's handler has ended, but its status may still be on its way
+   out, and a server stopping at once would cancel the call under it;
 5. the caller closes its data plane and the process exits 0.
 A second signal skips the rest of the grace period.
 """
@@ -113,6 +115,7 @@ class Lifecycle:
         if on_draining is not None:
             await on_draining()
         force = asyncio.ensure_future(self._force.wait())
+        cut = False
         try:
             if wait_idle is not None:
                 idle = asyncio.ensure_future(wait_idle())
@@ -124,7 +127,8 @@ class Lifecycle:
                         self.grace_seconds, len(self._tracked),
                     )  # fmt: skip
                     await self._cut_tracked()
-            left = max(0.0, min(end_of_grace - loop.time(), FINAL_GRACE_SECONDS))
+                    cut = True
+            left = FINAL_GRACE_SECONDS if cut else max(0.0, min(end_of_grace - loop.time(), FINAL_GRACE_SECONDS))
             stop = asyncio.ensure_future(server.stop(None if self._force.is_set() else left))
             await asyncio.wait({stop, force}, return_when=asyncio.FIRST_COMPLETED)
             if not stop.done():
