@@ -118,8 +118,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "native-kernels",
         boolean,
-        "--engine paged, fp32 models on a CPU: on runs two parts of a decode step as C kernels, built once per "
-        "machine with the system's C compiler: the Mamba2 state update in place in the state pages, and "
+        "--engine paged, fp32 models on a CPU: on runs parts of a decode step as C kernels, built once per "
+        "machine with the system's C compiler: the Mamba2 conv and state updates in place in the state pages, and "
         "attention reading K/V where they lie in the blocks (one rank holding every head); off (or no compiler) "
         "runs the torch path, which gathers states and K/V out of the pages first. Both are batch-invariant; "
         "their outputs differ in the last bits (orders of sums), so compare runs made with the same setting",

@@ -455,32 +455,21 @@ def write_ssm_many(
         dst_ssm[ids.to(dst_ssm.device)] = ssm[:, srow].to(dst_ssm.device, dst_ssm.dtype)
 
 
-def ssm_pages(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[Tensor, Tensor] | None:
-    """Where one rank holds every request's whole state and its SSM pages are fp32 with each
-    page's state contiguous: those pages `[pages, *ssm_shape]` (the cache's own memory) and
-    the requests' page ids, for a kernel that updates the states in place. None otherwise."""
+def state_pages(
+    stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Where one rank holds every request's whole state and its conv and SSM pages are fp32
+    with each page contiguous: those pages, conv `[pages, C, K-1]` and SSM `[pages,
+    *ssm_shape]` (the cache's own memory), and the requests' page ids, for kernels that move the
+    states on in place. None otherwise."""
     first = stores[0]
     if not first._whole_pages:
         return None
     region, ids = _mamba_blocks(stores, layer, index)
-    pages = first.ranks[0].ssm[region]
-    if pages.dtype != torch.float32 or not pages[0].is_contiguous():
+    conv, ssm = first.ranks[0].conv[region], first.ranks[0].ssm[region]
+    if any(p.dtype != torch.float32 or not p[0].is_contiguous() for p in (conv, ssm)):
         return None
-    return pages, ids.to(pages.device)
-
-
-def read_conv_many(stores: Sequence[PagedStateStore], layer: int, dtype: torch.dtype, index: StepIndex | None = None) -> Tensor:
-    """Every request's conv state `[B, C, K-1]` in `dtype` (whole pages only: see `ssm_pages`)."""
-    region, ids = _mamba_blocks(stores, layer, index)
-    pages = stores[0].ranks[0].conv[region]
-    return pages.index_select(0, ids.to(pages.device)).to(stores[0]._device, dtype)
-
-
-def write_conv_many(stores: Sequence[PagedStateStore], layer: int, conv: Tensor, index: StepIndex | None = None) -> None:
-    """Store row b of `conv` as request b's conv state (the inverse of `read_conv_many`)."""
-    region, ids = _mamba_blocks(stores, layer, index)
-    pages = stores[0].ranks[0].conv[region]
-    pages.index_copy_(0, ids.to(pages.device), conv.to(pages.device, pages.dtype))
+    return conv, ssm, ids.to(ssm.device)
 
 
 def kv_pages(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | None = None) -> tuple[Tensor, Tensor] | None:
@@ -499,9 +488,10 @@ def kv_pages(stores: Sequence[PagedStateStore], layer: int, index: StepIndex | N
     if index is not None and group in index.tables:
         return fa, index.tables[group]
     tables = [s.blocks.block_ids[group] for s in stores]
-    table = torch.zeros((len(stores), max(1, max(len(t) for t in tables))), dtype=torch.int64)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    rows = np.zeros((len(stores), max(1, max(len(t) for t in tables))), dtype=np.int64)
+    for b, t in enumerate(tables):  # in numpy: a row costs no tensor op
+        rows[b, : len(t)] = t
+    table = torch.from_numpy(rows)
     if index is not None:
         index.tables[group] = table
     return fa, table

@@ -132,18 +132,19 @@ def _threads(settings: ServiceSettings) -> str:
 
 
 def _kernels(settings: ServiceSettings) -> str:
-    """Which path a paged decode step's Mamba2 state update and attention take (the C kernels
-    are built here, once per machine)."""
+    """Which path a paged decode step's Mamba2 conv and state updates and attention take (the C
+    kernels are built here, once per machine)."""
     if settings.engine != "paged" or settings.role != "decode":
         return ""
     if not settings.native_kernels:
         return "; decode kernels: torch path (--native-kernels off)"
     from shared.engine.paged.attention_kernel import attention_kernel
+    from shared.engine.paged.conv_kernel import conv_step_kernel
     from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
 
-    if mamba2_state_kernel() is None or attention_kernel() is None:
+    if conv_step_kernel() is None or mamba2_state_kernel() is None or attention_kernel() is None:
         return "; decode kernels: torch path (a C kernel did not build: see the log)"
-    return "; decode kernels: C (Mamba2 state update, attention; fp32 models on a CPU)"
+    return "; decode kernels: C (Mamba2 conv and state updates, attention; fp32 models on a CPU)"
 
 
 def _invariance(settings: ServiceSettings) -> str:

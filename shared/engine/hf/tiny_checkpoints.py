@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from shared.config.cache_root import cache_root
 from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.logs.third_party import transformers_module
 
@@ -355,16 +356,6 @@ def build_checkpoint(family: str, directory: str, *, seed: int = 0, size: str = 
     build_tokenizer(directory)
     tf.GenerationConfig(bos_token_id=0, eos_token_id=[1], pad_token_id=3).save_pretrained(directory)
     return directory
-
-
-def cache_root() -> str:
-    """Where made checkpoints are kept: $HYBRID_PD_CACHE, else $XDG_CACHE_HOME/hybrid-pd, else
-    ~/.cache/hybrid-pd."""
-    explicit = os.environ.get("HYBRID_PD_CACHE")
-    if explicit:
-        return explicit
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "hybrid-pd")
 
 
 def cached_checkpoint(

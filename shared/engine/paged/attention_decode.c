@@ -11,18 +11,43 @@
    Every product and sum rounds once in the order written (built with -ffp-contract=off): dot
    products keep LANES partial sums (element i to sum i % LANES) added in a fixed tree, the
    softmax's sum and the output's sum run over t in order. A request's bits depend on its own
-   query and K/V only: not on the other requests, their count or where its blocks lie. */
+   query and K/V only: not on the other requests, their count or where its blocks lie.
+
+   Every request's length and block ids are checked before anything is computed: returns 0, or
+   BAD_LENGTH (a length below 1, or beyond the blocks of its table row) or BAD_BLOCK (a block
+   id outside the cache's cache_blocks kernel blocks) with nothing written. */
 
 #include <math.h>
 #include <stdint.h>
 
 #include "lanes_dot.h"
 
-void attention_decode(const float *fa, int64_t block_stride, const int64_t *table, int64_t table_width,
-                      const int64_t *lengths, int64_t requests, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, int64_t kernels_per_block, int64_t kernel_block_size, const float *q,
-                      float *out, float *scores, int64_t *kernel_blocks) {
+enum { BAD_LENGTH = 1, BAD_BLOCK = 2 };
+
+static int64_t check(const int64_t *table, int64_t table_width, const int64_t *lengths, int64_t requests,
+                     int64_t block_size, int64_t kernels_per_block, int64_t cache_blocks) {
+    for (int64_t r = 0; r < requests; r++) {
+        int64_t length = lengths[r];
+        if (length < 1 || (length + block_size - 1) / block_size > table_width)
+            return BAD_LENGTH;
+        for (int64_t b = 0; b < (length + block_size - 1) / block_size; b++) {
+            int64_t id = table[r * table_width + b];
+            if (id < 0 || id >= cache_blocks / kernels_per_block)
+                return BAD_BLOCK;
+        }
+    }
+    return 0;
+}
+
+int64_t attention_decode(const float *fa, int64_t block_stride, int64_t cache_blocks, const int64_t *table,
+                         int64_t table_width, const int64_t *lengths, int64_t requests, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t kernels_per_block,
+                         int64_t kernel_block_size, const float *q, float *out, float *scores,
+                         int64_t *kernel_blocks) {
     /* scores: room for the longest request's tokens; kernel_blocks: for its kernel blocks */
+    int64_t bad = check(table, table_width, lengths, requests, block_size, kernels_per_block, cache_blocks);
+    if (bad)
+        return bad;
     int64_t rep = heads / kv_heads;
     int64_t head_stride = kernel_block_size * head_dim;
     for (int64_t r = 0; r < requests; r++) {
@@ -65,4 +90,5 @@ void attention_decode(const float *fa, int64_t block_stride, const int64_t *tabl
             }
         }
     }
+    return 0;
 }

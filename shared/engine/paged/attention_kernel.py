@@ -19,13 +19,15 @@ from torch import Tensor
 from shared.engine.paged import native_library
 
 _ptr, _int = ctypes.c_void_p, ctypes.c_int64
+# What the kernel returns where it refused its arguments (it checks them before computing).
+_BAD_LENGTH, _BAD_BLOCK = 1, 2
 
 
 class AttentionKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.attention_decode
-        self._fn.argtypes = [_ptr, _int, _ptr, _int, _ptr, _int, _int, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr]
-        self._fn.restype = None
+        self._fn.argtypes = [_ptr, _int, _int, _ptr, _int, _ptr, _int, _int, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr]
+        self._fn.restype = _int
 
     def __call__(
         self, fa: Tensor, table: Tensor, lengths: Tensor, q: Tensor, *, block_size: int, kernels_per_block: int
@@ -46,23 +48,15 @@ class AttentionKernel:
             raise ValueError("attention kernel: q must be a contiguous fp32 CPU tensor")
         table = table.to(torch.int64).contiguous()
         lengths = lengths.to(torch.int64).contiguous()
-        if n:
-            needed = (lengths + block_size - 1) // block_size
-            if int(lengths.min()) < 1 or bool((needed > table.shape[1]).any()):
-                raise IndexError(
-                    f"attention kernel: lengths {lengths.tolist()} need more blocks than the table's {table.shape[1]}"
-                )
-            used = torch.arange(table.shape[1])[None, :] < needed[:, None]
-            ids = table[used]
-            if int(ids.min()) < 0 or (int(ids.max()) + 1) * kernels_per_block > fa.shape[0]:
-                raise IndexError(f"attention kernel: block ids outside the cache's {fa.shape[0] // kernels_per_block} blocks")
         out = torch.empty_like(q)
-        longest = int(lengths.max()) if n else 1
+        # room for the longest request's tokens (one beyond its table: refused by the kernel)
+        longest = max(1, min(int(lengths.max()), table.shape[1] * block_size)) if n else 1
         scores = torch.empty(longest, dtype=torch.float32)
         kernel_blocks = torch.empty(-(-longest // kernel_block_size), dtype=torch.int64)
-        self._fn(
+        bad = self._fn(
             fa.data_ptr(),
             fa.stride(0),
+            fa.shape[0],
             table.data_ptr(),
             table.shape[1],
             lengths.data_ptr(),
@@ -78,6 +72,10 @@ class AttentionKernel:
             scores.data_ptr(),
             kernel_blocks.data_ptr(),
         )
+        if bad == _BAD_LENGTH:
+            raise IndexError(f"attention kernel: lengths {lengths.tolist()} need more blocks than the table's {table.shape[1]}")
+        if bad == _BAD_BLOCK:
+            raise IndexError(f"attention kernel: block ids outside the cache's {fa.shape[0] // kernels_per_block} blocks")
         return out
 
 

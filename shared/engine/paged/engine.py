@@ -335,8 +335,8 @@ class PagedEngine:
         logits = self._step_logits(batch)
         plain = [j for j, s in enumerate(batch) if draws_argmax(s._sampling, s._index)]
         drawn = dict(zip(plain, argmax_rows(logits[plain]))) if plain else {}
-        for j, (i, s) in enumerate(zip(singles, batch)):
-            tokens[i] = s._advance(logits[j], 1, drawn.get(j))
+        for j, (i, s, row) in enumerate(zip(singles, batch, logits.unbind(0))):
+            tokens[i] = s._advance(row, 1, drawn.get(j))
         return tokens
 
     def _step_logits(self, batch: Sequence[PagedDecodeSession]) -> Tensor:

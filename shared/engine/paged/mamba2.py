@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shared.engine.paged.conv_kernel import ConvStepKernel
 from shared.engine.paged.conv_step import conv_step
 from shared.engine.paged.mamba2_kernel import Mamba2StateKernel
 from shared.engine.paged.norms import falcon_gated_rms_norm, gated_rms_norm
@@ -150,26 +151,31 @@ class Mamba2:
     def step_in_pages(
         self,
         h: Tensor,
-        conv: Tensor,
-        pages: Tensor,
+        conv_pages: Tensor,
+        ssm_pages: Tensor,
         page_ids: Tensor,
         fresh: Tensor | None,
-        kernel: Mamba2StateKernel,
+        kernels: tuple[ConvStepKernel, Mamba2StateKernel],
         *,
         invariant: bool,
-    ) -> tuple[Tensor, Tensor]:
-        """`step` for an fp32 model with the SSM states in `pages` [pages, H, P, N] (request i's
-        in page `page_ids[i]`), updated there in place by the C kernel (mamba2_kernel.py), with
-        the products and sums in the kernel's order (last bits apart from `step`'s). Returns the
-        output [R, hidden] and the n requests' new conv states."""
+    ) -> Tensor:
+        """`step` for an fp32 model with the states in their pages (request i's in page
+        `page_ids[i]` of `conv_pages` [pages, C, K-1] and `ssm_pages` [pages, H, P, N]), both
+        moved on there in place by the C kernels (conv_kernel.py, mamba2_kernel.py): the conv in
+        `step`'s order, the recurrence in the kernel's (last bits apart from `step`'s). Returns
+        the output [R, hidden]."""
         r, n = h.shape[0], page_ids.shape[0]
         if h.dtype != torch.float32:
-            raise ValueError(f"the Mamba2 kernel computes fp32 models only, not {h.dtype}")
-        z, window, x, b, c, dt = self._step_inputs(h, conv, fresh, invariant)
+            raise ValueError(f"the Mamba2 kernels compute fp32 models only, not {h.dtype}")
+        conv_kernel, state_kernel = kernels
+        z, xbc, dt = self._project(h, invariant)
+        mixed = xbc.new_zeros(xbc.shape)  # zero after the requests' rows, as conv_step's
+        conv_kernel(conv_pages, page_ids, xbc[:n], self.conv_weight, self.conv_bias, mixed[:n])
+        x, b, c, dt = self._after_conv(mixed, dt, fresh)
         groups = (n, self.n_groups, self.d_state)
         y = torch.zeros_like(x)
-        kernel(
-            pages,
+        state_kernel(
+            ssm_pages,
             page_ids,
             torch.exp(dt * self.A)[:n],  # on every row, as the torch path: a stack's shape (tiles.py)
             dt[:n].contiguous(),
@@ -179,7 +185,7 @@ class Mamba2:
             self.D.float().contiguous(),
             y[:n],
         )
-        return self._finish(y.reshape(r, self.intermediate), z, h.dtype, invariant), window[:, :, 1:]
+        return self._finish(y.reshape(r, self.intermediate), z, h.dtype, invariant)
 
     def _step_inputs(
         self, h: Tensor, conv: Tensor, fresh: Tensor | None, invariant: bool
@@ -189,11 +195,17 @@ class Mamba2:
         r, n, dtype = h.shape[0], conv.shape[0], h.dtype
         z, xbc, dt = self._project(h, invariant)
         window = torch.cat([conv.to(dtype), xbc[:n, :, None]], dim=2)  # [n, C, K]
-        x, b, c = self._split(F.silu(conv_step(window, self.conv_weight, self.conv_bias, r)))
+        x, b, c, dt = self._after_conv(conv_step(window, self.conv_weight, self.conv_bias, r), dt, fresh)
+        return z, window, x, b, c, dt
+
+    def _after_conv(self, mixed: Tensor, dt: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """From the conv's output [R, C] and the raw dt [R, H] of a step: x [R, H, P], B and C
+        per group [R, G * N] and dt [R, H]."""
+        x, b, c = self._split(F.silu(mixed))
         dt = F.softplus(dt + self.dt_bias)  # [R, H]; a step does not clamp (as transformers)
         if fresh is not None and self.dt_limit != NO_DT_LIMIT:  # softplus is >= 0: (0, inf) clamps nothing
             dt = torch.where(fresh[:, None], dt.clamp(self.dt_limit[0], self.dt_limit[1]), dt)
-        return z, window, x.reshape(r, self.num_heads, self.head_dim), b, c, dt
+        return x.reshape(mixed.shape[0], self.num_heads, self.head_dim), b, c, dt
 
     def _per_head(self, t: Tensor, rows: int) -> Tensor:
         """[rows, G * N] -> [rows, H, N]: each head gets its group's vector."""

@@ -19,13 +19,14 @@ from torch import Tensor
 from shared.engine.paged import native_library
 
 _ptr, _int = ctypes.c_void_p, ctypes.c_int64
+_BAD_PAGE = 1  # what the kernel returns for a page id outside the pages
 
 
 class Mamba2StateKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.mamba2_state_step
-        self._fn.argtypes = [_ptr, _int, _ptr, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
-        self._fn.restype = None
+        self._fn.argtypes = [_ptr, _int, _int, _ptr, _int, _int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self._fn.restype = _int
 
     def __call__(
         self,
@@ -54,11 +55,10 @@ class Mamba2StateKernel:
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in inputs):
             raise ValueError("mamba2 kernel: every input must be a contiguous fp32 CPU tensor")
         ids = page_ids.to(torch.int64).contiguous()
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= pages.shape[0]):
-            raise IndexError(f"mamba2 kernel: page ids outside 0..{pages.shape[0] - 1}")
-        self._fn(
+        bad = self._fn(
             pages.data_ptr(),
             pages.stride(0),
+            pages.shape[0],
             ids.data_ptr(),
             n,
             heads,
@@ -67,6 +67,8 @@ class Mamba2StateKernel:
             heads // groups,
             *(t.data_ptr() for t in inputs),
         )
+        if bad == _BAD_PAGE:  # checked by the kernel before it computes anything
+            raise IndexError(f"mamba2 kernel: page ids outside 0..{pages.shape[0] - 1}")
 
 
 @cache

@@ -11,16 +11,24 @@
    written (built with -ffp-contract=off: no fused multiply-adds), which for the state is
    transformers' order; the dot product keeps LANES partial sums, element i going to sum
    i % LANES, added in a fixed tree. A request's bits depend on its own inputs only: not on the
-   other requests, their count, the machine's vector width or the thread that runs it. */
+   other requests, their count, the machine's vector width or the thread that runs it.
+
+   Every page id is checked before anything is computed: returns 0, or BAD_PAGE (an id outside
+   0..page_count-1) with nothing written. */
 
 #include <stdint.h>
 
 #include "lanes_dot.h"
 
-void mamba2_state_step(float *pages, int64_t page_stride, const int64_t *page_ids, int64_t requests,
-                       int64_t heads, int64_t head_dim, int64_t d_state, int64_t heads_per_group,
-                       const float *decay, const float *dt, const float *x, const float *b,
-                       const float *c, const float *d_skip, float *y) {
+enum { BAD_PAGE = 1 };
+
+int64_t mamba2_state_step(float *pages, int64_t page_stride, int64_t page_count, const int64_t *page_ids,
+                          int64_t requests, int64_t heads, int64_t head_dim, int64_t d_state,
+                          int64_t heads_per_group, const float *decay, const float *dt, const float *x,
+                          const float *b, const float *c, const float *d_skip, float *y) {
+    for (int64_t r = 0; r < requests; r++)
+        if (page_ids[r] < 0 || page_ids[r] >= page_count)
+            return BAD_PAGE;
     int64_t groups = heads / heads_per_group;
     float dtb[d_state];
     for (int64_t r = 0; r < requests; r++) {
@@ -42,4 +50,5 @@ void mamba2_state_step(float *pages, int64_t page_stride, const int64_t *page_id
             }
         }
     }
+    return 0;
 }

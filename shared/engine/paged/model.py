@@ -17,22 +17,21 @@ from torch import Tensor
 from shared.engine.paged.attention import Attention
 from shared.engine.paged.attention_kernel import attention_kernel, blocks_of
 from shared.engine.paged.chunk_attention import causal_chunk_attention
+from shared.engine.paged.conv_kernel import ConvStepKernel, conv_step_kernel
 from shared.engine.paged.ffn import Mlp, Moe
 from shared.engine.paged.gdn import GatedDeltaNet
 from shared.engine.paged.mamba1 import Mamba1
 from shared.engine.paged.mamba2 import Mamba2
-from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
+from shared.engine.paged.mamba2_kernel import Mamba2StateKernel, mamba2_state_kernel
 from shared.engine.paged.norms import rms_norm
 from shared.engine.paged.tiles import linear, pad_rows, padding_after, stack_rows, tile_rows
 from shared.engine.paged_state import (
     PagedStateStore,
     StepIndex,
     kv_pages,
-    read_conv_many,
     read_kv_heads,
     read_ssm_many,
-    ssm_pages,
-    write_conv_many,
+    state_pages,
     write_kv_tokens,
     write_ssm_many,
 )
@@ -301,8 +300,8 @@ class Model:
         runs on the whole `[rows, ...]` tensors; attention runs per request on its own K/V. With
         `invariant` and `rows` whole stacks (tiles.stack_rows), or whole units of this model's
         step (stack_unit.py), a request's bits cannot depend on the other rows. `native`: an fp32
-        model on a CPU runs its Mamba2 state updates and attention through the C kernels where
-        they build (mamba2_kernel.py, attention_kernel.py); False: the torch path everywhere."""
+        model on a CPU runs its Mamba2 conv and state updates and attention through the C kernels
+        where they build (conv_kernel.py, mamba2_kernel.py, attention_kernel.py); False: the torch path everywhere."""
         with padding_after(len(ids), rows):
             return self._step_stack(ids, stores, positions, rows, invariant, native)
 
@@ -384,22 +383,26 @@ class Model:
         native: bool,
         lookups: StepIndex,
     ) -> Tensor:
-        kernel = mamba2_state_kernel() if isinstance(mixer, Mamba2) and self._kernels_apply(native) else None
-        pages = ssm_pages(stores, index, lookups) if kernel is not None else None
-        if kernel is not None and pages is not None:  # the states updated in their pages
+        kernels = self._mamba2_kernels(native) if isinstance(mixer, Mamba2) else None
+        pages = state_pages(stores, index, lookups) if kernels is not None else None
+        if kernels is not None and pages is not None:  # the states moved on in their pages
             assert isinstance(mixer, Mamba2)
-            conv = read_conv_many(stores, index, self.dtype, lookups)
-            y, conv = mixer.step_in_pages(x, conv, *pages, fresh, kernel, invariant=invariant)
-            write_conv_many(stores, index, conv, lookups)
-            return y
+            return mixer.step_in_pages(x, *pages, fresh, kernels, invariant=invariant)
         conv, ssm = read_ssm_many(stores, index, self.dtype, torch.float32, lookups)
-        if kernel is not None:  # states split over ranks: the kernel on a gathered copy, the same bits
+        if kernels is not None:  # states split over ranks: the kernels on gathered copies, the same bits
             assert isinstance(mixer, Mamba2)
-            y, conv = mixer.step_in_pages(x, conv, ssm, torch.arange(len(stores)), fresh, kernel, invariant=invariant)
+            y = mixer.step_in_pages(x, conv, ssm, torch.arange(len(stores)), fresh, kernels, invariant=invariant)
         else:
             y, conv, ssm = mixer.step(x, conv, ssm, fresh, invariant=invariant)
         write_ssm_many(stores, index, conv, ssm, lookups)
         return y
+
+    def _mamba2_kernels(self, native: bool) -> tuple[ConvStepKernel, Mamba2StateKernel] | None:
+        """The Mamba2 step's C kernels where they apply and build (both, or the torch path)."""
+        if not self._kernels_apply(native):
+            return None
+        conv, state = conv_step_kernel(), mamba2_state_kernel()
+        return None if conv is None or state is None else (conv, state)
 
     def _kernels_apply(self, native: bool) -> bool:
         """Whether this model's decode steps run the C kernels: asked for, fp32, on a CPU."""

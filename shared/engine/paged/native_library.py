@@ -1,9 +1,10 @@
 """The paged engine's C kernels: built from their source once per machine, loaded with ctypes.
 
 A kernel is one C file beside this one, built by the system's C compiler into a shared library
-kept in the user's cache directory under a name that carries a digest of the source, the flags
-and the compiler's version, so a changed source or compiler builds anew and concurrent builds
-never read a half-written file (each writes its own temporary file and renames it into place).
+kept in hybrid-pd's cache (`kernels` under config/cache_root.py's root) under a name that
+carries a digest of the source, the flags and the compiler's version, so a changed source or
+compiler builds anew and concurrent builds never read a half-written file (each writes its own
+temporary file and renames it into place).
 A machine without a C compiler, or a failed build, gets None: the caller keeps its torch path.
 
 The flags forbid contracting a product and a sum into one fused multiply-add and any
@@ -22,6 +23,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from shared.config.cache_root import cache_root
+
 log = logging.getLogger(__name__)
 
 # -march=native: the widest vectors this CPU has (a library's name carries the CPU's features, so
@@ -32,8 +35,7 @@ LIBS = ("-lm",)  # after the source: the linker takes a library for what comes b
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hybrid-pd" / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 @cache

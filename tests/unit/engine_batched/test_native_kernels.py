@@ -1,5 +1,5 @@
-"""The paged engine with its C kernels (--native-kernels on, the default: the Mamba2 state update
-and the decode attention, fp32 on a CPU) against the same engine without them and against
+"""The paged engine with its C kernels (--native-kernels on, the default: the Mamba2 conv and
+state updates and the decode attention, fp32 on a CPU) against the same engine without them and against
 transformers, every family: one batch of prompts decodes to the same greedy tokens with the
 kernels as without, logits within rounding; one request through a TP 1 decode engine (where the
 kernels run) gives transformers' tokens with logits within the fp32 tolerance."""
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from shared.engine.paged.attention_kernel import AttentionKernel
+from shared.engine.paged.conv_kernel import ConvStepKernel
 from shared.engine.paged.families import SUPPORTED_FAMILIES
 from shared.engine.paged.mamba2_kernel import Mamba2StateKernel
 from tests.unit.engine_batched.helpers import BlockPool, logits_of, paged_engine, prompt_of, start
@@ -60,12 +61,13 @@ def test_the_kernels_decode_as_the_torch_path_and_transformers(
     directory = hf_checkpoint(family)
     prompts = [prompt_of(n, salt=n) for n in (1, 9, 21)]
     attention_calls, mamba2_calls = _counting(monkeypatch, AttentionKernel), _counting(monkeypatch, Mamba2StateKernel)
+    conv_calls = _counting(monkeypatch, ConvStepKernel)
     native_tokens, native_logits = _greedy(directory, True, prompts, STEPS)
     assert attention_calls  # every family has attention layers
-    assert bool(mamba2_calls) == (family in MAMBA2_FAMILIES)
-    del attention_calls[:], mamba2_calls[:]
+    assert bool(mamba2_calls) == (family in MAMBA2_FAMILIES) and len(conv_calls) == len(mamba2_calls)
+    del attention_calls[:], mamba2_calls[:], conv_calls[:]
     torch_tokens, torch_logits = _greedy(directory, False, prompts, STEPS)
-    assert not attention_calls and not mamba2_calls
+    assert not attention_calls and not mamba2_calls and not conv_calls
     assert native_tokens == torch_tokens
     for a, b in zip(native_logits, torch_logits):
         assert torch.allclose(a, b, rtol=0, atol=TOLERANCE)

@@ -18,8 +18,8 @@ SOURCE = "int answer(void) { return %d; }\n"
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "hybrid-pd" / "kernels"
+    monkeypatch.setenv("HYBRID_PD_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kernels"
 
 
 def _answer(library: ctypes.CDLL | None) -> int:
@@ -63,3 +63,21 @@ def test_a_changed_header_beside_the_source_builds_anew(tmp_path: Path, own_cach
     assert _answer(native_library.build(tmp_path / "probe.c")) == 7
     (tmp_path / "probe.h").write_text("#define VALUE 8\n")
     assert _answer(native_library.build(tmp_path / "probe.c")) == 8
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"HYBRID_PD_CACHE": "/srv/hpd", "XDG_CACHE_HOME": "/xdg"}, "/srv/hpd/kernels"),
+        ({"XDG_CACHE_HOME": "/xdg"}, "/xdg/hybrid-pd/kernels"),
+        ({"HOME": "/home/someone"}, "/home/someone/.cache/hybrid-pd/kernels"),
+    ],
+)
+def test_kernels_live_under_the_same_root_as_the_checkpoints(
+    env: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("HYBRID_PD_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert str(native_library.cache_dir()) == expected

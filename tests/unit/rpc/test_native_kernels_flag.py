@@ -7,6 +7,7 @@ import pytest
 
 from shared.config import Role, build_parser, parse_settings
 from shared.engine.paged.attention_kernel import attention_kernel
+from shared.engine.paged.conv_kernel import conv_step_kernel
 from shared.engine.paged.mamba2_kernel import mamba2_state_kernel
 from shared.runtime.engine_host import engine_line
 
@@ -23,7 +24,7 @@ def test_on_by_default_and_off_by_flag_or_env(role: Role, capsys: pytest.Capture
 
 def test_help_says_what_it_changes() -> None:
     text = " ".join(build_parser("decode").format_help().split())
-    assert "the Mamba2 state update in place in the state pages" in text
+    assert "the Mamba2 conv and state updates in place in the state pages" in text
     assert "attention reading K/V where they lie in the blocks" in text
     assert "off (or no compiler) runs the torch path" in text
 
@@ -33,8 +34,10 @@ def test_decode_start_up_line_says_the_path() -> None:
         return engine_line(parse_settings("decode", ["--engine", "paged", "--model", "ckpt", *argv], environ={}), "m")[1]
 
     assert line("--native-kernels", "off").endswith("; decode kernels: torch path (--native-kernels off)")
-    built = mamba2_state_kernel() is not None and attention_kernel() is not None
-    said = "C (Mamba2 state update, attention; fp32 models on a CPU)" if built else "torch path (a C kernel did not build"
+    built = all(k() is not None for k in (conv_step_kernel, mamba2_state_kernel, attention_kernel))
+    said = (
+        "C (Mamba2 conv and state updates, attention; fp32 models on a CPU)" if built else "torch path (a C kernel did not build"
+    )
     assert "; decode kernels: " + said in line()
     # Prefill runs no decode steps, and the other engines have no kernels: nothing is said.
     assert "kernels" not in engine_line(parse_settings("prefill", ["--engine", "paged", "--model", "ckpt"], environ={}), "m")[1]
