@@ -2,7 +2,7 @@
 
 Layers, bottom to top: the library (shared/), the services (prefill_svc, decode_svc), the
 benchmarks (hybridpd_tools/bench), the CLI (hybridpd_tools/cli). Inside the library, floors of
-their own, bottom to top: the base (errors, limits, version, timeouts, token_logprobs, logs, observe, otel, telemetry),
+their own, bottom to top: the base (errors, limits, version, timeouts, token_logprobs, cache_root, logs, observe, otel, telemetry),
 layout, cache, transport, engine, config, runtime, http, rpc (`LIBRARY_FLOORS`). A module may
 import its own layer and the layers below it, never above; the two services never import each
 other; scripts/ uses the library only. Every import counts, also one inside a function body or
@@ -23,7 +23,7 @@ GENERATED = "shared.pb"
 
 SERVICE, BENCH, CLI, SCRIPTS = "service", "bench", "cli", "scripts"
 # The library's floors, bottom to top: a package of shared/ by name, any other module of shared/
-# (errors, limits, version, token_logprobs, observe, telemetry, logs/, otel/) on the base floor.
+# (errors, limits, version, token_logprobs, cache_root, observe, telemetry, logs/, otel/) on the base floor.
 LIBRARY_FLOORS = ("base", "layout", "cache", "transport", "engine", "config", "runtime", "http", "rpc")
 LIBRARY = "library:"  # each floor's layer is "library:<floor>"
 RANK = {**{LIBRARY + f: i for i, f in enumerate(LIBRARY_FLOORS)}, SERVICE: 100, BENCH: 101, CLI: 102}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shared.config.cache_root import cache_root
+from shared.cache_root import cache_root
 from shared.engine.paged.support import ALL_HYBRID_FAMILIES
 from shared.logs.third_party import transformers_module
 

@@ -1,7 +1,7 @@
 """The paged engine's C kernels: built from their source once per machine, loaded with ctypes.
 
 A kernel is one C file beside this one, built by the system's C compiler into a shared library
-kept in hybrid-pd's cache (`kernels` under config/cache_root.py's root) under a name that
+kept in hybrid-pd's cache (`kernels` under shared/cache_root.py's root) under a name that
 carries a digest of the source, the flags and the compiler's version, so a changed source or
 compiler builds anew and concurrent builds never read a half-written file (each writes its own
 temporary file and renames it into place).
@@ -23,7 +23,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from shared.config.cache_root import cache_root
+from shared.cache_root import cache_root
 
 log = logging.getLogger(__name__)
 
