@@ -301,7 +301,8 @@ class Model:
         `invariant` and `rows` whole stacks (tiles.stack_rows), or whole units of this model's
         step (stack_unit.py), a request's bits cannot depend on the other rows. `native`: an fp32
         model on a CPU runs its Mamba2 conv and state updates and attention through the C kernels
-        where they build (conv_kernel.py, mamba2_kernel.py, attention_kernel.py); False: the torch path everywhere."""
+        where they build (conv_kernel.py, mamba2_kernel.py, attention_kernel.py); False: the
+        torch path everywhere."""
         with padding_after(len(ids), rows):
             return self._step_stack(ids, stores, positions, rows, invariant, native)
 
