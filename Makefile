@@ -4,6 +4,10 @@ VENV ?= .venv
 # CPU build of torch; on a GPU machine run `make setup TORCH_SPEC=torch` (or preinstall your build).
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# pytest-xdist workers for the suite (1: no workers); a test file runs on one worker, so its
+# module fixtures are set up once.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: setup demo test test-unit test-slow lint format protos clean
 
@@ -33,14 +37,14 @@ format: setup
 	$(BIN)/python -m ruff format .
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) --durations=10
 
 # The fast loop: tests/unit without the few tests there that start real services; no lint.
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "unit and not integration"
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "unit and not integration"
 
 test-slow: setup
-	HYBRID_PD_SLOW=1 $(BIN)/python -m pytest -q
+	HYBRID_PD_SLOW=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py
