@@ -28,7 +28,7 @@ static int64_t check(const int64_t *table, int64_t table_width, const int64_t *l
                      int64_t block_size, int64_t kernels_per_block, int64_t cache_blocks) {
     for (int64_t r = 0; r < requests; r++) {
         int64_t length = lengths[r];
-        if (length < 1 || (length + block_size - 1) / block_size > table_width)
+        if (length < 1 || length > table_width * block_size) /* no sum that could overflow */
             return BAD_LENGTH;
         for (int64_t b = 0; b < (length + block_size - 1) / block_size; b++) {
             int64_t id = table[r * table_width + b];

@@ -103,6 +103,8 @@ def test_lengths_and_blocks_outside_are_refused(kernel: AttentionKernel) -> None
         _attend(kernel, fa, [[1, 2]], [17], q)  # 17 tokens need three blocks of 8
     with pytest.raises(IndexError, match="need more blocks"):
         _attend(kernel, fa, [[1]], [0], q)  # attending over nothing
+    with pytest.raises(IndexError, match="need more blocks"):
+        _attend(kernel, fa, [[1]], [2**63 - 1], q)  # no scratch of that size, no overflow in the check
     with pytest.raises(IndexError, match="block ids outside the cache's 12 blocks"):
         _attend(kernel, fa, [[1, BLOCKS]], [9], q)
     with pytest.raises(ValueError, match="q must be a contiguous fp32"):
