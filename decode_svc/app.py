@@ -72,6 +72,7 @@ class DecodeApp:
             prefix_cache_states=prefix_states,
             local_prefill=settings.local_prefill,
             local_prefill_below=settings.local_prefill_below,
+            local_prefill_queue=settings.local_prefill_queue,
             stream_interval=settings.stream_interval,
             max_batched_tokens=settings.max_batched_tokens,
         )
@@ -151,7 +152,7 @@ class DecodeApp:
         if not self.settings.prefill:
             return  # readiness is the engine's alone (learned peers come and go with requests)
         ready = self.peers.any_ready
-        if self.settings.local_prefill == "fallback":
+        if self.settings.local_prefill != "off":
             # Once a prefill engine was ready, decode computes prompts itself while none is:
             # losing every prefill engine then slows requests down instead of taking decode out.
             self._was_ready = self._was_ready or ready

@@ -71,7 +71,7 @@ from decode_svc.early_token import EarlyToken
 from decode_svc.forks import fork_blocks, fork_key, fork_sampling, fork_seeds, merged
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
-from decode_svc.local_prefill import LocalPrefill, LocalPrefillMode, Reason
+from decode_svc.local_prefill import DEFAULT_SHARE_QUEUE, LocalPrefill, LocalPrefillMode, Reason
 from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
@@ -217,6 +217,7 @@ class Generation:
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
+        local_prefill_queue: int = DEFAULT_SHARE_QUEUE,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host
@@ -232,7 +233,9 @@ class Generation:
         self.reuse = DecodeReuse(host, self.checks, prefix_cache_blocks, prefix_cache_states, observer)
         self.step_loop = StepLoop(host.engine, host.submit_compute)
         self.step_loop.observer = observer
-        self.local = LocalPrefill(host, self.checks, local_prefill, local_prefill_below, observer, max_batched_tokens)
+        self.local = LocalPrefill(
+            host, self.checks, local_prefill, local_prefill_below, observer, max_batched_tokens, local_prefill_queue
+        )
 
     async def aclose(self) -> None:
         """Stop the local prefill steps (service shutdown, once no request is in flight)."""
@@ -253,6 +256,7 @@ class Generation:
                 yield response
         finally:
             self._active -= keys
+            self.local.done(req.request_id)  # ended before its prompt was computed here
 
     async def _run(self, req: RequestContext) -> AsyncIterator[pb.GenerateResponse]:
         """The request's stages: admit (where its state comes from, its blocks), then one of
@@ -270,7 +274,7 @@ class Generation:
                         yield response
                 if restored.ended:
                     return
-            self._repick(adm)
+            self._repick(req, adm)
             if adm.here is not None:
                 steps: Steps = lambda n, out, first, forks: self._steps(req, n, adm.local, io.compute, out, first, forks)  # noqa: E731
                 async with closing(self.local.run(req, adm.local, io.compute.run, steps, adm.here)) as stage:
@@ -350,7 +354,7 @@ class Generation:
             async for response in stage:
                 yield response
 
-    def _repick(self, adm: Admitted) -> None:
+    def _repick(self, req: RequestContext, adm: Admitted) -> None:
         """The peer the request was admitted with may have been lost while it waited for blocks
         (or none was ready): a plain request takes another, or decode's own engine; a decode leg
         fails UNAVAILABLE."""
@@ -363,7 +367,7 @@ class Generation:
                     f"prefill {adm.peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
                 )
         elif adm.peer is None or not adm.peer.ready:
-            adm.peer, adm.here = self._pick_or_here(adm.reused)
+            adm.peer, adm.here = self._pick_or_here(req, adm.reused)
 
     async def _transfer(
         self, req: RequestContext, adm: Admitted, io: RequestIo, moved: Moved
@@ -479,7 +483,7 @@ class Generation:
         its restore fails), else decode's own engine (--local-prefill fallback), else `pick`'s
         UNAVAILABLE naming every peer."""
         if self.local.short(len(req.prompt)):
-            return None, Reused(), "short_prompt"
+            return self._here(req, "short_prompt")
         try:
             peer = self.peers.pick()  # fails fast (UNAVAILABLE) when no prefill is ready
         except (Unavailable, FailedPrecondition):
@@ -488,12 +492,21 @@ class Generation:
                 return None, self.reuse.lookup(link, req), None
             if not self.local.falls_back:
                 raise
-            return None, Reused(), "no_prefill_ready"
+            return self._here(req, "no_prefill_ready")
         assert peer.link is not None
         check_fits_prefill(self.host, peer.link, req)
-        return peer, self.reuse.lookup(peer.link, req), None
+        reused = self.reuse.lookup(peer.link, req)
+        if not reused.hit.entries and reused.state is None and self.local.shares(peer.link, peer.load.jobs):
+            self.reuse.release(reused)
+            return self._here(req, "prefill_busy")
+        return peer, reused, None
 
-    def _pick_or_here(self, reused: Reused) -> tuple[PrefillPeer | None, Reason | None]:
+    def _here(self, req: RequestContext, reason: Reason) -> tuple[None, Reused, Reason]:
+        """Decode's own engine computes the prompt (counted by `share` until it has)."""
+        self.local.claim(req.request_id)
+        return None, Reused(), reason
+
+    def _pick_or_here(self, req: RequestContext, reused: Reused) -> tuple[PrefillPeer | None, Reason | None]:
         """A ready peer for a request whose own one was lost (or a checkpoint that failed to
         restore); with none ready, decode's own engine where it may fall back and the request's
         blocks hold no prefix cache blocks (which a local prefill would write over)."""
@@ -502,6 +515,7 @@ class Generation:
         except (Unavailable, FailedPrecondition):
             if not self.local.falls_back or reused.hit.entries:
                 raise
+            self.local.claim(req.request_id)
             return None, "no_prefill_ready"
 
     async def _submit(

@@ -4,9 +4,13 @@ When no prefill engine is ready (all restarting, none configured, or none reacha
 request is prefilled by decode's own engine on its compute thread instead of failing
 UNAVAILABLE, so losing every prefill engine is a slowdown, not an outage (`fallback`, the
 default; `off` keeps the failure). Prompts shorter than --local-prefill-below tokens are always
-computed here: moving their state would cost more than computing it. The request then decodes in
-the step loop like any other. Its bits are the colocated run's with decode's own engine settings
-(a prefill engine computing in chunks may round a long prompt differently).
+computed here: moving their state would cost more than computing it. With `share`, decode also
+takes a prompt while the least loaded prefill engine is busy (`shares_load`): at the start of a
+burst decode has nothing to step while prefill would queue the whole burst on its own cores.
+The request then decodes in the step loop like any other. Its bits are the colocated run's with decode's own engine settings
+(a prefill engine computing in chunks may round a long prompt differently), so `share` takes a
+prompt only from a prefill engine that computes it as decode does (same TP size and chunks): which
+side computed it, a matter of load, never changes its bits.
 
 On an engine that batches prefill (paged), the prompts computed here share batched prefill steps
 (shared/runtime/prefill_loop.py, within --max-batched-tokens), as on a prefill service: a burst
@@ -25,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from decode_svc.forks import fork_seeds
+from decode_svc.peer_link import PeerLink
 from decode_svc.read_checks import StateChecks
 from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
@@ -40,9 +45,19 @@ from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
 from shared.runtime.engine_host import EngineHost
 from shared.runtime.prefill_loop import PrefillLoop
 
-LocalPrefillMode = Literal["fallback", "off"]
-LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "off")
-Reason = Literal["no_prefill_ready", "short_prompt"]
+LocalPrefillMode = Literal["fallback", "share", "off"]
+LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "share", "off")
+Reason = Literal["no_prefill_ready", "short_prompt", "prefill_busy"]
+DEFAULT_SHARE_QUEUE = 4  # jobs in flight on the least loaded prefill before decode takes a share
+
+
+def shares_load(peer_jobs: int, prompts_here: int, queue: int) -> bool:
+    """Whether decode computes the next prompt itself instead of adding it to a prefill engine
+    with `peer_jobs` in flight: only once that engine has at least `queue` (a trickle of
+    arrivals stays on prefill, whose cores are otherwise idle, and decode's steps stay
+    undisturbed), and only while decode computes fewer prompts itself than that engine holds (so a
+    burst splits about evenly between the two)."""
+    return peer_jobs >= queue and prompts_here < peer_jobs
 
 
 class LocalPrefill:
@@ -54,12 +69,15 @@ class LocalPrefill:
         below: int,
         observer: Observer,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+        share_queue: int = DEFAULT_SHARE_QUEUE,
     ) -> None:
         self.host = host
         self.checks = checks
         self.mode = mode
         self.below = below  # prompts of fewer tokens are always computed here (0: none)
+        self.share_queue = share_queue  # `share`: the prefill engine's jobs before decode takes one
         self.observer = observer
+        self._computing: set[str] = set()  # requests sent here whose prompt is not computed yet
         engine = host.engine
         self.steps: PrefillLoop | None = None  # None: the engine prefills one prompt per call
         if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
@@ -73,10 +91,30 @@ class LocalPrefill:
     @property
     def falls_back(self) -> bool:
         """Whether a request no prefill engine is ready to take is computed here."""
-        return self.mode == "fallback"
+        return self.mode != "off"
 
     def short(self, prompt_len: int) -> bool:
         return prompt_len < self.below
+
+    def shares(self, link: PeerLink, peer_jobs: int) -> bool:
+        """Whether a prompt `link`'s prefill engine would compute with `peer_jobs` in flight is
+        computed here instead (`share`): only where its bits are the same here."""
+        remote, own = link.remote, self.host.message
+        same_bits = remote.tp_size == own.tp_size and remote.prefill_chunk_tokens == own.prefill_chunk_tokens
+        return self.mode == "share" and same_bits and shares_load(peer_jobs, self.prompts_here, self.share_queue)
+
+    @property
+    def prompts_here(self) -> int:
+        """Requests sent to decode's own engine whose prompt is not computed yet."""
+        return len(self._computing)
+
+    def claim(self, request_id: str) -> None:
+        """The request's prompt will be computed here: it counts against `share` until `done`."""
+        self._computing.add(request_id)
+
+    def done(self, request_id: str) -> None:
+        """Its prompt is computed, or it ended before (idempotent)."""
+        self._computing.discard(request_id)
 
     async def run(
         self, req: RequestContext, local: RequestBlocks, compute: Compute, steps: Steps, reason: Reason
@@ -102,6 +140,7 @@ class LocalPrefill:
                     fork_seeds(req.sampling, req.n),
                 )
             )
+        self.done(req.request_id)
         first = done.first
         prefill_seconds = time.monotonic() - started
         if req.prompt_logprobs is not None:

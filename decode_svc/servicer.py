@@ -21,7 +21,7 @@ from opentelemetry.util.types import AttributeValue
 
 from decode_svc.generation import Generation
 from decode_svc.learned_peers import LearnedPeers
-from decode_svc.local_prefill import LocalPrefillMode
+from decode_svc.local_prefill import DEFAULT_SHARE_QUEUE, LocalPrefillMode
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.request import validate
 from shared.config import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
@@ -65,6 +65,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
+        local_prefill_queue: int = DEFAULT_SHARE_QUEUE,
         stream_interval: int = 1,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
@@ -86,6 +87,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             prefix_cache_states=prefix_cache_states,
             local_prefill=local_prefill,
             local_prefill_below=local_prefill_below,
+            local_prefill_queue=local_prefill_queue,
             max_batched_tokens=max_batched_tokens,
         )
 

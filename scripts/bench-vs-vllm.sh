@@ -27,6 +27,8 @@ for every setup, --ignore-eos) at several numbers of concurrent users:
   vllm-pd         vLLM's own P/D: producer + consumer (NixlConnector), one core each, behind
                   vllm-router (skipped with a message when vllm-router cannot be installed)
   ours            prefill-svc + decode-svc, through decode's OpenAI-compatible HTTP front door
+  ours-share      the same pair, decode with --local-prefill share (it computes part of a
+                  burst's prompts itself while prefill is busy)
   ours-colocated  decode-svc alone, same HTTP front door: with no prefill engine it computes
                   every prompt itself, in its own step loop (one process, like vllm)
 on a random nemotron_h checkpoint with attention heads of 64 (built offline and cached; vLLM's
@@ -52,7 +54,7 @@ Benchmark options (passed to scripts/bench_vs_vllm.py):
   --input-len N         prompt tokens (default: 128)
   --output-len N        output tokens (default: 64)
   --num-prompts N       prompts per level (default: max(16, 4 x users))
-  --setups LIST         from vllm,vllm-pd,ours,ours-colocated (default: all)
+  --setups LIST         from vllm,vllm-pd,ours,ours-share,ours-colocated (default: all)
   --engine ENGINE       our services' --engine, e.g. hf or paged (default: the services'
                         default for a checkpoint directory)
   --checkpoint DIR      another checkpoint directory (default: the built one)

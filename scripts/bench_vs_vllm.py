@@ -13,6 +13,8 @@ failure or interruption):
   behind vllm-router (skipped when vLLM's venv has no vllm-router);
 - `ours`: prefill-svc + decode-svc (`--engine` as given, else the services' default for a
   checkpoint directory), measured through decode's OpenAI-compatible HTTP front door;
+- `ours-share`: the same pair with `--local-prefill share` on decode: while prefill is busy
+  (a burst of arrivals), decode computes part of the burst's prompts itself;
 - `ours-colocated`: decode-svc alone, through the same HTTP front door: with no prefill engine
   it computes every prompt on its own engine, in its own step loop (`--local-prefill fallback`),
   so one process serves prefill and decode, as vLLM's one engine does.
@@ -46,7 +48,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from shared.engine.hf.tiny_checkpoints import cached_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "scripts" / "vllm_bench_client.py"
-SETUPS = ("vllm", "vllm-pd", "ours", "ours-colocated")
+SETUPS = ("vllm", "vllm-pd", "ours", "ours-share", "ours-colocated")
 BASELINE = "vllm"
 # A median TPOT below this means a stream's tokens came in one burst, not one by one.
 BURST_TPOT_MS = 0.1
@@ -392,12 +394,23 @@ def our_common_args(o: Options) -> list[str]:
     return ["--model", o.checkpoint, "--host", "127.0.0.1", "--port", "0", *engine]
 
 
-def start_ours(o: Options, servers: Servers) -> Running:
+def start_ours(o: Options, servers: Servers, decode_flags: Sequence[str] = ()) -> Running:
     common = our_common_args(o)
     prefill = servers.start("prefill-svc", [sys.executable, "-m", "prefill_svc", *common])
     prefill_port = wait_line(prefill, r"LISTENING port=(\d+)", o.startup_timeout).group(1)
     decode = servers.start(
-        "decode-svc", [sys.executable, "-m", "decode_svc", *common, "--http-port", "0", "--prefill", f"127.0.0.1:{prefill_port}"]
+        "decode-svc",
+        [
+            sys.executable,
+            "-m",
+            "decode_svc",
+            *common,
+            "--http-port",
+            "0",
+            "--prefill",
+            f"127.0.0.1:{prefill_port}",
+            *decode_flags,
+        ],
     )
     http_port = wait_line(decode, r"HTTP port=(\d+)", o.startup_timeout).group(1)
     base = f"http://127.0.0.1:{http_port}"
@@ -416,7 +429,13 @@ def start_ours_colocated(o: Options, servers: Servers) -> Running:
     return Running(base, served_model(base), decode.proc.pid, "decode-svc process", False)
 
 
-STARTERS = {"vllm": start_vllm, "vllm-pd": start_vllm_pd, "ours": start_ours, "ours-colocated": start_ours_colocated}
+STARTERS: dict[str, Callable[[Options, Servers], Running]] = {
+    "vllm": start_vllm,
+    "vllm-pd": start_vllm_pd,
+    "ours": start_ours,
+    "ours-share": functools.partial(start_ours, decode_flags=("--local-prefill", "share")),
+    "ours-colocated": start_ours_colocated,
+}
 
 
 def raw_name(setup: str, level: int, round_index: int) -> str:
@@ -465,6 +484,7 @@ def run_client(o: Options, servers: Servers, setup: str, running: Running, level
         "50,99",
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",  # per-request TTFTs and ITLs in the raw JSON
         "--result-dir",
         str(raw),
         "--result-filename",

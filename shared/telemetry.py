@@ -212,11 +212,11 @@ class Telemetry(Sink):
         )
         self.local_prefills = Counter(
             "hybrid_pd_local_prefills",
-            "Prompts decode computed itself (--local-prefill), by reason: no_prefill_ready, short_prompt",
+            "Prompts decode computed itself (--local-prefill), by reason: no_prefill_ready, short_prompt, prefill_busy",
             ["reason"],
             registry=decode,
         )
-        for reason in ("no_prefill_ready", "short_prompt"):
+        for reason in ("no_prefill_ready", "short_prompt", "prefill_busy"):
             self.local_prefills.labels(reason=reason)
         self.decode_batch_size = Histogram(
             "hybrid_pd_decode_batch_size",

@@ -422,12 +422,16 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "local-prefill",
-        choice("fallback", "off"),
+        choice("fallback", "share", "off"),
         "decode: fallback computes a plain request's prompt on decode's own engine when no prefill engine is "
         "ready (all restarting or unreachable, or none given with --prefill), so losing every prefill engine "
         "slows requests down instead of failing them UNAVAILABLE; readiness waits for a first prefill peer at "
-        "start, then stays SERVING. off: such requests fail UNAVAILABLE and readiness follows the prefill peers. Counted in "
-        "hybrid_pd_local_prefills_total; a P/D decode leg (kv_transfer_params) never falls back",
+        "start, then stays SERVING. share: as fallback, and decode also computes a prompt itself while the least "
+        "loaded prefill engine has --local-prefill-queue jobs or more in flight and more than decode is computing "
+        "itself (a burst of arrivals splits between the two instead of queueing on prefill); only prompts that "
+        "prefill engine would compute with the same bits (same TP size and --prefill-chunk-tokens) and that hit "
+        "neither of decode's caches. off: such requests fail UNAVAILABLE and readiness follows the prefill peers. "
+        "Counted in hybrid_pd_local_prefills_total by reason; a P/D decode leg (kv_transfer_params) never falls back",
         "fallback",
         roles=("decode",),
         metavar="MODE",
@@ -440,6 +444,16 @@ FLAGS: tuple[Flag, ...] = (
         0,
         roles=("decode",),
         metavar="N",
+    ),
+    Flag(
+        "local-prefill-queue",
+        positive_int,
+        "decode, with --local-prefill share: the jobs the least loaded prefill engine must have in flight (this "
+        "decode engine's, and the others' as it reports them) before decode computes a prompt itself; a lower value "
+        "takes prompts from prefill sooner, at the cost of steps of the requests decode is running",
+        4,
+        roles=("decode",),
+        metavar="JOBS",
     ),
     Flag(
         "discovery-seconds",

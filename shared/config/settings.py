@@ -100,8 +100,10 @@ class ServiceSettings:
     prefix_cache_blocks: int | None = None
     # decode only: state checkpoints kept (0: off; needs the prefix cache; None: sized from its blocks)
     prefix_cache_states: int | None = None
-    local_prefill: Literal["fallback", "off"] = "fallback"  # decode only: compute prompts here when no prefill is ready
+    # decode only: compute prompts here when no prefill is ready (share: also while prefill is busy)
+    local_prefill: Literal["fallback", "share", "off"] = "fallback"
     local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
+    local_prefill_queue: int = 4  # decode only, share: the prefill engine's jobs in flight before decode takes one
     decode_threads: int = 1  # decode only, paged engine: threads a step's tiles run on
     prefill_threads: int = 1  # prefill only, paged engine: threads a batched step's chunks run on
     served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
@@ -277,6 +279,11 @@ def _prefix_cache_states(values: dict[str, object]) -> int | None:
     return states
 
 
+def _local_prefill(values: dict[str, object]) -> Literal["fallback", "share", "off"]:
+    mode = _own(values, "local_prefill", str)
+    return "off" if mode == "off" else "share" if mode == "share" else "fallback"
+
+
 def _served_model_names(values: dict[str, object]) -> tuple[str, ...]:
     """--served-model-name, each name once, in the order given."""
     return tuple(dict.fromkeys(str(n) for n in _req(values, "served_model_name", tuple)))
@@ -343,8 +350,9 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         discovery_seconds=_own(values, "discovery_seconds", float),
         prefix_cache_blocks=_opt(values, "prefix_cache_blocks", int),
         prefix_cache_states=_prefix_cache_states(values),
-        local_prefill="off" if _own(values, "local_prefill", str) == "off" else "fallback",
+        local_prefill=_local_prefill(values),
         local_prefill_below=_own(values, "local_prefill_below", int),
+        local_prefill_queue=_own(values, "local_prefill_queue", int),
         decode_threads=_own(values, "decode_threads", int),
         prefill_threads=_own(values, "prefill_threads", int),
         served_model_names=_served_model_names(values),

@@ -1,0 +1,111 @@
+"""--local-prefill share through the real services (paged engine, a real tiny checkpoint, NIXL
+over UCX on DRAM): while the prefill engine is busy, decode computes some of a burst's prompts
+itself, and which side computed a prompt (a matter of load) never changes its bits: every reply
+of the burst equals the same request's sent alone through prefill. A prefill engine that
+computes in other chunks (other bits) is never relieved. Nothing is left held."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from decode_svc.app import DecodeApp
+from prefill_svc.app import PrefillApp
+from shared.pb.hybridpd.v1 import decode_service_pb2 as pb
+from shared.pb.hybridpd.v1 import decode_service_pb2_grpc as pb_grpc
+from tests.integration.services.hf_services import hf_pair
+from tests.waiting import until
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
+
+SHARE = ("--local-prefill", "share", "--local-prefill-queue", "1")
+
+
+def prompt_of(n: int, start: int) -> list[int]:
+    return [(start + 7 * i) % 300 + 4 for i in range(n)]
+
+
+BURST = [
+    pb.GenerateRequest(prompt_token_ids=prompt_of(5 + 9 * i, i), max_tokens=5, ignore_eos=True, logprobs=2) for i in range(6)
+]
+
+
+def local_prefills(app: DecodeApp, reason: str) -> float:
+    text = app.metrics.telemetry.exposition()
+    line = next(x for x in text.splitlines() if x.startswith(f'hybrid_pd_local_prefills_total{{reason="{reason}"}}'))
+    return float(line.split()[-1])
+
+
+async def replies(stub: pb_grpc.DecodeServiceAsyncStub, request: pb.GenerateRequest) -> tuple[list[bytes], bool]:
+    """Every token chunk (ids and logprobs, as bytes) and whether decode computed the prompt."""
+    chunks: list[bytes] = []
+    here = False
+    async for reply in stub.Generate(request, timeout=120):
+        if reply.HasField("chunk"):
+            chunks.append(reply.chunk.SerializeToString())
+        elif reply.HasField("summary"):
+            here = reply.summary.prefilled_locally
+    return chunks, here
+
+
+async def burst_while_prefill_is_held(prefill: PrefillApp, decode: DecodeApp) -> list[tuple[list[bytes], bool]]:
+    """The first request's job holds prefill (its compute thread is held), then the others come."""
+    peer = decode.servicer.generation.peers.peers[0]
+    gate = threading.Event()
+    held = prefill.host.submit_compute(lambda: gate.wait(60))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        try:
+            calls = [asyncio.ensure_future(replies(stub, BURST[0]))]
+            await until(lambda: peer.load.jobs == 1, "the first job to be in flight on prefill", timeout=60)
+            calls += [asyncio.ensure_future(replies(stub, r)) for r in BURST[1:]]
+            await until(lambda: peer.load.jobs + decode.servicer.generation.local.prompts_here >= 2, "the burst", timeout=60)
+        finally:
+            gate.set()
+        await held
+        return list(await asyncio.gather(*calls))
+
+
+async def alone(decode: DecodeApp) -> list[tuple[list[bytes], bool]]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        return [await replies(stub, r) for r in BURST]
+
+
+async def test_a_burst_splits_between_prefill_and_decode_with_the_bits_of_prefill_alone(
+    hf_checkpoint: Callable[[str], str],
+) -> None:
+    model = hf_checkpoint("nemotron_h")
+    async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=SHARE) as (prefill, decode):
+        burst = await burst_while_prefill_is_held(prefill, decode)
+        one_by_one = await alone(decode)  # each finds prefill idle: every prompt goes there
+        here = [h for _, h in burst]
+        assert not here[0] and here[1], here  # the first job is prefill's; the next finds it busy
+        assert not any(h for _, h in one_by_one)
+        assert local_prefills(decode, "prefill_busy") == sum(here)
+        for i, ((got, _), (want, _)) in enumerate(zip(burst, one_by_one, strict=True)):
+            assert got == want, f"request {i} (computed {'on decode' if here[i] else 'on prefill'}) differs from alone"
+        await until(lambda: decode.host.allocator.num_used == 0, "decode to free every block", timeout=30)
+        await until(lambda: prefill.host.allocator.num_used == 0, "prefill to free every block", timeout=30)
+        assert decode.servicer.generation.local.prompts_here == 0
+
+
+async def test_a_prefill_that_computes_in_other_chunks_is_never_relieved(hf_checkpoint: Callable[[str], str]) -> None:
+    """Its bits differ from decode's one forward (shown here on the first request), so a prompt
+    computed on decode would answer other bits depending on load: none is."""
+    model = hf_checkpoint("nemotron_h")
+    chunked = ("--prefill-chunk-tokens", "4")
+    async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=SHARE, prefill_flags=chunked, check_state=False) as (
+        prefill,
+        decode,
+    ):
+        burst = await burst_while_prefill_is_held(prefill, decode)
+        assert not any(h for _, h in burst)
+        assert local_prefills(decode, "prefill_busy") == 0
+    async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=SHARE) as (_, unchunked):
+        one_forward = await alone(unchunked)
+    assert any(got != want for (got, _), (want, _) in zip(burst, one_forward, strict=True))
