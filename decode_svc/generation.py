@@ -478,10 +478,11 @@ class Generation:
     def _source(self, req: RequestContext) -> tuple[PrefillPeer | None, Reused, Reason | None]:
         """Where a plain request's state comes from: decode's own engine for a prompt below
         --local-prefill-below; else the least loaded ready prefill peer, with what decode's
-        caches hold for the prompt under its chain; with none ready, a state checkpoint of the
-        prompt under the chain of a prefill engine linked before (no peer: it needs none unless
-        its restore fails), else decode's own engine (--local-prefill fallback), else `pick`'s
-        UNAVAILABLE naming every peer."""
+        caches hold for the prompt under its chain (or, with --local-prefill share while that
+        peer is busy and the caches hold nothing, decode's own engine); with none ready, a state
+        checkpoint of the prompt under the chain of a prefill engine linked before (no peer: it
+        needs none unless its restore fails), else decode's own engine (--local-prefill fallback),
+        else `pick`'s UNAVAILABLE naming every peer."""
         if self.local.short(len(req.prompt)):
             return self._here(req, "short_prompt")
         try:

@@ -7,10 +7,10 @@ default; `off` keeps the failure). Prompts shorter than --local-prefill-below to
 computed here: moving their state would cost more than computing it. With `share`, decode also
 takes a prompt while the least loaded prefill engine is busy (`shares_load`): at the start of a
 burst decode has nothing to step while prefill would queue the whole burst on its own cores.
-The request then decodes in the step loop like any other. Its bits are the colocated run's with decode's own engine settings
-(a prefill engine computing in chunks may round a long prompt differently), so `share` takes a
-prompt only from a prefill engine that computes it as decode does (same TP size and chunks): which
-side computed it, a matter of load, never changes its bits.
+The request then decodes in the step loop like any other. Its bits are the colocated run's with
+decode's own engine settings (a prefill engine computing in chunks may round a long prompt
+differently), so `share` takes a prompt only from a prefill engine that computes it as decode
+does (same TP size and chunks): which side computed it, a matter of load, never changes its bits.
 
 On an engine that batches prefill (paged), the prompts computed here share batched prefill steps
 (shared/runtime/prefill_loop.py, within --max-batched-tokens), as on a prefill service: a burst
