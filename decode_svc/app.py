@@ -152,7 +152,7 @@ class DecodeApp:
         if not self.settings.prefill:
             return  # readiness is the engine's alone (learned peers come and go with requests)
         ready = self.peers.any_ready
-        if self.settings.local_prefill != "off":
+        if self.settings.local_prefill != "off":  # fallback or share: both compute when no prefill is ready
             # Once a prefill engine was ready, decode computes prompts itself while none is:
             # losing every prefill engine then slows requests down instead of taking decode out.
             self._was_ready = self._was_ready or ready

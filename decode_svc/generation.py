@@ -71,7 +71,7 @@ from decode_svc.early_token import EarlyToken
 from decode_svc.forks import fork_blocks, fork_key, fork_sampling, fork_seeds, merged
 from decode_svc.growing_blocks import GrowingBlocks, admission_tokens
 from decode_svc.learned_peers import LearnedPeers, check_claimed
-from decode_svc.local_prefill import DEFAULT_SHARE_QUEUE, LocalPrefill, LocalPrefillMode, Reason
+from decode_svc.local_prefill import LocalPrefill, LocalPrefillMode, Reason
 from decode_svc.part_reads import PartReads
 from decode_svc.peer_link import PeerLink
 from decode_svc.prefill_peer import PrefillPeer, PrefillPeers
@@ -84,7 +84,7 @@ from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_r
 from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
-from shared.config import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
@@ -217,7 +217,7 @@ class Generation:
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
-        local_prefill_queue: int = DEFAULT_SHARE_QUEUE,
+        local_prefill_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host

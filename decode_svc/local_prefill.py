@@ -35,7 +35,7 @@ from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
-from shared.config import DEFAULT_MAX_BATCHED_TOKENS
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_MAX_BATCHED_TOKENS
 from shared.engine.first_logprobs import Prefilled, prefill_with_logprobs, prefilled, start_scoring
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
@@ -46,9 +46,7 @@ from shared.runtime.engine_host import EngineHost
 from shared.runtime.prefill_loop import PrefillLoop
 
 LocalPrefillMode = Literal["fallback", "share", "off"]
-LOCAL_PREFILL_MODES: tuple[LocalPrefillMode, ...] = ("fallback", "share", "off")
 Reason = Literal["no_prefill_ready", "short_prompt", "prefill_busy"]
-DEFAULT_SHARE_QUEUE = 4  # jobs in flight on the least loaded prefill before decode takes a share
 
 
 def shares_load(peer_jobs: int, prompts_here: int, queue: int) -> bool:
@@ -69,7 +67,7 @@ class LocalPrefill:
         below: int,
         observer: Observer,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-        share_queue: int = DEFAULT_SHARE_QUEUE,
+        share_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE,
     ) -> None:
         self.host = host
         self.checks = checks
@@ -99,9 +97,11 @@ class LocalPrefill:
     def shares(self, link: PeerLink, peer_jobs: int) -> bool:
         """Whether a prompt `link`'s prefill engine would compute with `peer_jobs` in flight is
         computed here instead (`share`): only where its bits are the same here."""
+        if self.mode != "share":
+            return False
         remote, own = link.remote, self.host.message
         same_bits = remote.tp_size == own.tp_size and remote.prefill_chunk_tokens == own.prefill_chunk_tokens
-        return self.mode == "share" and same_bits and shares_load(peer_jobs, self.prompts_here, self.share_queue)
+        return same_bits and shares_load(peer_jobs, self.prompts_here, self.share_queue)
 
     @property
     def prompts_here(self) -> int:

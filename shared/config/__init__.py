@@ -6,12 +6,21 @@ parser.py    each service's argparse parser, built from the table
 settings.py  ServiceSettings and how flags, environment and defaults resolve into it
 """
 
-from shared.config.flags import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS, ENV_PREFIX, FLAGS, Flag, Role
+from shared.config.flags import (
+    DEFAULT_LOCAL_PREFILL_QUEUE,
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_READ_TIMEOUT_SECONDS,
+    ENV_PREFIX,
+    FLAGS,
+    Flag,
+    Role,
+)
 from shared.config.parser import build_parser
 from shared.config.settings import ServiceSettings, SettingsError, TlsSettings, parse_settings
 from shared.config.values import boolean, existing_file, host_port, split_advertised
 
 __all__ = [
+    "DEFAULT_LOCAL_PREFILL_QUEUE",
     "DEFAULT_MAX_BATCHED_TOKENS",
     "DEFAULT_READ_TIMEOUT_SECONDS",
     "ENV_PREFIX",

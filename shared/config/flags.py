@@ -43,6 +43,9 @@ DEFAULT_PREFILL_THREADS = 1
 # default, where a caller passes no budget (tests, library use), is the accelerator's.
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_BATCHED_TOKENS = 256
+# --local-prefill share: the jobs in flight on the least loaded prefill engine before decode
+# computes a prompt itself (decode_svc/local_prefill.py `shares_load`).
+DEFAULT_LOCAL_PREFILL_QUEUE = 4
 
 
 def default_max_batched_tokens(device: str) -> int:
@@ -451,7 +454,7 @@ FLAGS: tuple[Flag, ...] = (
         "decode, with --local-prefill share: the jobs the least loaded prefill engine must have in flight (this "
         "decode engine's, and the others' as it reports them) before decode computes a prompt itself; a lower value "
         "takes prompts from prefill sooner, at the cost of steps of the requests decode is running",
-        4,
+        DEFAULT_LOCAL_PREFILL_QUEUE,
         roles=("decode",),
         metavar="JOBS",
     ),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from shared.config.flags import (
+    DEFAULT_LOCAL_PREFILL_QUEUE,
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_PORTS,
     DEFAULT_READ_TIMEOUT_SECONDS,
@@ -103,7 +104,9 @@ class ServiceSettings:
     # decode only: compute prompts here when no prefill is ready (share: also while prefill is busy)
     local_prefill: Literal["fallback", "share", "off"] = "fallback"
     local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
-    local_prefill_queue: int = 4  # decode only, share: the prefill engine's jobs in flight before decode takes one
+    local_prefill_queue: int = (
+        DEFAULT_LOCAL_PREFILL_QUEUE  # decode only, share: the prefill engine's jobs in flight before decode takes one
+    )
     decode_threads: int = 1  # decode only, paged engine: threads a step's tiles run on
     prefill_threads: int = 1  # prefill only, paged engine: threads a batched step's chunks run on
     served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model

@@ -53,8 +53,11 @@ async def replies(stub: pb_grpc.DecodeServiceAsyncStub, request: pb.GenerateRequ
 
 
 async def burst_while_prefill_is_held(prefill: PrefillApp, decode: DecodeApp) -> list[tuple[list[bytes], bool]]:
-    """The first request's job holds prefill (its compute thread is held), then the others come."""
+    """The first request's job holds prefill (its compute thread is held); the second is sent
+    once that job is in flight and placed before the others come, so where each of the first
+    two goes does not depend on the order the server takes concurrent calls in."""
     peer = decode.servicer.generation.peers.peers[0]
+    placed = lambda: peer.load.jobs + local_prefills(decode, "prefill_busy")  # noqa: E731
     gate = threading.Event()
     held = prefill.host.submit_compute(lambda: gate.wait(60))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
@@ -62,8 +65,10 @@ async def burst_while_prefill_is_held(prefill: PrefillApp, decode: DecodeApp) ->
         try:
             calls = [asyncio.ensure_future(replies(stub, BURST[0]))]
             await until(lambda: peer.load.jobs == 1, "the first job to be in flight on prefill", timeout=60)
-            calls += [asyncio.ensure_future(replies(stub, r)) for r in BURST[1:]]
-            await until(lambda: peer.load.jobs + decode.servicer.generation.local.prompts_here >= 2, "the burst", timeout=60)
+            calls.append(asyncio.ensure_future(replies(stub, BURST[1])))
+            await until(lambda: placed() == 2, "the second request to be placed", timeout=60)
+            calls += [asyncio.ensure_future(replies(stub, r)) for r in BURST[2:]]
+            await until(lambda: placed() >= 3, "the burst", timeout=60)
         finally:
             gate.set()
         await held

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from decode_svc.local_prefill import DEFAULT_SHARE_QUEUE, shares_load
-from shared.config import build_parser, parse_settings
+from decode_svc.local_prefill import shares_load
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, build_parser, parse_settings
 
 
 def test_a_trickle_stays_on_prefill() -> None:
-    for jobs in range(DEFAULT_SHARE_QUEUE):
-        assert not shares_load(jobs, 0, DEFAULT_SHARE_QUEUE)
-    assert shares_load(DEFAULT_SHARE_QUEUE, 0, DEFAULT_SHARE_QUEUE)
+    for jobs in range(DEFAULT_LOCAL_PREFILL_QUEUE):
+        assert not shares_load(jobs, 0, DEFAULT_LOCAL_PREFILL_QUEUE)
+    assert shares_load(DEFAULT_LOCAL_PREFILL_QUEUE, 0, DEFAULT_LOCAL_PREFILL_QUEUE)
 
 
 def test_decode_never_holds_more_prompts_than_the_prefill_it_relieves() -> None:
@@ -37,7 +37,7 @@ def test_a_burst_splits_about_evenly() -> None:
 
 def test_the_flags() -> None:
     default = parse_settings("decode", [], environ={})
-    assert (default.local_prefill, default.local_prefill_queue) == ("fallback", DEFAULT_SHARE_QUEUE)
+    assert (default.local_prefill, default.local_prefill_queue) == ("fallback", DEFAULT_LOCAL_PREFILL_QUEUE)
     shared = parse_settings("decode", ["--local-prefill", "share", "--local-prefill-queue", "2"], environ={})
     assert (shared.local_prefill, shared.local_prefill_queue) == ("share", 2)
     env = {"HYBRID_PD_LOCAL_PREFILL": "share", "HYBRID_PD_LOCAL_PREFILL_QUEUE": "7"}
