@@ -293,6 +293,8 @@ class Generation:
                 async for response in stage:
                     yield response
         finally:
+            if adm.peer is not None:
+                adm.peer.unroute(req.request_id)
             io.compute.free_when_idle(req.request_id, io.reads, adm.reused.hit)
             self.reuse.release_state(adm.reused)
 
@@ -311,6 +313,8 @@ class Generation:
                 )
             except BaseException:
                 self.reuse.release(reused)
+                if peer is not None:
+                    peer.unroute(req.request_id)
                 raise
             return Admitted(peer, reused, here, local)
         try:
@@ -367,7 +371,11 @@ class Generation:
                     f"prefill {adm.peer.name} was lost while this request waited for blocks", reason="PEER_UNAVAILABLE"
                 )
         elif adm.peer is None or not adm.peer.ready:
+            if adm.peer is not None:
+                adm.peer.unroute(req.request_id)
             adm.peer, adm.here = self._pick_or_here(req, adm.reused)
+            if adm.peer is not None:
+                adm.peer.route(req.request_id)
 
     async def _transfer(
         self, req: RequestContext, adm: Admitted, io: RequestIo, moved: Moved
@@ -500,6 +508,7 @@ class Generation:
         if not reused.hit.entries and reused.state is None and self.local.shares(peer.link, peer.load.jobs):
             self.reuse.release(reused)
             return self._here(req, "prefill_busy")
+        peer.route(req.request_id)
         return peer, reused, None
 
     def _here(self, req: RequestContext, reason: Reason) -> tuple[None, Reused, Reason]:
@@ -551,6 +560,7 @@ class Generation:
             parts.arrived(part, self._read_part(req, link, part, blocks, compute, reads))
 
         parts.on_failure = functools.partial(session.fail_waiting, req.request_id)  # a failed part ends the wait
+        peer.unroute(req.request_id)  # the session counts the job from here on (submit registers it at once)
         manifest = await session.submit(
             req.request_id,
             req.prompt,

@@ -91,6 +91,10 @@ class PrefillPeer:
         # The link of the last READY session, kept once it is lost (then closed: no NIXL through it).
         self.last_link: PeerLink | None = None
         self.session: SessionClient | None = None
+        # Requests picked for this peer whose job is not on its session yet (they wait for
+        # blocks, or their job task has not run): counted in `load`, so that a burst picked
+        # before any of its jobs is sent sees the jobs ahead of it.
+        self._routed: set[str] = set()
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -111,11 +115,21 @@ class PrefillPeer:
 
     @property
     def load(self) -> PeerLoad:
-        """This decode engine's requests on the peer right now, with the peer's latest report."""
+        """This decode engine's requests on the peer right now (routed to it or on its session),
+        with the peer's latest report."""
         s, link = self.session, self.link
         if s is None or link is None:
             return peer_load(0, None, 1)
-        return peer_load(s.in_flight, s.load, link.remote.num_logical_blocks)
+        return peer_load(s.in_flight + len(self._routed), s.load, link.remote.num_logical_blocks)
+
+    def route(self, request_id: str) -> None:
+        """The request was picked for this peer: it counts in `load` until `unroute`."""
+        self._routed.add(request_id)
+
+    def unroute(self, request_id: str) -> None:
+        """Its job goes on the session now (which counts it from then on), or it will not come
+        (it ended, or another peer takes it). Idempotent."""
+        self._routed.discard(request_id)
 
     @property
     def busy(self) -> bool:
