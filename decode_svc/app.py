@@ -72,7 +72,7 @@ class DecodeApp:
             prefix_cache_states=prefix_states,
             local_prefill=settings.local_prefill,
             local_prefill_below=settings.local_prefill_below,
-            local_prefill_queue=settings.local_prefill_queue,
+            local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
             stream_interval=settings.stream_interval,
             max_batched_tokens=settings.max_batched_tokens,
         )

@@ -84,7 +84,7 @@ from decode_svc.responses import ClientStream, Transfer, client_stream, prompt_r
 from decode_svc.reuse import NO_FORKS, DecodeReuse, ForkFirsts, ReadTarget, Reused, Steps
 from decode_svc.session_client import SessionClient
 from shared.cache.manifest import Manifest
-from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.protocol import RequestBlocks
 from shared.engine.timed import timed
@@ -217,7 +217,7 @@ class Generation:
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
-        local_prefill_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE,
+        local_prefill_queue_tokens: int = DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.host = host
@@ -234,7 +234,7 @@ class Generation:
         self.step_loop = StepLoop(host.engine, host.submit_compute)
         self.step_loop.observer = observer
         self.local = LocalPrefill(
-            host, self.checks, local_prefill, local_prefill_below, observer, max_batched_tokens, local_prefill_queue
+            host, self.checks, local_prefill, local_prefill_below, observer, max_batched_tokens, local_prefill_queue_tokens
         )
 
     async def aclose(self) -> None:
@@ -375,7 +375,7 @@ class Generation:
                 adm.peer.unroute(req.request_id)
             adm.peer, adm.here = self._pick_or_here(req, adm.reused)
             if adm.peer is not None:
-                adm.peer.route(req.request_id)
+                self._route(adm.peer, req, adm.reused)
 
     async def _transfer(
         self, req: RequestContext, adm: Admitted, io: RequestIo, moved: Moved
@@ -505,15 +505,20 @@ class Generation:
         assert peer.link is not None
         check_fits_prefill(self.host, peer.link, req)
         reused = self.reuse.lookup(peer.link, req)
-        if not reused.hit.entries and reused.state is None and self.local.shares(peer.link, peer.load.jobs):
+        if not reused.hit.entries and reused.state is None and self.local.shares(peer.link, peer.queued_tokens):
             self.reuse.release(reused)
             return self._here(req, "prefill_busy")
-        peer.route(req.request_id)
+        self._route(peer, req, reused)
         return peer, reused, None
+
+    def _route(self, peer: PrefillPeer, req: RequestContext, reused: Reused) -> None:
+        """The request goes to `peer`: its job counts in the peer's load from now on."""
+        assert peer.link is not None
+        peer.route(req.request_id, len(req.prompt) - self.reuse.announced(reused, peer.link))
 
     def _here(self, req: RequestContext, reason: Reason) -> tuple[None, Reused, Reason]:
         """Decode's own engine computes the prompt (counted by `share` until it has)."""
-        self.local.claim(req.request_id)
+        self.local.claim(req.request_id, len(req.prompt))
         return None, Reused(), reason
 
     def _pick_or_here(self, req: RequestContext, reused: Reused) -> tuple[PrefillPeer | None, Reason | None]:
@@ -525,7 +530,7 @@ class Generation:
         except (Unavailable, FailedPrecondition):
             if not self.local.falls_back or reused.hit.entries:
                 raise
-            self.local.claim(req.request_id)
+            self.local.claim(req.request_id, len(req.prompt))
             return None, "no_prefill_ready"
 
     async def _submit(

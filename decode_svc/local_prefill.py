@@ -5,8 +5,9 @@ request is prefilled by decode's own engine on its compute thread instead of fai
 UNAVAILABLE, so losing every prefill engine is a slowdown, not an outage (`fallback`, the
 default; `off` keeps the failure). Prompts shorter than --local-prefill-below tokens are always
 computed here: moving their state would cost more than computing it. With `share`, decode also
-takes a prompt while the least loaded prefill engine is busy (`shares_load`): at the start of a
-burst decode has nothing to step while prefill would queue the whole burst on its own cores.
+takes a prompt while the least loaded prefill engine has a long queue of prompt tokens
+(`shares_load`): at the start of a burst of long prompts decode has little to step while prefill
+would queue the whole burst on its own cores.
 The request then decodes in the step loop like any other. Its bits are the colocated run's with
 decode's own engine settings (a prefill engine computing in chunks may round a long prompt
 differently), so `share` takes a prompt only from a prefill engine that computes it as decode
@@ -35,7 +36,7 @@ from decode_svc.request import RequestContext
 from decode_svc.responses import ComputedHere, client_stream, prompt_response, summary
 from decode_svc.reuse import Steps
 from decode_svc.state_checkpoints import Compute
-from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_MAX_BATCHED_TOKENS
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS, DEFAULT_MAX_BATCHED_TOKENS
 from shared.engine.first_logprobs import Prefilled, prefill_with_logprobs, prefilled, start_scoring
 from shared.engine.prefill_chunks import chunk_ends
 from shared.engine.protocol import BatchedPrefill, ChunkedPrefill, RequestBlocks
@@ -49,13 +50,13 @@ LocalPrefillMode = Literal["fallback", "share", "off"]
 Reason = Literal["no_prefill_ready", "short_prompt", "prefill_busy"]
 
 
-def shares_load(peer_jobs: int, prompts_here: int, queue: int) -> bool:
+def shares_load(peer_tokens: int, tokens_here: int, queue_tokens: int) -> bool:
     """Whether decode computes the next prompt itself instead of adding it to a prefill engine
-    with `peer_jobs` in flight: only once that engine has at least `queue` (a trickle of
-    arrivals stays on prefill, whose cores are otherwise idle, and decode's steps stay
-    undisturbed), and only while decode computes fewer prompts itself than that engine holds (so a
-    burst splits about evenly between the two)."""
-    return peer_jobs >= queue and prompts_here < peer_jobs
+    with `peer_tokens` prompt tokens queued: only once that engine has at least `queue_tokens`
+    (a trickle of arrivals, or a queue of short prompts, stays on prefill, whose cores are
+    otherwise idle, and decode's steps stay undisturbed), and only while decode has fewer prompt
+    tokens to compute itself than that engine (so a burst splits about evenly between the two)."""
+    return peer_tokens >= queue_tokens and tokens_here < peer_tokens
 
 
 class LocalPrefill:
@@ -67,15 +68,15 @@ class LocalPrefill:
         below: int,
         observer: Observer,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-        share_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE,
+        share_queue_tokens: int = DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
     ) -> None:
         self.host = host
         self.checks = checks
         self.mode = mode
         self.below = below  # prompts of fewer tokens are always computed here (0: none)
-        self.share_queue = share_queue  # `share`: the prefill engine's jobs before decode takes one
+        self.share_queue_tokens = share_queue_tokens  # `share`: the prefill engine's queued tokens before decode takes one
         self.observer = observer
-        self._computing: set[str] = set()  # requests sent here whose prompt is not computed yet
+        self._computing: dict[str, int] = {}  # requests sent here whose prompt is not computed yet: its tokens
         engine = host.engine
         self.steps: PrefillLoop | None = None  # None: the engine prefills one prompt per call
         if isinstance(engine, BatchedPrefill) and isinstance(engine, ChunkedPrefill):
@@ -94,27 +95,32 @@ class LocalPrefill:
     def short(self, prompt_len: int) -> bool:
         return prompt_len < self.below
 
-    def shares(self, link: PeerLink, peer_jobs: int) -> bool:
-        """Whether a prompt `link`'s prefill engine would compute with `peer_jobs` in flight is
-        computed here instead (`share`): only where its bits are the same here."""
+    def shares(self, link: PeerLink, peer_tokens: int) -> bool:
+        """Whether a prompt `link`'s prefill engine would compute behind `peer_tokens` queued
+        prompt tokens is computed here instead (`share`): only where its bits are the same here."""
         if self.mode != "share":
             return False
         remote, own = link.remote, self.host.message
         same_bits = remote.tp_size == own.tp_size and remote.prefill_chunk_tokens == own.prefill_chunk_tokens
-        return same_bits and shares_load(peer_jobs, self.prompts_here, self.share_queue)
+        return same_bits and shares_load(peer_tokens, self.tokens_here, self.share_queue_tokens)
 
     @property
     def prompts_here(self) -> int:
         """Requests sent to decode's own engine whose prompt is not computed yet."""
         return len(self._computing)
 
-    def claim(self, request_id: str) -> None:
-        """The request's prompt will be computed here: it counts against `share` until `done`."""
-        self._computing.add(request_id)
+    @property
+    def tokens_here(self) -> int:
+        """The prompt tokens of those requests."""
+        return sum(self._computing.values())
+
+    def claim(self, request_id: str, tokens: int) -> None:
+        """The request's prompt of `tokens` will be computed here: it counts against `share` until `done`."""
+        self._computing[request_id] = tokens
 
     def done(self, request_id: str) -> None:
         """Its prompt is computed, or it ended before (idempotent)."""
-        self._computing.discard(request_id)
+        self._computing.pop(request_id, None)
 
     async def run(
         self, req: RequestContext, local: RequestBlocks, compute: Compute, steps: Steps, reason: Reason

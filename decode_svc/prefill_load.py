@@ -21,10 +21,11 @@ UNKNOWN_PINNED_SHARE = 2.0  # above any real share (at most 1.0): a peer that ne
 class LoadReport:
     pinned_blocks: int
     other_jobs: int
+    other_prompt_tokens: int = 0  # the prompt tokens those jobs compute (0 from an older prefill)
 
 
 def report_from_message(msg: pb.PrefillLoad) -> LoadReport:
-    return LoadReport(pinned_blocks=msg.pinned_blocks, other_jobs=msg.other_jobs)
+    return LoadReport(pinned_blocks=msg.pinned_blocks, other_jobs=msg.other_jobs, other_prompt_tokens=msg.other_prompt_tokens)
 
 
 @dataclass(frozen=True, order=True)

@@ -94,7 +94,7 @@ class PrefillPeer:
         # Requests picked for this peer whose job is not on its session yet (they wait for
         # blocks, or their job task has not run): counted in `load`, so that a burst picked
         # before any of its jobs is sent sees the jobs ahead of it.
-        self._routed: set[str] = set()
+        self._routed: dict[str, int] = {}  # request id: the prompt tokens its job will compute
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -122,14 +122,25 @@ class PrefillPeer:
             return peer_load(0, None, 1)
         return peer_load(s.in_flight + len(self._routed), s.load, link.remote.num_logical_blocks)
 
-    def route(self, request_id: str) -> None:
-        """The request was picked for this peer: it counts in `load` until `unroute`."""
-        self._routed.add(request_id)
+    @property
+    def queued_tokens(self) -> int:
+        """The prompt tokens a new job would wait behind here: this engine's jobs waiting for a
+        manifest or routed here, and the other decode engines' as last reported."""
+        s = self.session
+        if s is None:
+            return 0
+        others = s.load.other_prompt_tokens if s.load is not None else 0
+        return s.queued_tokens + sum(self._routed.values()) + others
+
+    def route(self, request_id: str, tokens: int) -> None:
+        """The request was picked for this peer, its job to compute `tokens` prompt tokens: it
+        counts in `load` and `queued_tokens` until `unroute`."""
+        self._routed[request_id] = tokens
 
     def unroute(self, request_id: str) -> None:
         """Its job goes on the session now (which counts it from then on), or it will not come
         (it ended, or another peer takes it). Idempotent."""
-        self._routed.discard(request_id)
+        self._routed.pop(request_id, None)
 
     @property
     def busy(self) -> bool:

@@ -24,7 +24,7 @@ from decode_svc.learned_peers import LearnedPeers
 from decode_svc.local_prefill import LocalPrefillMode
 from decode_svc.prefill_peer import PrefillPeers
 from decode_svc.request import validate
-from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_READ_TIMEOUT_SECONDS
 from shared.errors import ServiceError
 from shared.logs import context as log_context
 from shared.observe import ERROR_MESSAGE, FAILURE_REASON, STATUS, TOKENS, TRANSFER_BYTES, TRANSFER_READS, Observer, Stage
@@ -65,7 +65,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         prefix_cache_states: int = 0,
         local_prefill: LocalPrefillMode = "fallback",
         local_prefill_below: int = 0,
-        local_prefill_queue: int = DEFAULT_LOCAL_PREFILL_QUEUE,
+        local_prefill_queue_tokens: int = DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
         stream_interval: int = 1,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
@@ -87,7 +87,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             prefix_cache_states=prefix_cache_states,
             local_prefill=local_prefill,
             local_prefill_below=local_prefill_below,
-            local_prefill_queue=local_prefill_queue,
+            local_prefill_queue_tokens=local_prefill_queue_tokens,
             max_batched_tokens=max_batched_tokens,
         )
 

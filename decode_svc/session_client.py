@@ -68,6 +68,7 @@ class SessionClient:
         self.ready: pb.SessionReady | None = None
         self.draining = False
         self.load: LoadReport | None = None  # the prefill's latest report (None: it never sent one)
+        self.queued_tokens = 0  # the prompt tokens of this engine's jobs waiting for their manifest
         self.closed = asyncio.Event()
         self.close_reason = ""
         self._call: grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse] | None = None
@@ -156,15 +157,16 @@ class SessionClient:
         if timeout is not None:
             job.timeout.CopyFrom(duration(timeout))
         spans.inject(job.trace_context)  # prefill's job span joins this request's trace
-        if on_part is None and on_first_token is None:
-            return await self._ask(request_id, pb.SessionRequest(job=job))
         if on_part is not None:
             self._part_sinks[request_id] = on_part
         if on_first_token is not None:
             self._token_sinks[request_id] = on_first_token
+        tokens = max(0, len(job.prompt_token_ids) - cached_tokens)
+        self.queued_tokens += tokens
         try:
             return await self._ask(request_id, pb.SessionRequest(job=job))
         finally:
+            self.queued_tokens -= tokens
             self._part_sinks.pop(request_id, None)
             self._token_sinks.pop(request_id, None)
 

@@ -293,10 +293,10 @@ class PrefillSession:
         if earlier is not None and earlier.outcome is not None:
             work = self._after_pin(earlier.outcome, job, work)
         task = self._jobs[rid] = asyncio.ensure_future(work)
-        owner = self.owner
-        self.load.job_started(owner)
+        owner, tokens = self.owner, max(0, len(job.prompt_token_ids) - job.cached_prompt_tokens)
+        self.load.job_started(owner, tokens)
         # A callback, not the job's `finally`: a job cancelled before it first ran is counted out too.
-        task.add_done_callback(lambda _: self.load.job_ended(owner))
+        task.add_done_callback(lambda _: self.load.job_ended(owner, tokens))
 
     def _already_in_flight(self, rid: str) -> None:
         self._out.put_nowait(_failure(rid, AlreadyExists("is already in flight on this session", field="job.request_id")))

@@ -7,7 +7,7 @@ settings.py  ServiceSettings and how flags, environment and defaults resolve int
 """
 
 from shared.config.flags import (
-    DEFAULT_LOCAL_PREFILL_QUEUE,
+    DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_READ_TIMEOUT_SECONDS,
     ENV_PREFIX,
@@ -20,7 +20,7 @@ from shared.config.settings import ServiceSettings, SettingsError, TlsSettings, 
 from shared.config.values import boolean, existing_file, host_port, split_advertised
 
 __all__ = [
-    "DEFAULT_LOCAL_PREFILL_QUEUE",
+    "DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS",
     "DEFAULT_MAX_BATCHED_TOKENS",
     "DEFAULT_READ_TIMEOUT_SECONDS",
     "ENV_PREFIX",

@@ -43,9 +43,11 @@ DEFAULT_PREFILL_THREADS = 1
 # default, where a caller passes no budget (tests, library use), is the accelerator's.
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_BATCHED_TOKENS = 256
-# --local-prefill share: the jobs in flight on the least loaded prefill engine before decode
-# computes a prompt itself (decode_svc/local_prefill.py `shares_load`).
-DEFAULT_LOCAL_PREFILL_QUEUE = 4
+# --local-prefill share: the prompt tokens queued on the least loaded prefill engine before
+# decode computes a prompt itself (decode_svc/local_prefill.py `shares_load`): four 2k prompts, or
+# 64 of 128 tokens. Work, not jobs: a queue of short prompts clears in a few prefill steps, and
+# taking them would only slow the steps of the requests decode runs.
+DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS = 8192
 
 
 def default_max_batched_tokens(device: str) -> int:
@@ -430,8 +432,8 @@ FLAGS: tuple[Flag, ...] = (
         "ready (all restarting or unreachable, or none given with --prefill), so losing every prefill engine "
         "slows requests down instead of failing them UNAVAILABLE; readiness waits for a first prefill peer at "
         "start, then stays SERVING. share: as fallback, and decode also computes a prompt itself while the least "
-        "loaded prefill engine has --local-prefill-queue jobs or more in flight and more than decode is computing "
-        "itself (a burst of arrivals splits between the two instead of queueing on prefill); only prompts that "
+        "loaded prefill engine has --local-prefill-queue-tokens prompt tokens or more queued and more than decode is "
+        "computing itself (a burst of long prompts splits between the two instead of queueing on prefill); only prompts that "
         "prefill engine would compute with the same bits (same TP size and --prefill-chunk-tokens) and that hit "
         "neither of decode's caches. off: such requests fail UNAVAILABLE and readiness follows the prefill peers. "
         "Counted in hybrid_pd_local_prefills_total by reason; a P/D decode leg (kv_transfer_params) never falls back",
@@ -449,14 +451,15 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
     ),
     Flag(
-        "local-prefill-queue",
+        "local-prefill-queue-tokens",
         positive_int,
-        "decode, with --local-prefill share: the jobs the least loaded prefill engine must have in flight (this "
-        "decode engine's, and the others' as it reports them) before decode computes a prompt itself; a lower value "
-        "takes prompts from prefill sooner, at the cost of steps of the requests decode is running",
-        DEFAULT_LOCAL_PREFILL_QUEUE,
+        "decode, with --local-prefill share: the prompt tokens the least loaded prefill engine must have queued "
+        "(its jobs not computed yet: this decode engine's, and the others' as it reports them) before decode "
+        "computes a prompt itself; a lower value takes prompts from prefill sooner, at the cost of steps of the "
+        "requests decode is running",
+        DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
         roles=("decode",),
-        metavar="JOBS",
+        metavar="TOKENS",
     ),
     Flag(
         "discovery-seconds",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from shared.config.flags import (
-    DEFAULT_LOCAL_PREFILL_QUEUE,
+    DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS,
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_PORTS,
     DEFAULT_READ_TIMEOUT_SECONDS,
@@ -104,9 +104,8 @@ class ServiceSettings:
     # decode only: compute prompts here when no prefill is ready (share: also while prefill is busy)
     local_prefill: Literal["fallback", "share", "off"] = "fallback"
     local_prefill_below: int = 0  # decode only: prompts of fewer tokens are always computed here
-    local_prefill_queue: int = (
-        DEFAULT_LOCAL_PREFILL_QUEUE  # decode only, share: the prefill engine's jobs in flight before decode takes one
-    )
+    # decode only, share: the prompt tokens queued on the prefill engine before decode takes one
+    local_prefill_queue_tokens: int = DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS
     decode_threads: int = 1  # decode only, paged engine: threads a step's tiles run on
     prefill_threads: int = 1  # prefill only, paged engine: threads a batched step's chunks run on
     served_model_names: tuple[str, ...] = ()  # HTTP `model` names; the first is listed. (): --model
@@ -355,7 +354,7 @@ def settings_from(role: Role, args: argparse.Namespace, environ: Mapping[str, st
         prefix_cache_states=_prefix_cache_states(values),
         local_prefill=_local_prefill(values),
         local_prefill_below=_own(values, "local_prefill_below", int),
-        local_prefill_queue=_own(values, "local_prefill_queue", int),
+        local_prefill_queue_tokens=_own(values, "local_prefill_queue_tokens", int),
         decode_threads=_own(values, "decode_threads", int),
         prefill_threads=_own(values, "prefill_threads", int),
         served_model_names=_served_model_names(values),

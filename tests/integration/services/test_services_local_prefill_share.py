@@ -22,7 +22,7 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(240)]
 
-SHARE = ("--local-prefill", "share", "--local-prefill-queue", "1")
+SHARE = ("--local-prefill", "share", "--local-prefill-queue-tokens", "1")
 
 
 def prompt_of(n: int, start: int) -> list[int]:
@@ -31,6 +31,11 @@ def prompt_of(n: int, start: int) -> list[int]:
 
 BURST = [
     pb.GenerateRequest(prompt_token_ids=prompt_of(5 + 9 * i, i), max_tokens=5, ignore_eos=True, logprobs=2) for i in range(6)
+]
+# Prompts of one length: the rule (by tokens) splits a burst of them half and half, whatever the
+# order the server takes them in.
+EVEN_BURST = [
+    pb.GenerateRequest(prompt_token_ids=prompt_of(20, 3 * i), max_tokens=5, ignore_eos=True, logprobs=2) for i in range(6)
 ]
 
 
@@ -75,10 +80,10 @@ async def burst_while_prefill_is_held(prefill: PrefillApp, decode: DecodeApp) ->
         return list(await asyncio.gather(*calls))
 
 
-async def alone(decode: DecodeApp) -> list[tuple[list[bytes], bool]]:
+async def alone(decode: DecodeApp, requests: list[pb.GenerateRequest] = BURST) -> list[tuple[list[bytes], bool]]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
-        return [await replies(stub, r) for r in BURST]
+        return [await replies(stub, r) for r in requests]
 
 
 async def test_a_burst_splits_between_prefill_and_decode_with_the_bits_of_prefill_alone(
@@ -101,34 +106,34 @@ async def test_a_burst_splits_between_prefill_and_decode_with_the_bits_of_prefil
 
 async def test_a_burst_placed_before_any_of_its_jobs_is_sent_splits_too(hf_checkpoint: Callable[[str], str]) -> None:
     """Every request of the burst is placed while decode's cache is full, so each waits for
-    blocks before its job goes to prefill: the requests placed on prefill count as its jobs from
-    the moment they are placed, so half the burst is computed on decode (queue 1: prefill, decode,
-    prefill, ...). Counted only once on prefill's session, every request saw prefill idle and
-    none was shared (a burst arriving in one go was never relieved). The bits are still those of
-    each request alone through prefill."""
+    blocks before its job goes to prefill: the requests placed on prefill count in its queue from
+    the moment they are placed, so half the burst is computed on decode (prompts of one length, a
+    queue of 1 token: prefill, decode, prefill, ...). Counted only once on prefill's session,
+    every request saw prefill idle and none was shared (a burst arriving in one go was never
+    relieved). The bits are still those of each request alone through prefill."""
     model = hf_checkpoint("nemotron_h")
     async with hf_pair(model, model, 1, 1, engine="paged", decode_flags=SHARE) as (prefill, decode):
         host, filler = decode.host, "test-fills-the-cache"
         host.take(filler, host.allocator.num_free)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
             stub = pb_grpc.DecodeServiceStub(channel)
-            calls = [asyncio.ensure_future(replies(stub, r)) for r in BURST]
+            calls = [asyncio.ensure_future(replies(stub, r)) for r in EVEN_BURST]
             try:
-                await until(lambda: host.waiting_for_blocks == len(BURST), "the whole burst to wait for blocks", timeout=60)
+                await until(lambda: host.waiting_for_blocks == len(EVEN_BURST), "the whole burst to wait for blocks", timeout=60)
             finally:
                 host.free(filler)
             burst = list(await asyncio.gather(*calls))
         here = [h for _, h in burst]
-        assert sum(here) == len(BURST) // 2, here
+        assert sum(here) == len(EVEN_BURST) // 2, here
         assert local_prefills(decode, "prefill_busy") == sum(here)
-        one_by_one = await alone(decode)
+        one_by_one = await alone(decode, EVEN_BURST)
         assert not any(h for _, h in one_by_one)
         for i, ((got, _), (want, _)) in enumerate(zip(burst, one_by_one, strict=True)):
             assert got == want, f"request {i} (computed {'on decode' if here[i] else 'on prefill'}) differs from alone"
         await until(lambda: decode.host.allocator.num_used == 0, "decode to free every block", timeout=30)
         await until(lambda: prefill.host.allocator.num_used == 0, "prefill to free every block", timeout=30)
         peer = decode.servicer.generation.peers.peers[0]
-        assert peer.load.jobs == 0 and decode.servicer.generation.local.prompts_here == 0
+        assert peer.load.jobs == 0 and peer.queued_tokens == 0 and decode.servicer.generation.local.tokens_here == 0
 
 
 async def test_a_prefill_that_computes_in_other_chunks_is_never_relieved(hf_checkpoint: Callable[[str], str]) -> None:

@@ -7,49 +7,63 @@ from __future__ import annotations
 import pytest
 
 from decode_svc.local_prefill import shares_load
-from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE, build_parser, parse_settings
+from shared.config import DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS, build_parser, parse_settings
 
 
-def test_a_trickle_stays_on_prefill() -> None:
-    for jobs in range(DEFAULT_LOCAL_PREFILL_QUEUE):
-        assert not shares_load(jobs, 0, DEFAULT_LOCAL_PREFILL_QUEUE)
-    assert shares_load(DEFAULT_LOCAL_PREFILL_QUEUE, 0, DEFAULT_LOCAL_PREFILL_QUEUE)
+def test_a_short_queue_stays_on_prefill() -> None:
+    queue = DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS
+    assert not shares_load(queue - 1, 0, queue)
+    assert shares_load(queue, 0, queue)
+    # Work, not jobs: 63 short prompts queued are less than four long ones.
+    assert not shares_load(63 * 128, 0, queue)
+    assert shares_load(4 * 2048, 0, queue)
 
 
-def test_decode_never_holds_more_prompts_than_the_prefill_it_relieves() -> None:
-    assert shares_load(5, 4, 2)
-    assert not shares_load(5, 5, 2)
-    assert not shares_load(5, 9, 2)
+def test_decode_never_holds_more_prompt_tokens_than_the_prefill_it_relieves() -> None:
+    assert shares_load(5000, 4000, 2000)
+    assert not shares_load(5000, 5000, 2000)
+    assert not shares_load(5000, 9000, 2000)
 
 
 def test_a_burst_splits_about_evenly() -> None:
-    """32 arrivals before any prompt is done: each goes where the rule sends it."""
+    """32 arrivals of 2k tokens before any prompt is done: each goes where the rule sends it."""
     prefill, here = 0, 0
     for _ in range(32):
-        if shares_load(prefill, here, 4):
-            here += 1
+        if shares_load(prefill, here, DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS):
+            here += 2048
         else:
-            prefill += 1
-    assert (prefill, here) == (16, 16)
+            prefill += 2048
+    assert (prefill // 2048, here // 2048) == (16, 16)
     # The negative control: with the threshold out of reach nothing is shared.
-    assert not any(shares_load(jobs, 0, 33) for jobs in range(33))
+    assert not any(shares_load(tokens, 0, 33 * 2048) for tokens in range(0, 33 * 2048, 2048))
+
+
+def test_a_burst_of_short_prompts_stays_on_prefill() -> None:
+    """64 arrivals of 128 tokens: the queue never reaches the default, so decode takes none."""
+    prefill, here = 0, 0
+    for _ in range(64):
+        if shares_load(prefill, here, DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS):
+            here += 128
+        else:
+            prefill += 128
+    assert here == 0
 
 
 def test_the_flags() -> None:
     default = parse_settings("decode", [], environ={})
-    assert (default.local_prefill, default.local_prefill_queue) == ("fallback", DEFAULT_LOCAL_PREFILL_QUEUE)
-    shared = parse_settings("decode", ["--local-prefill", "share", "--local-prefill-queue", "2"], environ={})
-    assert (shared.local_prefill, shared.local_prefill_queue) == ("share", 2)
-    env = {"HYBRID_PD_LOCAL_PREFILL": "share", "HYBRID_PD_LOCAL_PREFILL_QUEUE": "7"}
+    assert (default.local_prefill, default.local_prefill_queue_tokens) == ("fallback", DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS)
+    shared = parse_settings("decode", ["--local-prefill", "share", "--local-prefill-queue-tokens", "2"], environ={})
+    assert (shared.local_prefill, shared.local_prefill_queue_tokens) == ("share", 2)
+    env = {"HYBRID_PD_LOCAL_PREFILL": "share", "HYBRID_PD_LOCAL_PREFILL_QUEUE_TOKENS": "7"}
     from_env = parse_settings("decode", [], environ=env)
-    assert (from_env.local_prefill, from_env.local_prefill_queue) == ("share", 7)
+    assert (from_env.local_prefill, from_env.local_prefill_queue_tokens) == ("share", 7)
     assert "share" in build_parser("decode").format_help()
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--local-prefill-queue", "0"], "--local-prefill-queue = '0': must be >= 1"),
+        (["--local-prefill-queue-tokens", "0"], "--local-prefill-queue-tokens = '0': must be >= 1"),
         (["--local-prefill", "always"], "--local-prefill = 'always': must be one of fallback, share, off"),
     ],
 )
@@ -59,5 +73,5 @@ def test_bad_values_are_refused_naming_the_flag(argv: list[str], needle: str, ca
     assert stopped.value.code == 2
     assert needle in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_settings("prefill", ["--local-prefill-queue", "2"], environ={})
-    assert "--local-prefill-queue is a decode-svc flag" in capsys.readouterr().err
+        parse_settings("prefill", ["--local-prefill-queue-tokens", "2"], environ={})
+    assert "--local-prefill-queue-tokens is a decode-svc flag" in capsys.readouterr().err

@@ -1,13 +1,14 @@
 """PeerLoad orders prefill peers (fewest jobs, then smallest pinned share; a peer that never
-reported loses ties); which failures before the manifest are retried elsewhere, and under which
+reported loses ties); what prefill reports of the other sessions' jobs; which failures before the manifest are retried elsewhere, and under which
 label; the TEST-ONLY job failure hook."""
 
 from __future__ import annotations
 
 import pytest
 
-from decode_svc.prefill_load import LoadReport, peer_load
+from decode_svc.prefill_load import LoadReport, peer_load, report_from_message
 from decode_svc.prefill_retry import retry_reason
+from prefill_svc.load import LoadBoard
 from shared.errors import DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from shared.runtime.faults import FaultPlan
 
@@ -57,3 +58,25 @@ def test_the_fail_hook_fails_only_matching_jobs_with_the_status() -> None:
     assert isinstance(FaultPlan(fail="UNAVAILABLE").failure("any"), Unavailable)
     with pytest.raises(ValueError, match="HYBRID_PD_TEST_FAIL"):
         FaultPlan(fail="NOT_A_STATUS").failure("x")
+
+
+class NoPins:
+    """Stand-in for the pin table (no blocks pinned): only the jobs are under test here."""
+
+    def blocks(self) -> int:
+        return 0
+
+
+def test_prefill_reports_the_other_sessions_jobs_and_their_prompt_tokens() -> None:
+    board = LoadBoard(NoPins())
+    board.job_started("decode-a", 2048)
+    board.job_started("decode-a", 128)
+    board.job_started("decode-b", 512)
+    to_a, to_b = board.report("decode-a"), board.report("decode-b")
+    assert (to_a.other_jobs, to_a.other_prompt_tokens) == (1, 512)
+    assert (to_b.other_jobs, to_b.other_prompt_tokens) == (2, 2176)
+    board.job_ended("decode-a", 2048)
+    assert board.report("decode-b").other_prompt_tokens == 128
+    board.job_ended("decode-a", 128)
+    assert (board.jobs(), board.prompt_tokens()) == (1, 512)
+    assert report_from_message(board.report("decode-a")) == LoadReport(pinned_blocks=0, other_jobs=1, other_prompt_tokens=512)

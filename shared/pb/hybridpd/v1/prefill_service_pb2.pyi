@@ -961,6 +961,7 @@ class PrefillLoad(_message.Message):
 
     PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     OTHER_JOBS_FIELD_NUMBER: _builtins.int
+    OTHER_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     pinned_blocks: _builtins.int
     """Cache blocks held by pinned requests of every decode engine (and the unclaimed P/D legs'):
     blocks new jobs cannot use until those are read, released or their lease ends.
@@ -969,15 +970,20 @@ class PrefillLoad(_message.Message):
     """Jobs of the other sessions (other decode engines) computing or waiting for a credit or for
     blocks; this session's own are left out, as decode counts those exactly.
     """
+    other_prompt_tokens: _builtins.int
+    """The prompt tokens those jobs compute (each job's prompt less the prefix decode holds), until
+    each ends: how much work waits ahead of a new job, which decode's --local-prefill share weighs.
+    """
     def __init__(
         self,
         *,
         pinned_blocks: _builtins.int = ...,
         other_jobs: _builtins.int = ...,
+        other_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["other_jobs", b"other_jobs", "pinned_blocks", b"pinned_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["other_jobs", b"other_jobs", "other_prompt_tokens", b"other_prompt_tokens", "pinned_blocks", b"pinned_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
