@@ -25,28 +25,27 @@ def test_decode_never_holds_more_prompt_tokens_than_the_prefill_it_relieves() ->
     assert not shares_load(5000, 9000, 2000)
 
 
-def test_a_burst_splits_about_evenly() -> None:
-    """32 arrivals of 2k tokens before any prompt is done: each goes where the rule sends it."""
+def split(arrivals: int, tokens: int) -> tuple[int, int]:
+    """Prompts of `tokens` arriving before any is done, each placed where the rule sends it at
+    the default queue: how many go to prefill and how many stay on decode."""
     prefill, here = 0, 0
-    for _ in range(32):
-        if shares_load(prefill, here, DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS):
-            here += 2048
+    for _ in range(arrivals):
+        if shares_load(prefill * tokens, here * tokens, DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS):
+            here += 1
         else:
-            prefill += 2048
-    assert (prefill // 2048, here // 2048) == (16, 16)
+            prefill += 1
+    return prefill, here
+
+
+def test_a_burst_of_long_prompts_splits_about_evenly() -> None:
+    assert split(32, 2048) == (16, 16)
     # The negative control: with the threshold out of reach nothing is shared.
     assert not any(shares_load(tokens, 0, 33 * 2048) for tokens in range(0, 33 * 2048, 2048))
 
 
 def test_a_burst_of_short_prompts_stays_on_prefill() -> None:
-    """64 arrivals of 128 tokens: the queue never reaches the default, so decode takes none."""
-    prefill, here = 0, 0
-    for _ in range(64):
-        if shares_load(prefill, here, DEFAULT_LOCAL_PREFILL_QUEUE_TOKENS):
-            here += 128
-        else:
-            prefill += 128
-    assert here == 0
+    """64 prompts of 128 tokens never make the default queue: decode takes none."""
+    assert split(64, 128) == (64, 0)
 
 
 def test_the_flags() -> None:
