@@ -105,13 +105,9 @@ class LocalPrefill:
         return same_bits and shares_load(peer_tokens, self.tokens_here, self.share_queue_tokens)
 
     @property
-    def prompts_here(self) -> int:
-        """Requests sent to decode's own engine whose prompt is not computed yet."""
-        return len(self._computing)
-
-    @property
     def tokens_here(self) -> int:
-        """The prompt tokens of those requests."""
+        """The prompt tokens of the requests sent to decode's own engine whose prompt is not
+        computed yet."""
         return sum(self._computing.values())
 
     def claim(self, request_id: str, tokens: int) -> None:

@@ -101,7 +101,7 @@ async def test_a_burst_splits_between_prefill_and_decode_with_the_bits_of_prefil
             assert got == want, f"request {i} (computed {'on decode' if here[i] else 'on prefill'}) differs from alone"
         await until(lambda: decode.host.allocator.num_used == 0, "decode to free every block", timeout=30)
         await until(lambda: prefill.host.allocator.num_used == 0, "prefill to free every block", timeout=30)
-        assert decode.servicer.generation.local.prompts_here == 0
+        assert decode.servicer.generation.local.tokens_here == 0
 
 
 async def test_a_burst_placed_before_any_of_its_jobs_is_sent_splits_too(hf_checkpoint: Callable[[str], str]) -> None:
